@@ -1,0 +1,117 @@
+"""Signed DHT records: encoding, signing and validation (pure: no I/O, no trio, no libp2p).
+
+A record is one writer's entry under a key: `(key, subkey, value, expiry)` signed with the
+writer's Ed25519 key. Keys are multi-writer: the subkey is always the writer's peer id, so a
+peer can write only its own entry and nobody can overwrite or delete someone else's. Every
+node runs `validate` on what it stores, what it returns and what it receives, so a record
+that fails here never reaches application code, whichever node it came through.
+
+Wire form (msgpack array): [version, key, subkey, value, expiry, signer_public, signature].
+The signer's key is carried explicitly (not only inside the subkey) so that "valid signature,
+but over someone else's subkey" is told apart from a forged signature in the logs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgpack
+
+from p2ptrain.identity import Identity, peer_id_bytes_from_public, verify
+
+VERSION = 1
+NAMESPACE = "/p2ptrain/"
+MAX_RECORD_BYTES = 64 * 1024
+MAX_KEY_CHARS = 256
+_SIGN_DOMAIN = b"p2ptrain-dht-record-v1"
+
+
+class RecordError(ValueError):
+    """A record failed validation; `reason` is a short stable token for logs and tests."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Record:
+    key: str
+    subkey: bytes
+    value: bytes
+    expiry: float
+    signer: bytes
+    signature: bytes
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            [VERSION, self.key, self.subkey, self.value, self.expiry, self.signer, self.signature],
+            use_bin_type=True,
+        )
+
+    def newer_than(self, other: "Record") -> bool:
+        """Versioning within one (key, subkey): the later expiry wins; ties break on the
+        signature bytes so every node picks the same record."""
+        return (self.expiry, self.signature) > (other.expiry, other.signature)
+
+
+def signing_payload(key: str, subkey: bytes, value: bytes, expiry: float) -> bytes:
+    return msgpack.packb([_SIGN_DOMAIN, key, subkey, value, float(expiry)], use_bin_type=True)
+
+
+def check_key(key: object) -> str:
+    if not isinstance(key, str) or not key.startswith(NAMESPACE) or len(key) > MAX_KEY_CHARS:
+        raise RecordError("bad-key", f"keys are strings under {NAMESPACE!r}, <= {MAX_KEY_CHARS} chars")
+    return key
+
+
+def make_record(identity: Identity, key: str, value: bytes, expiry: float) -> Record:
+    check_key(key)
+    subkey = identity.peer_id
+    sig = identity.sign(signing_payload(key, subkey, value, expiry))
+    rec = Record(key, subkey, bytes(value), float(expiry), identity.public, sig)
+    if len(rec.encode()) > MAX_RECORD_BYTES:
+        raise RecordError("oversize", f"record is over {MAX_RECORD_BYTES} bytes")
+    return rec
+
+
+def decode(data: bytes) -> Record:
+    """Parse a record's wire form, enforcing the size limit before touching msgpack."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise RecordError("oversize", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
+    try:
+        obj = msgpack.unpackb(
+            data, raw=False, strict_map_key=True, max_bin_len=MAX_RECORD_BYTES,
+            max_str_len=MAX_KEY_CHARS * 4, max_array_len=16, max_map_len=0,
+        )
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise RecordError("malformed", f"{type(exc).__name__}") from None
+    if not (isinstance(obj, list) and len(obj) == 7 and obj[0] == VERSION):
+        raise RecordError("malformed", "expected [version, key, subkey, value, expiry, signer, sig]")
+    _, key, subkey, value, expiry, signer, sig = obj
+    if not (isinstance(subkey, bytes) and isinstance(value, bytes) and isinstance(signer, bytes)
+            and isinstance(sig, bytes) and isinstance(expiry, float)):
+        raise RecordError("malformed", "wrong field types")
+    return Record(check_key(key), subkey, value, expiry, signer, sig)
+
+
+def validate(rec: Record, now: float, max_ttl: float, max_skew: float) -> Record:
+    """Raise RecordError unless `rec` is signed by the owner of its subkey and live at `now`."""
+    check_key(rec.key)
+    if len(rec.signer) != 32 or len(rec.signature) != 64:
+        raise RecordError("bad-signature", "wrong key or signature length")
+    if not verify(rec.signer, rec.signature, signing_payload(rec.key, rec.subkey, rec.value, rec.expiry)):
+        raise RecordError("bad-signature", "signature does not verify")
+    if rec.subkey != peer_id_bytes_from_public(rec.signer):
+        raise RecordError("foreign-subkey", "the signer does not own this subkey")
+    if not math.isfinite(rec.expiry) or rec.expiry <= now:
+        raise RecordError("expired", f"expiry {rec.expiry:.3f} <= now {now:.3f}")
+    if rec.expiry > now + max_ttl + max_skew:
+        raise RecordError("far-future", f"expiry {rec.expiry - now:.0f}s ahead > {max_ttl + max_skew:.0f}s")
+    return rec
+
+
+def decode_and_validate(data: bytes, now: float, max_ttl: float, max_skew: float) -> Record:
+    return validate(decode(data), now, max_ttl, max_skew)

@@ -1,0 +1,107 @@
+"""Kademlia routing table: XOR distance over SHA-256 ids, k-buckets (pure logic).
+
+Ids are SHA-256 of a peer id or of a DHT key, so keys and peers share one 256-bit space.
+Buckets prefer long-lived peers (Kademlia's observation that a peer up for an hour is likely
+to stay up): a full bucket keeps its members and parks newcomers in a small replacement
+cache, promoted only when a member fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+ID_BITS = 256
+
+
+def dht_id(data: bytes | str) -> int:
+    if isinstance(data, str):
+        data = data.encode()
+    return int.from_bytes(hashlib.sha256(data).digest(), "big")
+
+
+def distance(a: int, b: int) -> int:
+    return a ^ b
+
+
+@dataclass
+class _Bucket:
+    members: "OrderedDict[bytes, float]" = field(default_factory=OrderedDict)  # least recent first
+    replacements: "OrderedDict[bytes, float]" = field(default_factory=OrderedDict)
+
+
+class RoutingTable:
+    """Peers by bucket index = bit length of (own id XOR peer id) - 1."""
+
+    def __init__(self, local_peer: bytes, bucket_size: int = 20, replacement_size: int = 8) -> None:
+        if bucket_size < 1:
+            raise ValueError("bucket_size must be >= 1")
+        self.local_peer = local_peer
+        self.local_id = dht_id(local_peer)
+        self.bucket_size = bucket_size
+        self.replacement_size = replacement_size
+        self._buckets: dict[int, _Bucket] = {}
+        self._ids: dict[bytes, int] = {}
+
+    def _index(self, peer: bytes) -> int:
+        return distance(self.local_id, dht_id(peer)).bit_length() - 1
+
+    def __contains__(self, peer: bytes) -> bool:
+        return peer in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def peers(self) -> list[bytes]:
+        return list(self._ids)
+
+    def seen(self, peer: bytes, now: float) -> bool:
+        """Record that `peer` answered or spoke to us. Returns True if it is (now) a member."""
+        if peer == self.local_peer:
+            return False
+        idx = self._index(peer)
+        bucket = self._buckets.setdefault(idx, _Bucket())
+        if peer in bucket.members:
+            bucket.members.move_to_end(peer)
+            bucket.members[peer] = now
+            return True
+        if len(bucket.members) < self.bucket_size:
+            bucket.members[peer] = now
+            self._ids[peer] = dht_id(peer)
+            return True
+        bucket.replacements[peer] = now
+        bucket.replacements.move_to_end(peer)
+        while len(bucket.replacements) > self.replacement_size:
+            bucket.replacements.popitem(last=False)
+        return False
+
+    def failed(self, peer: bytes) -> None:
+        """Drop a peer that did not answer; promote the freshest replacement, if any."""
+        if peer not in self._ids:
+            return
+        bucket = self._buckets[self._index(peer)]
+        del bucket.members[peer]
+        del self._ids[peer]
+        if bucket.replacements:
+            repl, seen_at = bucket.replacements.popitem(last=True)
+            bucket.members[repl] = seen_at
+            self._ids[repl] = dht_id(repl)
+
+    def closest(self, target: int, count: int, exclude: frozenset[bytes] = frozenset()) -> list[bytes]:
+        ranked = sorted(
+            (p for p in self._ids if p not in exclude),
+            key=lambda p: distance(self._ids[p], target),
+        )
+        return ranked[:count]
+
+    def stale_bucket_targets(self, now: float, max_age: float, rng) -> list[int]:
+        """Random ids inside buckets nobody refreshed for `max_age` (for refresh lookups)."""
+        targets = []
+        for idx, bucket in self._buckets.items():
+            if bucket.members and now - max(bucket.members.values()) < max_age:
+                continue
+            # A random id at exactly this bucket's distance from us.
+            offset = (1 << idx) | rng.getrandbits(idx) if idx > 0 else 1
+            targets.append(self.local_id ^ offset)
+        return targets

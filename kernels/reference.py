@@ -1,0 +1,245 @@
+"""Plain-numpy reference of the int8 ring all-reduce kernels, plus the shared wire layout.
+
+Every public function here has the same signature and bit-exact semantics as its numba twin
+in `quant.py`; the numba backend imports the layout helpers and argument checks from this
+module, so both backends agree on sizes and errors by construction. The numpy code favours
+clarity over speed (whole-array temporaries); it is the fallback selected by
+P2PTRAIN_KERNELS=numpy and the oracle of the parity tests.
+
+Wire format of one quantized chunk of n fp32 values with sub-block size `block` (B):
+  q     int8[n]                       values, symmetric in [-127, 127]
+  meta  uint8[2 * n_sup + n_sub]      [bf16 super-scales, little-endian] [uint8 sub-scales]
+with n_sub = ceil(n / B) sub-blocks and n_sup = ceil(n_sub / 16) super-blocks of 16 sub-blocks.
+A super-block's scale S is bf16 (the top 16 bits of an fp32), rounded UP from
+absmax / (127 * 255); each sub-block's step is d = S * m with m = ceil(sub_absmax / (127 * S)),
+clamped to [0, 255]; q = rint(x / d) (round half to even), clamped to [-127, 127].
+The choice of this scheme over plain absmax and INTELLECT-1's lookup table is justified with
+measurements in quant.py's docstring.
+
+Exactness: S has 8 significant bits and m at most 8, so d = S * m is exact in fp32, and
+q * d (7 + 16 bits) is exact as well: dequantization involves no rounding at all, and every
+other step is a single IEEE operation (divide, ceil, rint, one add), which numpy and numba
+both round identically. That is what makes the numba kernels bit-exact with this module.
+
+Edge cases: an all-zero super-block gets S = 0, m = 0, q = 0 (no NaN). A super-block holding
+any inf or NaN is marked with S = NaN (0x7FC0), m = 0, q = 0, so it dequantizes to NaN in
+full and stays NaN through every later hop: the caller, which checks finiteness, sees it.
+Magnitudes below about 1e-35 (where absmax / 32385 is an fp32 subnormal) lose precision and
+below about 2e-41 become 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+DEFAULT_BLOCK = 16
+SUBS_PER_SUPER = 16  # sub-blocks per super-block (one bf16 scale each)
+QMAX = 127
+MMAX = 255
+
+_F32 = np.float32
+_ABS_MASK = np.int32(0x7FFFFFFF)
+_EXP_MASK = np.int32(0x7F800000)  # abs bits >= this: inf or NaN
+_BF16_NAN = 0x7FC0
+
+
+# ----------------------------------------------------------------------------- layout
+def counts(n: int, block: int = DEFAULT_BLOCK) -> tuple[int, int]:
+    """(n_sub, n_sup): number of sub-blocks and super-blocks for n values."""
+    n_sub = -(-n // block)
+    return n_sub, -(-n_sub // SUBS_PER_SUPER)
+
+
+def meta_nbytes(n: int, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of scale metadata for n values: 2 per super-block plus 1 per sub-block."""
+    _check_block(block)
+    n_sub, n_sup = counts(int(n), block)
+    return 2 * n_sup + n_sub
+
+
+def quantized_nbytes(n: int, block: int = DEFAULT_BLOCK) -> int:
+    """Wire bytes of n quantized values: the int8 payload plus all scales."""
+    return int(n) + meta_nbytes(n, block)
+
+
+def split_bounds(n: int, parts: int, block: int = DEFAULT_BLOCK) -> list[int]:
+    """parts + 1 chunk boundaries over [0, n], as even as possible, on super-block multiples
+    (so chunk quantization uses the same blocks as whole-vector quantization)."""
+    if parts < 1:
+        raise ValueError("parts must be >= 1")
+    sup = SUBS_PER_SUPER * block
+    units = -(-n // sup)
+    return [min(n, (i * units // parts) * sup) for i in range(parts + 1)]
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_block(block) -> int:
+    if not isinstance(block, (int, np.integer)) or isinstance(block, bool) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    return int(block)
+
+
+def _arr(a, dtype, name: str, n: int | None = None) -> np.ndarray:
+    if not isinstance(a, np.ndarray) or a.dtype != dtype or a.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D numpy array of {np.dtype(dtype).name}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if n is not None and a.size != n:
+        raise ValueError(f"{name} has {a.size} elements, expected {n}")
+    return a
+
+
+def _out(a, dtype, name: str, n: int) -> np.ndarray:
+    if a is None:
+        return np.empty(n, dtype)
+    a = _arr(a, dtype, name, n)
+    if not a.flags.writeable:
+        raise ValueError(f"{name} must be writeable")
+    return a
+
+
+def check_quantize(x, block, q, meta):
+    """Validate quantize() arguments; allocate missing outputs."""
+    block = _check_block(block)
+    x = _arr(x, np.float32, "x")
+    n = x.size
+    return x, block, _out(q, np.int8, "q", n), _out(meta, np.uint8, "meta", meta_nbytes(n, block))
+
+
+def check_packet(q, meta, block, name: str = "q"):
+    """Validate an incoming (q, meta) pair; returns (q, meta, block, n)."""
+    block = _check_block(block)
+    q = _arr(q, np.int8, name)
+    meta = _arr(meta, np.uint8, "meta" if name == "q" else "meta_in", meta_nbytes(q.size, block))
+    return q, meta, block, q.size
+
+
+# ----------------------------------------------------------------------------- numpy kernels
+def _bf16_ceil_bits(s32: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of positive fp32 values, rounded up (so scales never shrink)."""
+    b = s32.view(np.int32)
+    b = np.where(b & 0xFFFF, (b + 0x10000) & ~0xFFFF, b)
+    return (b >> 16).astype(np.uint16)
+
+
+def _steps(meta: np.ndarray, n: int, block: int) -> np.ndarray:
+    """Per-sub-block step d = S * m (fp32, exact; NaN for non-finite super-blocks)."""
+    n_sub, n_sup = counts(n, block)
+    s16 = meta[: 2 * n_sup].view("<u2")
+    S = (s16.astype(np.int32) << 16).view(_F32)
+    m = meta[2 * n_sup :]
+    return np.repeat(S, SUBS_PER_SUPER)[:n_sub] * m.astype(_F32)
+
+
+def quantize(x, block=DEFAULT_BLOCK, q=None, meta=None):
+    """fp32 x -> (q int8[n], meta uint8[meta_nbytes(n, block)]); see the module docstring."""
+    x, block, q, meta = check_quantize(x, block, q, meta)
+    n = x.size
+    if n == 0:
+        return q, meta
+    n_sub, n_sup = counts(n, block)
+    # abs via the bit pattern: exact, order-free, and inf/NaN compare above every finite value
+    bits = np.zeros(n_sub * block, np.int32)
+    np.bitwise_and(x.view(np.int32), _ABS_MASK, out=bits[:n])
+    sub_bits = np.zeros(n_sup * SUBS_PER_SUPER, np.int32)
+    sub_bits[:n_sub] = bits.reshape(n_sub, block).max(axis=1)
+    sup_bits = sub_bits.reshape(n_sup, SUBS_PER_SUPER).max(axis=1)
+    bad = sup_bits >= _EXP_MASK
+    amax = np.where(bad, 0, sup_bits).view(_F32)
+    s16 = _bf16_ceil_bits(amax / _F32(QMAX * MMAX))
+    s16[bad] = _BF16_NAN
+    S = (s16.astype(np.int32) << 16).view(_F32)
+    S127 = np.repeat(S * _F32(QMAX), SUBS_PER_SUPER)[:n_sub]
+    ratio = np.zeros(n_sub, _F32)
+    np.divide(sub_bits[:n_sub].view(_F32), S127, out=ratio, where=S127 > 0)
+    m = np.minimum(np.ceil(ratio), _F32(MMAX)).astype(np.uint8)
+    d = np.repeat(np.repeat(S, SUBS_PER_SUPER)[:n_sub] * m.astype(_F32), block)[:n]
+    r = np.zeros(n, _F32)
+    np.divide(x, d, out=r, where=d > 0)  # d is 0 or NaN exactly where the block is all 0 / bad
+    np.rint(r, out=r)
+    np.clip(r, -QMAX, QMAX, out=r)
+    q[:] = r.astype(np.int8)
+    meta[: 2 * n_sup].view("<u2")[:] = s16
+    meta[2 * n_sup :] = m
+    return q, meta
+
+
+def dequantize(q, meta, block=DEFAULT_BLOCK, out=None):
+    """out[i] = q[i] * d[i // block]; exact (no rounding). Returns out."""
+    q, meta, block, n = check_packet(q, meta, block)
+    out = _out(out, np.float32, "out", n)
+    if n:
+        np.multiply(q.astype(_F32), np.repeat(_steps(meta, n, block), block)[:n], out=out)
+    return out
+
+
+def dequantize_add(q, meta, acc, block=DEFAULT_BLOCK):
+    """acc += dequantize(q, meta) in fp32 (one rounding per element). Returns acc."""
+    q, meta, block, n = check_packet(q, meta, block)
+    acc = _out(acc, np.float32, "acc", n)
+    if n:
+        acc += q.astype(_F32) * np.repeat(_steps(meta, n, block), block)[:n]
+    return acc
+
+
+def ring_hop(q_in, meta_in, local, block=DEFAULT_BLOCK, q_out=None, meta_out=None):
+    """Reduce-scatter hop: quantize(dequantize(q_in) + local) -> (q_out, meta_out)."""
+    q_in, meta_in, block, n = check_packet(q_in, meta_in, block, "q_in")
+    local = _arr(local, np.float32, "local", n)
+    s = dequantize(q_in, meta_in, block) + local
+    return quantize(s, block, q_out, meta_out)
+
+
+def owner_hop(q_in, meta_in, local, mul=1.0, block=DEFAULT_BLOCK, q_out=None, meta_out=None,
+              out=None):
+    """The chunk owner's last hop: s = (dequantize(q_in) + local) * float32(mul) is quantized
+    once into (q_out, meta_out), and out = dequantize(q_out, meta_out), bit-identical to what
+    every other peer computes from the forwarded bytes. Returns (q_out, meta_out, out)."""
+    q_in, meta_in, block, n = check_packet(q_in, meta_in, block, "q_in")
+    local = _arr(local, np.float32, "local", n)
+    out = _out(out, np.float32, "out", n)
+    s = dequantize(q_in, meta_in, block) + local
+    s *= _F32(mul)
+    q_out, meta_out = quantize(s, block, q_out, meta_out)
+    dequantize(q_out, meta_out, block, out)
+    return q_out, meta_out, out
+
+
+# ----------------------------------------------------------------------------- ring simulation
+def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=False):
+    """Simulate the int8 ring all-reduce (mean) of equal-length fp32 vectors, one per peer.
+
+    Chunk c (split_bounds) is owned by peer c. Reduce-scatter: peer c+1 quantizes its slice,
+    peers c+2 .. c+N-1 each apply ring_hop (dequantize, add own fp32, re-quantize), the owner
+    applies owner_hop with mul = 1/N. All-gather: the owner's bytes are forwarded unchanged and
+    every other peer dequantizes them. `kernels` is any object with this module's functions
+    (default: this module). Returns the result (identical on all peers), or with return_all
+    the list of per-peer results.
+    """
+    k = kernels if kernels is not None else _this()
+    xs = [np.ascontiguousarray(t, dtype=np.float32).ravel() for t in tensors]
+    N = len(xs)
+    if N == 0 or any(x.size != xs[0].size for x in xs):
+        raise ValueError("need at least one tensor, all of the same length")
+    n = xs[0].size
+    bounds = split_bounds(n, N, block)
+    results = [np.empty(n, np.float32) for _ in range(N)]
+    for c in range(N):
+        a, b = bounds[c], bounds[c + 1]
+        if N == 1:  # no incoming chunk: an all-zero packet dequantizes to exactly 0
+            q, meta = np.zeros(b - a, np.int8), np.zeros(meta_nbytes(b - a, block), np.uint8)
+        else:
+            q, meta = k.quantize(xs[(c + 1) % N][a:b], block)
+        for step in range(2, N):
+            q, meta = k.ring_hop(q, meta, xs[(c + step) % N][a:b], block)
+        qf, mf, _ = k.owner_hop(q, meta, xs[c][a:b], 1.0 / N, block, out=results[c][a:b])
+        for p in range(N):
+            if p != c:
+                k.dequantize(qf, mf, block, out=results[p][a:b])
+    return results if return_all else results[0]
+
+
+def _this():
+    import sys
+
+    return sys.modules[__name__]

@@ -1,0 +1,5 @@
+import sys
+
+from p2ptrain.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,31 @@
+"""`p2ptrain bench NAME`: benchmarks that print ratios against a baseline or a ceiling
+measured in the same run (these shared 2-core machines are too noisy for absolute goals)."""
+
+from __future__ import annotations
+
+import importlib
+
+BENCHES = {
+    "dht": "p2ptrain.bench.dht",
+    "kernels": "p2ptrain.bench.kernels",
+}
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (" + ", ".join(BENCHES) + ")")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME")
+    bsub.required = True
+    for name, module in BENCHES.items():
+        bp = bsub.add_parser(name, help=f"{name} benchmark")
+        bp.set_defaults(func=_runner(module))
+        try:
+            importlib.import_module(module).add_arguments(bp)
+        except ImportError:
+            pass  # a bench whose module is missing fails when run, not at parse time
+
+
+def _runner(module: str):
+    def run(args) -> int:
+        return importlib.import_module(module).run(args)
+
+    return run

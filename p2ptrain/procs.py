@@ -1,0 +1,129 @@
+"""Running p2ptrain nodes as child processes (demo, benches, integration tests).
+
+Children get their own process group and are always reaped: SIGTERM, a bounded wait, then
+SIGKILL, so a failing test or an interrupted demo never leaves nodes behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+
+class NodeProcess:
+    """A `p2ptrain ...` child whose stdout JSON events are collected by a reader thread."""
+
+    def __init__(self, args: list[str], name: str, log_dir: Path, env: dict | None = None) -> None:
+        self.name = name
+        self.stderr_path = Path(log_dir) / f"{name}.stderr"
+        self.events: "queue.Queue[dict]" = queue.Queue()
+        self.all_events: list[dict] = []
+        self.lines: list[str] = []
+        child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
+        self._stderr = open(self.stderr_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "p2ptrain", *args], stdout=subprocess.PIPE, stderr=self._stderr,
+            stdin=subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            if line.startswith("{"):
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                self.all_events.append(ev)
+                self.events.put(ev)
+
+    def first_line(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.lines:
+                return self.lines[0]
+            if self.proc.poll() is not None and not self.lines:
+                break
+            time.sleep(0.02)
+        raise TimeoutError(f"{self.name} printed nothing in {timeout}s; stderr: {self.stderr_tail()}")
+
+    def wait_event(self, pred, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{self.name}: event not seen in {timeout}s; stderr: {self.stderr_tail()}")
+            try:
+                ev = self.events.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                if self.proc.poll() is not None and self.events.empty():
+                    raise RuntimeError(f"{self.name} exited ({self.proc.returncode}); stderr: {self.stderr_tail()}")
+                continue
+            if pred(ev):
+                return ev
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")
+
+    def stderr_tail(self, n: int = 15) -> str:
+        return "\n".join(self.stderr_text().splitlines()[-n:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+                self.proc.wait(5)
+        self._reader.join(2)
+        self._stderr.close()
+        return self.proc.returncode
+
+
+class ProcessGroup:
+    """Context manager owning a set of NodeProcess children; reaps all of them on exit."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs: list[NodeProcess] = []
+
+    def start(self, args: list[str], name: str, env: dict | None = None) -> NodeProcess:
+        p = NodeProcess(args, name, self.log_dir, env)
+        self.procs.append(p)
+        return p
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.kill(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill(signal.SIGKILL)
+        for p in self.procs:
+            p.stop(5)
