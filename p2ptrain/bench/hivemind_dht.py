@@ -125,6 +125,8 @@ class Bench:
         self.failures: Dict[str, int] = {name: 0 for name, _ in METRICS}
         self.first_errors: Dict[str, str] = {}
         self.held = {"get_remote": 0, "get_remote_latest": 0, "get_remote_plain": 0}
+        # remote-get samples split by whether B already held the record (replica or cache)
+        self.split: Dict[str, Dict[str, List[float]]] = {m: {"held": [], "not_held": []} for m in self.held}
         self.info: Dict[str, Any] = {}
 
     # -- lifecycle --
@@ -176,11 +178,15 @@ class Bench:
 
     # -- measurement --
 
-    def _record(self, metric: str, ms: float, ok: bool, err: Optional[str], measure: bool) -> None:
+    def _record(
+        self, metric: str, ms: float, ok: bool, err: Optional[str], measure: bool, held: Optional[bool] = None
+    ) -> None:
         if not measure:
             return
         if ok:
             self.samples[metric].append(ms)
+            if held is not None:
+                self.split[metric]["held" if held else "not_held"].append(ms)
         else:
             self.failures[metric] += 1
             self.first_errors.setdefault(metric, err or "value not returned")
@@ -210,16 +216,18 @@ class Bench:
         self._record("get_local_latest", ms, _dict_value_ok(res, subkey, vx), err, measure)
 
         # gets from B: first access of each key on B; note whether B was a replica holder
+        held = {}
         if measure:
             for metric, key in (("get_remote", kx), ("get_remote_latest", ky), ("get_remote_plain", kp)):
-                if B.run_coroutine(partial(_holds_record, key=key)):
-                    self.held[metric] += 1
+                held[metric] = bool(B.run_coroutine(partial(_holds_record, key=key)))
+                self.held[metric] += held[metric]
         ms, res, err = _timed(lambda: B.get(kx, latest=False, return_future=True), a.op_timeout)
-        self._record("get_remote", ms, _dict_value_ok(res, subkey, vx), err, measure)
+        self._record("get_remote", ms, _dict_value_ok(res, subkey, vx), err, measure, held.get("get_remote"))
         ms, res, err = _timed(lambda: B.get(ky, latest=True, return_future=True), a.op_timeout)
-        self._record("get_remote_latest", ms, bool(ok_y) and _dict_value_ok(res, subkey, vy), err, measure)
+        ok = bool(ok_y) and _dict_value_ok(res, subkey, vy)
+        self._record("get_remote_latest", ms, ok, err, measure, held.get("get_remote_latest"))
         ms, res, err = _timed(lambda: B.get(kp, latest=False, return_future=True), a.op_timeout)
-        self._record("get_remote_plain", ms, _plain_value_ok(res, vp), err, measure)
+        self._record("get_remote_plain", ms, _plain_value_ok(res, vp), err, measure, held.get("get_remote_plain"))
         ms, res, err = _timed(lambda: B.get(km, latest=False, return_future=True), a.op_timeout)
         self._record("get_missing", ms, err is None and res is None, err, measure)
 
@@ -247,8 +255,14 @@ def _print_table(report: Dict[str, Any], ops: int) -> None:
         p90 = "-" if s["p90"] is None else f"{s['p90']:.2f}"
         print(f"{label:<40} {med:>10} {p90:>10} {s['n']:>6} {report['failures'][name]:>7}")
     held = report["remote_reader_held_record"]
-    print(f"node B already held the record before its remote get: "
+    print("node B already held the record (replica or cache) before its remote get: "
           + ", ".join(f"{k} {v}/{ops}" for k, v in held.items()))
+    print(f"{'remote get, split by holder':<40} {'median ms':>10} {'p90 ms':>10} {'ok':>6}")
+    for metric, parts in report["get_remote_split_ms"].items():
+        for part, s in parts.items():
+            med = "-" if s["median"] is None else f"{s['median']:.2f}"
+            p90 = "-" if s["p90"] is None else f"{s['p90']:.2f}"
+            print(f"{metric + ' (B ' + part.replace('_', ' ') + ')':<40} {med:>10} {p90:>10} {s['n']:>6}")
     audit = report["loopback_audit"]
     print(f"loopback audit: {audit['sockets']} inet sockets in {audit['processes']} processes, "
           f"{audit['non_loopback']} non-loopback")
@@ -303,6 +317,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         **{f"{name}_ms": summarize(bench.samples[name]) for name, _ in METRICS},
         "failures": bench.failures,
         "remote_reader_held_record": bench.held,
+        "get_remote_split_ms": {
+            m: {part: summarize(v) for part, v in parts.items()} for m, parts in bench.split.items()
+        },
         "num_replicas": bench.info["num_replicas"],
         "routing_table_sizes": bench.info["routing_table_sizes"],
         "startup_s": bench.info["startup_s"],
