@@ -21,8 +21,10 @@ from p2ptrain.dht.libp2p_rpc import Libp2pRpc
 from p2ptrain.dht.node import DHTConfig, DHTNode
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity, peer_id_from_str, peer_id_to_str
+from p2ptrain.libp2p_compat import ListenError, check_listening, probe_tcp_ports
 
 log = logging.getLogger("p2ptrain.node")
+_PORT_ADVICE = "pick another port with --listen, or stop the process using it"
 
 
 class NodeError(Exception):
@@ -143,30 +145,33 @@ class Node:
         self.host = build_host(self.identity, self.config)
         listen = [parse_maddr(a) for a in self.config.listen]
         try:
-            ctx = self.host.run(listen)
-            await ctx.__aenter__()
-        except OSError as exc:
-            raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: {exc.strerror or exc}",
-                            "pick another port with --listen, or stop the process using it") from None
-        except Exception as exc:
-            if "address already in use" in str(exc).lower() or "errno 98" in str(exc).lower():
-                raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: address already in use",
-                                "pick another port with --listen, or stop the process using it") from None
-            raise
+            probe_tcp_ports(listen)
+        except ListenError as exc:
+            raise NodeError(f"cannot listen on {exc}", _PORT_ADVICE) from None
+        entered = False
         try:
-            self.rpc = Libp2pRpc(self.host)
-            self.dht = DHTNode(self.identity, self.rpc, self.dht_config, server=self.dht_server)
-            self.events.emit("listening", addrs=self.full_addrs())
-            async with trio.open_nursery() as nursery:
-                await self._meet_bootstraps()
-                if self.dht_server:
-                    await nursery.start(self.dht.run)
-                self.events.emit("dht_ready", routing_table=len(self.dht.routing))
-                task_status.started(self)
-                await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(5):
-                await ctx.__aexit__(None, None, None)
+            async with self.host.run(listen):
+                entered = True
+                try:
+                    check_listening(self.host)
+                except ListenError as exc:
+                    raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: {exc}",
+                                    _PORT_ADVICE) from None
+                self.rpc = Libp2pRpc(self.host)
+                self.dht = DHTNode(self.identity, self.rpc, self.dht_config, server=self.dht_server)
+                self.events.emit("listening", addrs=self.full_addrs())
+                async with trio.open_nursery() as nursery:
+                    await self._meet_bootstraps()
+                    if self.dht_server:
+                        await nursery.start(self.dht.run)
+                    self.events.emit("dht_ready", routing_table=len(self.dht.routing))
+                    task_status.started(self)
+                    await trio.sleep_forever()
+        except Exception as exc:
+            if not entered and _is_addr_in_use(exc):
+                raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: address already in use",
+                                _PORT_ADVICE) from None
+            raise
 
     async def _meet_bootstraps(self) -> None:
         """Connect to every bootstrap, retrying with backoff for a bounded time.
@@ -204,3 +209,11 @@ class Node:
         if not answered:
             raise NodeError("bootstraps accepted the connection but did not answer DHT requests",
                             "is it a p2ptrain bootstrap of the same version?")
+
+
+def _is_addr_in_use(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_is_addr_in_use(e) for e in exc.exceptions)
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return (isinstance(exc, OSError) and exc.errno == 98) or "address already in use" in text \
+        or "errno 98" in text or (exc.__cause__ is not None and _is_addr_in_use(exc.__cause__))

@@ -21,3 +21,28 @@ def trio_test(autojump: bool = True):
         return wrapper
 
     return deco
+
+
+import pytest  # noqa: E402
+
+from p2ptrain.procs import ProcessGroup  # noqa: E402
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Real p2ptrain child processes, all reaped (SIGTERM, then SIGKILL) when the test ends."""
+    with ProcessGroup(tmp_path / "procs") as group:
+        yield group
+
+
+def start_bootstrap(group: ProcessGroup, name: str = "bootstrap") -> tuple:
+    boot = group.start(["bootstrap", "--listen", LOOPBACK, "--key", str(group.log_dir / f"{name}.key"),
+                        "--json"], name)
+    return boot, boot.first_line(60)
+
+
+def start_peer(group: ProcessGroup, bootstrap: str, name: str, *extra: str, env: dict | None = None):
+    return group.start(["join", "--bootstrap", bootstrap, "--listen", LOOPBACK,
+                        "--workdir", str(group.log_dir / name), "--json", *extra], name, env=env)

@@ -1,0 +1,44 @@
+"""Tests that SHOW the py-libp2p bugs we work around (p2ptrain/libp2p_compat.py,
+docs/UPSTREAM.md). When one of these starts failing, upstream fixed the bug: drop the
+matching workaround and this test."""
+
+from __future__ import annotations
+
+import socket
+
+import multiaddr
+import trio
+
+from p2ptrain.identity import Identity
+from p2ptrain.node import NodeConfig, build_host
+
+
+def test_bug1_listen_on_taken_port_fails_silently():
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    port = plain.getsockname()[1]
+
+    async def main() -> tuple[int, int]:
+        cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])
+        h1 = build_host(Identity.generate(), cfg)
+        h2 = build_host(Identity.generate(), cfg)
+        h3 = build_host(Identity.generate(), cfg)
+        taken = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port}")
+        async with h1.run([taken]):  # no exception although the port is taken...
+            n1 = len(h1.get_network().listeners)
+        free = socket.socket()
+        free.bind(("127.0.0.1", 0))
+        port2 = free.getsockname()[1]
+        free.close()
+        shared = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port2}")
+        async with h2.run([shared]), h3.run([shared]):  # ...and two nodes share one port
+            n23 = len(h2.get_network().listeners) + len(h3.get_network().listeners)
+        return n1, n23
+
+    try:
+        n1, n23 = trio.run(main)
+    finally:
+        plain.close()
+    assert n1 == 0, "upstream now reports a taken port: drop probe_tcp_ports/check_listening"
+    assert n23 == 2, "upstream no longer lets two nodes share a port via SO_REUSEPORT"
