@@ -63,6 +63,8 @@ class DHTConfig:
 @dataclass
 class DHTStats:
     rejected: dict[str, int] = field(default_factory=dict)
+    rpcs: int = 0
+    """Requests this node sent (benches report RPCs per operation)."""
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] = self.rejected.get(reason, 0) + 1
@@ -147,24 +149,31 @@ class DHTNode:
         """Store an already-signed record (ours, or one we relay) on the closest nodes."""
         if self.server:
             self._accept(rec, self.identity.peer_id)
-        closest = await self.lookup(dht_id(rec.key))
-        acked = 0
+        target = dht_id(rec.key)
         encoded = rec.encode()
+        acked: set[bytes] = set()
+        tried: set[bytes] = set()
 
         async def one(peer: bytes) -> None:
-            nonlocal acked
+            tried.add(peer)
             try:
                 reply = await self._call(peer, "store", {"records": [encoded]})
             except RpcError:
                 return
             if reply.get("results") == ["ok"]:
-                acked += 1
+                acked.add(peer)
 
+        # Store on the closest peers we already know while the lookup runs: in a settled
+        # swarm they are the right ones and the store costs one round trip, not two.
         with trio.move_on_after(self.config.lookup_timeout):
             async with trio.open_nursery() as nursery:
-                for peer in closest[: self.config.replication]:
+                for peer in self.routing.closest(target, self.config.replication):
                     nursery.start_soon(one, peer)
-        return acked
+                closest = await self.lookup(target)
+                for peer in closest[: self.config.replication]:
+                    if peer not in tried:
+                        nursery.start_soon(one, peer)
+        return len(acked)
 
     async def get(self, key: str) -> dict[bytes, Record]:
         """Every writer's live, verified entry under `key` (subkey -> record)."""
@@ -228,6 +237,7 @@ class DHTNode:
     # -- internals -------------------------------------------------------------------
     async def _call(self, peer: bytes, method: str, body: dict) -> dict:
         body = dict(body, srv=self.server, addrs=self.transport.local_addrs() if self.server else [])
+        self.stats.rpcs += 1
         try:
             reply = await self.transport.call(peer, method, body, self.config.rpc_timeout)
         except RpcError:
