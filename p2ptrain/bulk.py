@@ -26,6 +26,7 @@ import logging
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -165,6 +166,29 @@ class FrameChannel:
                     reason, self.peer, step, chunk, fid.step, fid.chunk)
         if self._bad > self.max_bad_frames:
             raise RingError(f"{self._bad} bad frames from {self.peer}")
+
+    def close(self) -> None:
+        self.io.close()
+
+
+class RateLimitedIO:
+    """Wraps an IO object to cap its send rate (token bucket on whole frames)."""
+
+    def __init__(self, io, mbps: float) -> None:
+        self.io = io
+        self.rate = mbps * 1e6
+        self.next_free = 0.0
+
+    def sendall(self, parts: list) -> None:
+        size = sum(len(p) for p in parts)
+        now = time.monotonic()
+        if self.next_free > now:
+            time.sleep(self.next_free - now)
+        self.next_free = max(now, self.next_free) + size / self.rate
+        self.io.sendall(parts)
+
+    def recv_into(self, view: memoryview) -> None:
+        self.io.recv_into(view)
 
     def close(self) -> None:
         self.io.close()

@@ -20,7 +20,8 @@ from pathlib import Path
 class NodeProcess:
     """A `p2ptrain ...` child whose stdout JSON events are collected by a reader thread."""
 
-    def __init__(self, args: list[str], name: str, log_dir: Path, env: dict | None = None) -> None:
+    def __init__(self, args: list[str], name: str, log_dir: Path, env: dict | None = None,
+                 module: str = "p2ptrain", stdin: bool = False) -> None:
         self.name = name
         self.stderr_path = Path(log_dir) / f"{name}.stderr"
         self.events: "queue.Queue[dict]" = queue.Queue()
@@ -29,8 +30,8 @@ class NodeProcess:
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "p2ptrain", *args], stdout=subprocess.PIPE, stderr=self._stderr,
-            stdin=subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
+            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -46,6 +47,11 @@ class NodeProcess:
                     continue
                 self.all_events.append(ev)
                 self.events.put(ev)
+
+    def send(self, obj: dict) -> None:
+        """One JSON command line on the child's stdin (children started with stdin=True)."""
+        self.proc.stdin.write((json.dumps(obj) + "\n").encode())
+        self.proc.stdin.flush()
 
     def first_line(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
@@ -107,8 +113,9 @@ class ProcessGroup:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[NodeProcess] = []
 
-    def start(self, args: list[str], name: str, env: dict | None = None) -> NodeProcess:
-        p = NodeProcess(args, name, self.log_dir, env)
+    def start(self, args: list[str], name: str, env: dict | None = None, module: str = "p2ptrain",
+              stdin: bool = False) -> NodeProcess:
+        p = NodeProcess(args, name, self.log_dir, env, module, stdin)
         self.procs.append(p)
         return p
 

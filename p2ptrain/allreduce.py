@@ -1,0 +1,411 @@
+"""All-reduce rounds between libp2p peers: bulk session setup and commit-or-abort.
+
+A round is (run id, round id, ordered member list). Each member:
+  1. opens a bulk session to its ring successor over libp2p (`/p2ptrain/bulk/1.0.0`): the
+     successor answers with a fresh secret, its raw bulk port and a one-time token; the
+     sender dials that port (direct path) or, if it cannot, both keep using the libp2p
+     stream for frames (fallback path, e.g. relayed peers);
+  2. runs the data plane (`p2ptrain.ring.allreduce`) in a worker thread;
+  3. votes: sends (ok, sha256 of its result) to every other member over
+     `/p2ptrain/round/1.0.0`, and commits only when every member voted ok with the same
+     digest. A failure anywhere becomes an abort vote, so the others stop at once instead
+     of waiting for a timeout; a missing vote fails the round after `commit_timeout`.
+The caller's tensor is never touched: `allreduce` returns a new array or raises RoundFailed.
+
+Known limit (as in any commit protocol without a coordinator): a member that dies after
+sending some but not all of its votes can leave the others split between commit and
+abort. The window is the few milliseconds of one vote fan-out; the training layer detects
+a split through the params hash each member publishes after a step and resyncs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from p2ptrain.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret, session_tag
+from p2ptrain.dht.libp2p_rpc import read_exactly
+from p2ptrain.identity import peer_id_from_str
+from p2ptrain.ring import RingConfig, RingError
+from p2ptrain.ring import allreduce as ring_allreduce
+
+log = logging.getLogger("p2ptrain.allreduce")
+
+BULK_PROTOCOL = TProtocol("/p2ptrain/bulk/1.0.0")
+VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.0.0")
+MAX_CONTROL_MSG = 4096
+TOKEN_LEN = 16
+
+
+class RoundFailed(Exception):
+    """The round aborted on this member; no tensor was changed."""
+
+
+@dataclass
+class AllReduceConfig:
+    mode: str = "int8"
+    """'int8' or 'fp32' on the wire."""
+    sub_chunk_bytes: int = 1 << 20
+    """fp32 bytes per pipelined frame."""
+    setup_timeout: float = 15.0
+    """Seconds to set up both bulk sessions (members may start a little apart)."""
+    frame_timeout: float = 20.0
+    """Seconds without a frame before the data plane gives up."""
+    commit_timeout: float = 10.0
+    """Seconds to collect every member's vote after our own data plane finished."""
+    direct: bool = True
+    """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
+    send_rate_mbps: float = 0.0
+    """Cap on bulk send rate in MB/s (0 = none), e.g. to leave room on a home uplink."""
+
+    def __post_init__(self) -> None:
+        RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
+        for name in ("setup_timeout", "frame_timeout", "commit_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.send_rate_mbps < 0:
+            raise ValueError("send_rate_mbps must be >= 0")
+
+
+@dataclass
+class RoundResult:
+    result: np.ndarray
+    digest: str
+    sent_bytes: int
+    seconds: float
+    path: str
+    """'direct' or 'libp2p' for our outgoing bulk session."""
+
+
+@dataclass
+class _Pending:
+    """A round this node takes part in, waiting for its predecessor's session and votes."""
+
+    prev: bytes
+    tag: bytes
+    key: bytes = b""
+    channel: FrameChannel | None = None
+    ready: trio.Event = field(default_factory=trio.Event)
+    votes: dict[bytes, tuple[bool, str]] = field(default_factory=dict)
+    vote_event: trio.Event = field(default_factory=trio.Event)
+
+
+def _pack(obj) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return len(body).to_bytes(4, "big") + body
+
+
+async def _read_msg(stream) -> dict:
+    n = int.from_bytes(await read_exactly(stream, 4), "big")
+    if n > MAX_CONTROL_MSG:
+        raise ValueError(f"control message of {n} bytes > {MAX_CONTROL_MSG}")
+    obj = msgpack.unpackb(await read_exactly(stream, n), raw=False, max_bin_len=MAX_CONTROL_MSG,
+                          max_str_len=MAX_CONTROL_MSG, max_array_len=64, max_map_len=16)
+    if not isinstance(obj, dict):
+        raise ValueError("control message is not a map")
+    return obj
+
+
+class StreamIO:
+    """Bulk frames over the libp2p stream itself (fallback path), driven from a worker
+    thread: each call hops back into trio with `trio.from_thread.run`."""
+
+    def __init__(self, stream, timeout: float) -> None:
+        self.stream = stream
+        self.timeout = timeout
+        # The ring's pump threads are plain threads: they reach trio through its token.
+        self.token = trio.lowlevel.current_trio_token()
+
+    def sendall(self, parts: list) -> None:
+        data = b"".join(bytes(p) for p in parts)
+        try:
+            trio.from_thread.run(self._write, data, trio_token=self.token)
+        except Exception as exc:
+            raise RingError(f"send: {exc!r}") from None
+
+    async def _write(self, data: bytes) -> None:
+        with trio.fail_after(self.timeout):
+            await self.stream.write(data)
+
+    def recv_into(self, view: memoryview) -> None:
+        try:
+            data = trio.from_thread.run(self._read, len(view), trio_token=self.token)
+        except Exception as exc:
+            raise RingError(f"recv: {exc!r}") from None
+        view[:] = data
+
+    async def _read(self, n: int) -> bytes:
+        with trio.fail_after(self.timeout):
+            return await read_exactly(self.stream, n)
+
+    def close(self) -> None:
+        try:
+            trio.from_thread.run(self.stream.reset, trio_token=self.token)
+        except Exception:
+            pass
+
+
+class AllReduceService:
+    """Serves bulk-session and vote requests for this node and runs rounds.
+
+    Start with `await nursery.start(service.run)`; then `await service.allreduce(...)`."""
+
+    def __init__(self, host, identity, config: AllReduceConfig | None = None, listen_ip: str = "127.0.0.1") -> None:
+        self.host = host
+        self.identity = identity
+        self.config = config or AllReduceConfig()
+        self.listen_ip = listen_ip
+        self.port = 0
+        self._rounds: dict[bytes, _Pending] = {}
+        self._early_votes: dict[bytes, dict[bytes, tuple[bool, str]]] = {}
+        self._tokens: dict[bytes, tuple[_Pending, trio.Event]] = {}
+
+    # -- service ---------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # JIT-compile the kernels before announcing readiness: a first round that compiles
+        # for seconds would make the other members time out waiting for our frames.
+        await trio.to_thread.run_sync(_warm_kernels)
+        listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        await listener.bind((self.listen_ip, 0))
+        listener.listen(64)
+        self.port = listener.getsockname()[1]
+        self.host.set_stream_handler(BULK_PROTOCOL, self._handle_bulk)
+        self.host.set_stream_handler(VOTE_PROTOCOL, self._handle_vote)
+        async with trio.open_nursery() as nursery:
+            task_status.started(self.port)
+            with listener:
+                while True:
+                    conn, _ = await listener.accept()
+                    nursery.start_soon(self._handle_raw, conn)
+
+    async def _handle_raw(self, conn) -> None:
+        """A raw bulk connection: its first bytes are a token we handed out over libp2p."""
+        try:
+            with trio.fail_after(5):
+                token = b""
+                while len(token) < TOKEN_LEN:
+                    chunk = await conn.recv(TOKEN_LEN - len(token))
+                    if not chunk:
+                        raise EOFError
+                    token += chunk
+        except (trio.TooSlowError, EOFError, OSError):
+            log.warning("bulk connection dropped: reason=no-token")
+            conn.close()
+            return
+        entry = self._tokens.pop(token, None)
+        if entry is None:
+            log.warning("bulk connection dropped: reason=unknown-token")
+            conn.close()
+            return
+        pending, done = entry
+        sock = socket.socket(fileno=conn.detach())
+        sock.setblocking(True)
+        pending.channel = FrameChannel(self._wrap(SocketIO(sock, self.config.frame_timeout)),
+                                       pending.key, pending.tag, ID(pending.prev).to_base58())
+        done.set()
+
+    def _wrap(self, io):
+        return RateLimitedIO(io, self.config.send_rate_mbps) if self.config.send_rate_mbps else io
+
+    async def _handle_bulk(self, stream) -> None:
+        """Our predecessor asks for a session for a round we are (or are about to be) in."""
+        sender = stream.muxed_conn.peer_id.to_bytes()
+        try:
+            with trio.fail_after(self.config.setup_timeout):
+                hello = await _read_msg(stream)
+                tag = hello.get("tag")
+                if not isinstance(tag, bytes):
+                    raise ValueError("no session tag")
+                while tag not in self._rounds:  # the sender may start first: wait for us
+                    await trio.sleep(0.01)
+                pending = self._rounds[tag]
+                if pending.prev != sender:
+                    raise PermissionError("not our ring predecessor for this round")
+                secret, token = new_secret(), os.urandom(TOKEN_LEN)
+                pending.key = derive_key(secret, sender, self.identity.peer_id, tag)
+                raw_done = trio.Event()
+                self._tokens[token] = (pending, raw_done)
+                await stream.write(_pack({"secret": secret, "port": self.port if self.config.direct else 0,
+                                          "token": token}))
+                choice = await _read_msg(stream)
+                if choice.get("path") == "direct":
+                    await raw_done.wait()
+                    await stream.close()
+                else:
+                    self._tokens.pop(token, None)
+                    pending.channel = FrameChannel(StreamIO(stream, self.config.frame_timeout), pending.key,
+                                                   tag, ID(sender).to_base58())
+            pending.ready.set()
+        except Exception as exc:
+            log.warning("bulk session from %s refused: %s", ID(sender), exc)
+            with trio.move_on_after(1):
+                await stream.reset()
+
+    async def _handle_vote(self, stream) -> None:
+        sender = stream.muxed_conn.peer_id.to_bytes()
+        try:
+            with trio.fail_after(5):
+                msg = await _read_msg(stream)
+            tag, ok, digest = msg.get("tag"), msg.get("ok"), msg.get("digest")
+            if not isinstance(tag, bytes) or not isinstance(ok, bool) or not isinstance(digest, str):
+                raise ValueError("malformed vote")
+            pending = self._rounds.get(tag)
+            if pending is None:
+                early = self._early_votes.setdefault(tag, {})
+                if len(self._early_votes) > 256:  # bounded: stale rounds are forgotten
+                    self._early_votes.pop(next(iter(self._early_votes)))
+                early[sender] = (ok, digest)
+            else:
+                pending.votes[sender] = (ok, digest)
+                pending.vote_event.set()
+        except Exception as exc:
+            log.warning("vote from %s dropped: %s", ID(sender), exc)
+        finally:
+            with trio.move_on_after(1):
+                await stream.close()
+
+    # -- rounds ----------------------------------------------------------------------
+    async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str]) -> RoundResult:
+        """Average `vec` with `members` (ring order, including us). Raises RoundFailed."""
+        me = self.identity.peer_id
+        ids = [peer_id_from_str(m) for m in members]
+        if me not in ids or len(set(ids)) != len(ids):
+            raise RoundFailed("we are not a member, or a member is listed twice")
+        world, rank = len(ids), ids.index(me)
+        tag = session_tag(run_id, round_id)
+        if tag in self._rounds:
+            raise RoundFailed(f"round {round_id} already running")
+        pending = _Pending(prev=ids[(rank - 1) % world], tag=tag)
+        pending.votes.update(self._early_votes.pop(tag, {}))
+        self._rounds[tag] = pending
+        t0 = trio.current_time()
+        send_ch = None
+        path = "none"
+        try:
+            if world > 1:
+                with trio.fail_after(self.config.setup_timeout):
+                    send_ch, path = await self._open_session(ids[(rank + 1) % world], tag)
+                    await pending.ready.wait()
+            cfg = RingConfig(self.config.mode, sub_chunk_bytes=self.config.sub_chunk_bytes)
+            failure: RingError | None = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._abort_on_vote, pending, send_ch)
+                try:
+                    result, sent = await trio.to_thread.run_sync(
+                        ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg, self.config.frame_timeout)
+                except RingError as exc:
+                    failure = exc
+                nursery.cancel_scope.cancel()
+            if failure is not None:
+                aborted = [ID(p).to_base58() for p, (ok, _) in pending.votes.items() if not ok]
+                raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}")
+            digest = hashlib.sha256(result.tobytes()).hexdigest()
+            await self._vote(ids, tag, True, digest)
+            await self._collect(pending, ids, digest)
+            return RoundResult(result, digest, sent, trio.current_time() - t0, path)
+        except trio.TooSlowError:
+            await self._vote(ids, tag, False, "")
+            raise RoundFailed("bulk session setup timed out") from None
+        except RoundFailed:
+            await self._vote(ids, tag, False, "")
+            raise
+        finally:
+            for ch in (send_ch, pending.channel):
+                if ch is not None:
+                    await trio.to_thread.run_sync(ch.close)
+            self._rounds.pop(tag, None)
+
+    async def _abort_on_vote(self, pending: _Pending, send_ch) -> None:
+        """An abort vote from anyone closes our channels, so our data plane fails now
+        rather than after frame_timeout."""
+        while not any(not ok for ok, _ in pending.votes.values()):
+            pending.vote_event = trio.Event()
+            await pending.vote_event.wait()
+        for ch in (send_ch, pending.channel):
+            if ch is not None:
+                await trio.to_thread.run_sync(ch.close)
+
+    async def _open_session(self, nxt: bytes, tag: bytes) -> tuple[FrameChannel, str]:
+        stream = await self.host.new_stream(ID(nxt), [BULK_PROTOCOL])
+        await stream.write(_pack({"tag": tag}))
+        reply = await _read_msg(stream)
+        secret, port, token = reply.get("secret"), reply.get("port"), reply.get("token")
+        if not (isinstance(secret, bytes) and len(secret) == 32 and isinstance(token, bytes)
+                and isinstance(port, int)):
+            raise RoundFailed("malformed bulk session reply")
+        key = derive_key(secret, self.identity.peer_id, nxt, tag)
+        remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
+        if port and remote and self.config.direct:
+            try:
+                sock = await trio.to_thread.run_sync(_dial, remote[0], port, token)
+            except OSError as exc:
+                log.info("direct bulk dial to %s:%d failed (%s): using the libp2p stream", remote[0], port, exc)
+            else:
+                await stream.write(_pack({"path": "direct"}))
+                with trio.move_on_after(1):
+                    await stream.close()
+                io = self._wrap(SocketIO(sock, self.config.frame_timeout))
+                return FrameChannel(io, key, tag, ID(nxt).to_base58()), "direct"
+        await stream.write(_pack({"path": "libp2p"}))
+        io = self._wrap(StreamIO(stream, self.config.frame_timeout))
+        return FrameChannel(io, key, tag, ID(nxt).to_base58()), "libp2p"
+
+    async def _vote(self, ids: list[bytes], tag: bytes, ok: bool, digest: str) -> None:
+        msg = _pack({"tag": tag, "ok": ok, "digest": digest})
+
+        async def one(peer: bytes) -> None:
+            try:
+                with trio.fail_after(5):
+                    stream = await self.host.new_stream(ID(peer), [VOTE_PROTOCOL])
+                    await stream.write(msg)
+                    await stream.close()
+            except Exception as exc:
+                log.info("vote to %s not delivered: %r", ID(peer), exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer in ids:
+                if peer != self.identity.peer_id:
+                    nursery.start_soon(one, peer)
+
+    async def _collect(self, pending: _Pending, ids: list[bytes], digest: str) -> None:
+        others = [p for p in ids if p != self.identity.peer_id]
+        with trio.move_on_after(self.config.commit_timeout):
+            while True:
+                for peer in others:
+                    vote = pending.votes.get(peer)
+                    if vote is not None and not vote[0]:
+                        raise RoundFailed(f"{ID(peer)} aborted the round")
+                    if vote is not None and vote[1] != digest:
+                        raise RoundFailed(f"{ID(peer)} got a different result")
+                if all(p in pending.votes for p in others):
+                    return
+                pending.vote_event = trio.Event()
+                await pending.vote_event.wait()
+        missing = [ID(p).to_base58() for p in others if p not in pending.votes]
+        raise RoundFailed(f"no vote from {', '.join(missing)} within {self.config.commit_timeout:.0f}s")
+
+
+def _warm_kernels() -> None:
+    from p2ptrain import kernels as K
+
+    x = np.linspace(-1, 1, 4096, dtype=np.float32)
+    q, meta = K.quantize(x)
+    q2, m2 = K.ring_hop(q, meta, x)
+    K.owner_hop(q2, m2, x, 0.5)
+    K.dequantize(q, meta)
+
+
+def _dial(host: str, port: int, token: bytes) -> socket.socket:
+    sock = socket.create_connection((host, port), timeout=3)
+    sock.sendall(token)
+    return sock

@@ -1,0 +1,121 @@
+"""One all-reduce peer process, driven by JSON commands on stdin (bench and tests).
+
+    python -m p2ptrain.bench.allreduce_worker [--listen MADDR] [--direct/--no-direct] ...
+
+It runs a real libp2p node and an AllReduceService, prints `worker_ready` (peer id, addrs),
+then executes commands, one JSON object per stdin line:
+  {"cmd": "round", "round": "r1", "members": [[peer_id, addr], ...], "seed": 7, "n": 1000,
+   "mode": "int8"}
+It keeps one fp32 tensor: created from `seed` on the first round (or when "reset" is set);
+a committed round replaces it with the result, a failed round must leave it unchanged.
+Events: round_started, round_committed (digest, seconds, path, sent_bytes, rss), and
+round_failed (reason, tensor_sha256 before and after).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import resource
+import sys
+import time
+
+import numpy as np
+import trio
+
+from p2ptrain.allreduce import AllReduceConfig, AllReduceService, RoundFailed
+from p2ptrain.events import EventSink, setup_logging
+from p2ptrain.identity import Identity
+from p2ptrain.node import Node, NodeConfig
+
+
+def make_tensor(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+
+
+def _sha(x: np.ndarray) -> str:
+    return hashlib.sha256(x.tobytes()).hexdigest()
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+async def main(args) -> None:
+    identity = Identity.generate()
+    events = EventSink(identity.peer_id_str, True)
+    node = Node(identity, NodeConfig(listen=[args.listen]), EventSink(identity.peer_id_str, False))
+    tensor: np.ndarray | None = None
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        configs: dict[str, AllReduceService] = {}
+
+        async def service_for(mode: str) -> AllReduceService:
+            # One service, reconfigured per round: the config is read at round start.
+            svc = configs.get("svc")
+            if svc is None:
+                svc = AllReduceService(node.host, identity, AllReduceConfig(), listen_ip=args.bulk_ip)
+                await nursery.start(svc.run)
+                configs["svc"] = svc
+            svc.config = AllReduceConfig(mode=mode, direct=args.direct, send_rate_mbps=args.rate,
+                                         frame_timeout=args.frame_timeout, commit_timeout=args.commit_timeout)
+            return svc
+
+        await service_for("int8")
+        events.emit("worker_ready", addrs=node.full_addrs(), rss_mib=round(_rss_mib(), 1))
+        stdin = trio.wrap_file(sys.stdin)
+        while True:
+            line = await stdin.readline()
+            if not line:
+                break
+            cmd = json.loads(line)
+            if cmd.get("cmd") == "exit":
+                break
+            if cmd.get("cmd") != "round":
+                continue
+            if tensor is None or cmd.get("reset"):
+                tensor = make_tensor(int(cmd["seed"]), int(cmd["n"]))
+            for pid, addr in cmd["members"]:
+                if pid != identity.peer_id_str:
+                    node.rpc.learn_addrs(identity_bytes(pid), [addr.split("/p2p/")[0]])
+            svc = await service_for(cmd.get("mode", "int8"))
+            before = _sha(tensor)
+            events.emit("round_started", round=cmd["round"])
+            try:
+                res = await svc.allreduce(tensor, cmd.get("run", "bench"), cmd["round"], [m[0] for m in cmd["members"]])
+            except RoundFailed as exc:
+                events.emit("round_failed", round=cmd["round"], reason=str(exc), tensor_before=before,
+                            tensor_after=_sha(tensor))
+                continue
+            tensor = res.result
+            events.emit("round_committed", round=cmd["round"], digest=res.digest, seconds=round(res.seconds, 4),
+                        path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1),
+                        tensor_after=_sha(tensor))
+        nursery.cancel_scope.cancel()
+
+
+def identity_bytes(pid: str) -> bytes:
+    from p2ptrain.identity import peer_id_from_str
+
+    return peer_id_from_str(pid)
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m p2ptrain.bench.allreduce_worker")
+    ap.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")
+    ap.add_argument("--bulk-ip", default="127.0.0.1", help="IP for the raw bulk listener")
+    ap.add_argument("--no-direct", dest="direct", action="store_false", help="bulk bytes over libp2p only")
+    ap.add_argument("--rate", type=float, default=0.0, help="bulk send cap, MB/s (0 = none)")
+    ap.add_argument("--frame-timeout", type=float, default=20.0)
+    ap.add_argument("--commit-timeout", type=float, default=10.0)
+    args = ap.parse_args(argv)
+    setup_logging()
+    logging.getLogger("p2ptrain").setLevel(logging.WARNING)
+    trio.run(main, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
