@@ -66,3 +66,69 @@ def test_sigkill_mid_round_aborts_everyone_then_survivors_commit(procs):
            for w in survivors]
     assert [r["event"] for r in res] == ["round_committed"] * 3, res
     assert len({r["digest"] for r in res}) == 1
+
+
+async def _intrude(members, bulk_ports, tag: bytes, seconds: float) -> dict:
+    """A non-member asks every member for the round's bulk session and pushes junk frames
+    into every member's raw bulk port, for `seconds`."""
+    import socket as pysocket
+
+    import multiaddr
+    import trio
+
+    from p2ptrain.allreduce import BULK_PROTOCOL, _pack
+    from p2ptrain.identity import Identity, peer_id_from_str
+    from p2ptrain.node import NodeConfig, build_host, parse_peer_maddr
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import PeerInfo
+
+    host = build_host(Identity.generate(), NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    tried = {"bulk": 0, "raw": 0}
+    async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        deadline = trio.current_time() + seconds
+        while trio.current_time() < deadline:
+            for (pid, addr), port in zip(members, bulk_ports):
+                pidb, base = parse_peer_maddr(addr)
+                try:
+                    await host.connect(PeerInfo(ID(pidb), [multiaddr.Multiaddr(base)]))
+                    stream = await host.new_stream(ID(pidb), [BULK_PROTOCOL])
+                    await stream.write(_pack({"tag": tag}))
+                    with trio.move_on_after(0.5):
+                        await stream.read(100)
+                    tried["bulk"] += 1
+                except Exception:
+                    tried["bulk"] += 1
+                s = pysocket.create_connection(("127.0.0.1", port))
+                s.sendall(b"\x00" * 16 + b"P2" + b"\x01" * 200)
+                s.close()
+                tried["raw"] += 1
+            await trio.sleep(0.2)
+    return tried
+
+
+def test_non_member_and_wrong_round_frames_cannot_touch_the_result(procs):
+    import threading
+
+    import trio
+
+    from p2ptrain.bulk import session_tag
+
+    n = 2_000_000
+    ws, members = start_workers(procs, 3, "--rate", "4")
+    ports = [w.all_events[0]["bulk_port"] for w in ws]
+    clean = run_round(ws, members, "clean", n, reset=True)
+    assert [r["event"] for r in clean] == ["round_committed"] * 3
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(trio.run(_intrude, members, ports, session_tag("bench", "hit"), 3.0)))
+    for i, w in enumerate(ws):
+        w.send({"cmd": "round", "round": "hit", "members": members, "seed": 100 + i, "n": n, "reset": True})
+    t.start()
+    res = [w.wait_event(lambda e: e.get("round") == "hit" and e["event"] in ("round_committed", "round_failed"), 90)
+           for w in ws]
+    t.join(30)
+    assert out["bulk"] > 0 and out["raw"] > 0
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res
+    assert {r["digest"] for r in res} == {clean[0]["digest"]}  # exactly the clean result
+    logs = "".join(w.stderr_text() for w in ws)
+    assert "not our ring predecessor" in logs
+    assert "bulk connection dropped: reason=unknown-token" in logs

@@ -64,7 +64,8 @@ async def main(args) -> None:
             return svc
 
         await service_for("int8")
-        events.emit("worker_ready", addrs=node.full_addrs(), rss_mib=round(_rss_mib(), 1))
+        events.emit("worker_ready", addrs=node.full_addrs(), bulk_port=configs["svc"].port,
+                    rss_mib=round(_rss_mib(), 1))
         stdin = trio.wrap_file(sys.stdin)
         while True:
             line = await stdin.readline()
