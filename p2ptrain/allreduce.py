@@ -20,7 +20,6 @@ a split through the params hash each member publishes after a step and resyncs.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -301,7 +300,7 @@ class AllReduceService:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._abort_on_vote, pending, send_ch)
                 try:
-                    result, sent = await trio.to_thread.run_sync(
+                    result, sent, digest = await trio.to_thread.run_sync(
                         ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg, self.config.frame_timeout)
                 except RingError as exc:
                     failure = exc
@@ -309,7 +308,6 @@ class AllReduceService:
             if failure is not None:
                 aborted = [ID(p).to_base58() for p, (ok, _) in pending.votes.items() if not ok]
                 raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}")
-            digest = hashlib.sha256(result.tobytes()).hexdigest()
             await self._vote(ids, tag, True, digest)
             await self._collect(pending, ids, digest)
             return RoundResult(result, digest, sent, trio.current_time() - t0, path)

@@ -36,18 +36,19 @@ def test_round_commits_identical_result(procs, direct):
     assert [r["event"] for r in res] == ["round_committed"] * 3, res
     assert len({r["digest"] for r in res}) == 1
     assert {r["path"] for r in res} == {"direct" if direct else "libp2p"}
+    dump = procs.log_dir / "w0.npy"
+    ws[0].send({"cmd": "dump", "path": str(dump)})
+    ws[0].wait_event(lambda e: e["event"] == "dumped", 30)
     exact = np.mean([make_tensor(100 + i, n).astype(np.float64) for i in range(3)], axis=0)
-    # The worker reports the digest of its result; recompute the tolerance check here by
-    # re-running the identical reduction is not possible, so check digests match the commit.
-    assert all(r["tensor_after"] == r["digest"] for r in res)
-    del exact
+    err = np.linalg.norm(np.load(dump) - exact) / np.linalg.norm(exact)
+    assert err <= 0.01, err
 
 
 def test_sigkill_mid_round_aborts_everyone_then_survivors_commit(procs):
     n = 16 * 1024 * 1024 // 4 * 4  # 64 MiB of fp32
     ws, members = start_workers(procs, 4, "--rate", "20", "--frame-timeout", "10")
     for i, w in enumerate(ws):
-        w.send({"cmd": "round", "round": "k1", "members": members, "seed": 100 + i, "n": n})
+        w.send({"cmd": "round", "round": "k1", "members": members, "seed": 100 + i, "n": n, "verify": True})
     for w in ws:
         w.wait_event(lambda e: e["event"] == "round_started", 60)
     time.sleep(1.5)  # the round is moving bytes at 20 MB/s per link: well inside it

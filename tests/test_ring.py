@@ -35,11 +35,11 @@ def make_ring(world: int, tag: bytes = b"t" * 8, timeout: float = 10.0):
 
 def run_ring(vecs, cfg, sends, recvs, timeout=10.0):
     world = len(vecs)
-    results, errors = [None] * world, [None] * world
+    results, errors, digests = [None] * world, [None] * world, [None] * world
 
     def member(i):
         try:
-            results[i] = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, timeout)[0]
+            results[i], _, digests[i] = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, timeout)
         except Exception as exc:
             errors[i] = exc
             for ch in (sends[i], recvs[i]):
@@ -50,6 +50,7 @@ def run_ring(vecs, cfg, sends, recvs, timeout=10.0):
         t.start()
     for t in threads:
         t.join(60)
+    run_ring.digests = digests
     return results, errors
 
 
@@ -69,6 +70,7 @@ def test_bit_identical_and_accurate(world, mode):
     assert errors == [None] * world
     digests = {hashlib.sha256(r.tobytes()).hexdigest() for r in results}
     assert len(digests) == 1, "members disagree"
+    assert len(set(run_ring.digests)) == 1  # and so do the digests they would vote with
     exact = np.mean(np.stack(vecs).astype(np.float64), axis=0)
     err = rel_err(results[0], exact)
     assert err <= (1e-6 if mode == "fp32" else 0.010), err

@@ -8,6 +8,7 @@ import importlib
 BENCHES = {
     "dht": "p2ptrain.bench.dht",
     "kernels": "p2ptrain.bench.kernels",
+    "allreduce": "p2ptrain.bench.allreduce",
 }
 
 

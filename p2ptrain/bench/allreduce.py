@@ -1,0 +1,154 @@
+"""`p2ptrain bench allreduce`: our ring over libp2p vs hivemind and the raw-socket ceiling.
+
+All in one run, each peer its own process on 127.0.0.1:
+  - p2ptrain int8 and fp32: `allreduce_worker` processes (real libp2p nodes; bulk bytes on
+    the direct AES-GCM path, and optionally the libp2p-stream fallback with --fallback);
+  - the ceiling: a plain ring over raw AES-GCM sockets (`p2ptrain.bench.raw_ring`);
+  - hivemind's DecentralizedAverager, no compression and fp16 (its 8-bit codecs are broken
+    under NumPy 2), in its own processes (`p2ptrain.bench.hivemind_allreduce`).
+MiB/s = fp32 tensor MiB / round seconds (slowest member), median of ROUNDS after a warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--mb", type=int, default=64, help="fp32 tensor size in MiB")
+    p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up)")
+    p.add_argument("--fallback", action="store_true", help="also measure the libp2p-stream fallback path")
+    p.add_argument("--no-baselines", action="store_true", help="skip hivemind and the raw ring")
+    p.add_argument("--json", action="store_true")
+
+
+def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work: Path) -> dict:
+    from p2ptrain.bench.allreduce_worker import make_tensor
+    from p2ptrain.procs import ProcessGroup
+
+    n = mb * (1 << 20) // 4
+    extra = [] if direct else ["--no-direct"]
+    with ProcessGroup(work / f"{mode}-{'direct' if direct else 'libp2p'}") as group:
+        ws = [group.start(extra, f"w{i}", module="p2ptrain.bench.allreduce_worker", stdin=True) for i in range(peers)]
+        ready = [w.wait_event(lambda e: e["event"] == "worker_ready", 120) for w in ws]
+        members = [[r["peer"], r["addrs"][0]] for r in ready]
+        for i, w in enumerate(ws):
+            w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
+        for w in ws:
+            w.wait_event(lambda e: e["event"] == "prepared", 120)
+        secs, digests, rss = [], set(), []
+        for k in range(rounds + 1):
+            rid = f"{mode}-{k}"
+            for i, w in enumerate(ws):
+                w.send({"cmd": "round", "round": rid, "members": members, "seed": 1000 + i, "n": n,
+                        "mode": mode, "reset": True})
+            res = [w.wait_event(lambda e: e.get("round") == rid and e["event"] in ("round_committed", "round_failed"),
+                                300) for w in ws]
+            if any(r["event"] != "round_committed" for r in res):
+                raise RuntimeError(f"round {rid} failed: {[r.get('reason') for r in res]}")
+            if k:
+                secs.append(max(r["seconds"] for r in res))
+                digests |= {r["digest"] for r in res}
+                rss = [max(a, r["rss_mib"]) for a, r in zip(rss or [0] * peers, res)]
+        dump = work / f"{mode}.npy"
+        ws[0].send({"cmd": "dump", "path": str(dump)})
+        ws[0].wait_event(lambda e: e["event"] == "dumped", 60)
+        for w in ws:
+            w.send({"cmd": "exit"})
+    result = np.load(dump)
+    exact = np.zeros(n, np.float64)
+    for i in range(peers):
+        exact += make_tensor(1000 + i, n)
+    exact /= peers
+    err = float(np.linalg.norm(result - exact) / np.linalg.norm(exact))
+    idle = [r["rss_mib"] for r in ready]
+    mib_s = [mb / s for s in secs]
+    return {"event": "bench_allreduce_p2ptrain", "mode": mode, "path": "direct" if direct else "libp2p",
+            "peers": peers, "mb": mb, "mib_s": {"median": round(statistics.median(mib_s), 1),
+                                                  "all": [round(x, 1) for x in mib_s]},
+            "rel_err": err, "identical": len(digests) == 1, "peak_rss_mib": rss, "idle_rss_mib": idle,
+            "rss_over_idle_x_tensor": round(max(r - i for r, i in zip(rss, idle)) / mb, 2)}
+
+
+def _sub(module: str, args: list[str], work: Path) -> dict | None:
+    r = subprocess.run([sys.executable, "-m", module, *args, "--json"], capture_output=True, text=True,
+                       timeout=1800, cwd=str(work))
+    if r.returncode != 0:
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        print(f"{module}: unavailable: {last}", file=sys.stderr)
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def run(args) -> int:
+    work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-allreduce-"))
+    common = ["--peers", str(args.peers), "--mb", str(args.mb), "--rounds", str(args.rounds)]
+    rows: list[tuple[str, dict | None]] = []
+    for mode in ("int8", "fp32"):
+        rows.append((f"p2ptrain {mode} (direct)", measure_ours(args.peers, args.mb, args.rounds, mode, True, work)))
+    if args.fallback:
+        rows.append(("p2ptrain int8 (libp2p stream)",
+                     measure_ours(args.peers, args.mb, args.rounds, "int8", False, work)))
+    if not args.no_baselines:
+        for mode in ("int8", "fp32"):
+            rows.append((f"raw AES-GCM ring {mode} (ceiling)",
+                         _sub("p2ptrain.bench.raw_ring", common + ["--mode", mode, "--cipher", "aesgcm"], work)))
+        for comp in ("none", "fp16"):
+            rows.append((f"hivemind {comp}", _sub("p2ptrain.bench.hivemind_allreduce",
+                                                  common + ["--compression", comp], work)))
+    by = {label: r for label, r in rows}
+
+    def med(label: str) -> float | None:
+        r = by.get(label)
+        return r["mib_s"]["median"] if r else None
+
+    def ratio(a: str, b: str) -> float | None:
+        x, y = med(a), med(b)
+        return round(x / y, 2) if x and y else None
+
+    hm_best = max([v for v in (med("hivemind none"), med("hivemind fp16")) if v] or [0]) or None
+    ratios = {
+        "int8_vs_ceiling_int8": ratio("p2ptrain int8 (direct)", "raw AES-GCM ring int8 (ceiling)"),
+        "fp32_vs_ceiling_fp32": ratio("p2ptrain fp32 (direct)", "raw AES-GCM ring fp32 (ceiling)"),
+        "int8_vs_best_hivemind": round(med("p2ptrain int8 (direct)") / hm_best, 2) if hm_best else None,
+    }
+    summary = {"event": "bench_allreduce_summary", "peers": args.peers, "mb": args.mb, "rounds": args.rounds,
+               "results": {label: r for label, r in rows}, "ratios": ratios,
+               "goals": {"int8_vs_best_hivemind": ">= 10", "int8_vs_ceiling_int8": ">= 0.7",
+                         "rel_err_int8": "<= 0.01", "rss_over_idle_x_tensor": "<= 3"}}
+    if args.json:
+        for _, r in rows:
+            if r:
+                print(json.dumps(r))
+        print(json.dumps(summary))
+        return 0
+    print(f"All-reduce, {args.peers} peers, {args.mb} MiB fp32, median of {args.rounds} rounds (MiB/s of fp32 payload)")
+    print(f"{'system':<36}{'MiB/s':>9}{'rel err':>10}{'identical':>10}{'peak RSS MiB':>16}")
+    for label, r in rows:
+        if r is None:
+            print(f"{label:<36}{'unavailable':>9}")
+            continue
+        rss = r.get("peak_rss_mib") or []
+        print(f"{label:<36}{r['mib_s']['median']:>9.1f}{r.get('rel_err', float('nan')):>10.4f}"
+              f"{str(r.get('identical')):>10}{(max(rss) if rss else float('nan')):>16.0f}")
+    for k, v in ratios.items():
+        print(f"{k}: {v}")
+    ours = by["p2ptrain int8 (direct)"]
+    print(f"p2ptrain int8 RSS above idle: {ours['rss_over_idle_x_tensor']}x the tensor (goal <= 3x)")
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m p2ptrain.bench.allreduce")
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))
