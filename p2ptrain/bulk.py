@@ -118,6 +118,7 @@ class FrameChannel:
         self.max_bad_frames = max_bad_frames
         self.stats = BulkStats()
         self._bad = 0
+        self._sealed = bytearray()  # reused: sends on one channel are sequential
 
     @staticmethod
     def _nonce(fid: FrameId) -> bytes:
@@ -128,7 +129,9 @@ class FrameChannel:
 
     def send(self, fid: FrameId, payload: memoryview) -> None:
         hdr = self.header(fid, len(payload))
-        sealed = bytearray(len(payload) + TAG)
+        if len(self._sealed) < len(payload) + TAG:
+            self._sealed = bytearray(len(payload) + TAG)
+        sealed = memoryview(self._sealed)[: len(payload) + TAG]
         self.aead.encrypt_into(self._nonce(fid), payload, hdr, sealed)
         self.io.sendall([hdr, sealed])
         self.stats.frames += 1

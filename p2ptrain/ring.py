@@ -169,14 +169,20 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     si = 0
     sent = 0
 
-    def encode(x: np.ndarray) -> bytearray:
+    def views(m: int) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
+        """A fresh outgoing payload and the array views kernels write into (no copies)."""
+        buf = bytearray(wire_bytes(m, cfg))
         if cfg.mode == "fp32":
-            return bytearray(x.tobytes())
-        q, meta = K.quantize(x, cfg.block)
-        return bytearray(q.tobytes()) + bytearray(meta.tobytes())
+            return buf, np.frombuffer(buf, np.float32), None
+        return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
 
-    def pack(q: np.ndarray, meta: np.ndarray) -> bytearray:
-        return bytearray(q.tobytes()) + bytearray(meta.tobytes())
+    def encode(x: np.ndarray) -> bytearray:
+        buf, a, meta = views(x.size)
+        if cfg.mode == "fp32":
+            a[:] = x
+        else:
+            K.quantize(x, cfg.block, q=a, meta=meta)
+        return buf
 
     def split(buf: bytearray, m: int) -> tuple[np.ndarray, np.ndarray]:
         return np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
@@ -206,20 +212,22 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
             lo, hi = lay[c][j]
             m, local = hi - lo, vec[lo:hi]
             if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
+                out, a, meta = views(m)
                 if cfg.mode == "fp32":
-                    pending[(c, j)] = bytearray((np.frombuffer(buf, np.float32) + local).tobytes())
+                    np.add(np.frombuffer(buf, np.float32), local, out=a)
                 else:
-                    pending[(c, j)] = pack(*K.ring_hop(*split(buf, m), local, cfg.block))
+                    K.ring_hop(*split(buf, m), local, cfg.block, q_out=a, meta_out=meta)
+                pending[(c, j)] = out
             elif fid.step == world - 2:  # we own this chunk: the mean, quantized once
+                out, a, meta = views(m)
                 if cfg.mode == "fp32":
-                    mean = (np.frombuffer(buf, np.float32) + local) * inv
-                    result[lo:hi] = mean
-                    pending[(c, j)] = bytearray(mean.tobytes())
+                    np.multiply(np.frombuffer(buf, np.float32) + local, inv, out=a)
+                    result[lo:hi] = a
                 else:
-                    q_out, meta_out, _ = K.owner_hop(*split(buf, m), local, float(inv), cfg.block,
-                                                     out=result[lo:hi])
-                    pending[(c, j)] = pack(q_out, meta_out)
-                final[(c, j)] = hashlib.sha256(pending[(c, j)]).digest()
+                    K.owner_hop(*split(buf, m), local, float(inv), cfg.block, q_out=a, meta_out=meta,
+                                out=result[lo:hi])
+                pending[(c, j)] = out
+                final[(c, j)] = hashlib.sha256(out).digest()
             else:  # all-gather: decode, forward the very same bytes
                 if cfg.mode == "fp32":
                     result[lo:hi] = np.frombuffer(buf, np.float32)
