@@ -46,7 +46,13 @@ TOKEN_LEN = 16
 
 
 class RoundFailed(Exception):
-    """The round aborted on this member; no tensor was changed."""
+    """The round aborted on this member; no tensor was changed.
+
+    `blamed`: members caught sending bad data (peer id -> reason), by us or by others."""
+
+    def __init__(self, message: str, blamed: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.blamed = blamed or {}
 
 
 @dataclass
@@ -94,7 +100,7 @@ class _Pending:
     key: bytes = b""
     channel: FrameChannel | None = None
     ready: trio.Event = field(default_factory=trio.Event)
-    votes: dict[bytes, tuple[bool, str]] = field(default_factory=dict)
+    votes: dict[bytes, dict] = field(default_factory=dict)  # sender -> {ok, digest, blame, reason}
     vote_event: trio.Event = field(default_factory=trio.Event)
 
 
@@ -165,7 +171,9 @@ class AllReduceService:
         self.listen_ip = listen_ip
         self.port = 0
         self._rounds: dict[bytes, _Pending] = {}
-        self._early_votes: dict[bytes, dict[bytes, tuple[bool, str]]] = {}
+        self._early_votes: dict[bytes, dict[bytes, dict]] = {}
+        self._inbox: dict[bytes, dict[bytes, bytes]] = {}  # exchange tag -> sender -> payload
+        self._inbox_event = trio.Event()
         self._tokens: dict[bytes, tuple[_Pending, trio.Event]] = {}
 
     # -- service ---------------------------------------------------------------------
@@ -255,17 +263,33 @@ class AllReduceService:
         try:
             with trio.fail_after(5):
                 msg = await _read_msg(stream)
-            tag, ok, digest = msg.get("tag"), msg.get("ok"), msg.get("digest")
-            if not isinstance(tag, bytes) or not isinstance(ok, bool) or not isinstance(digest, str):
+            tag = msg.get("tag")
+            if not isinstance(tag, bytes):
+                raise ValueError("malformed message")
+            if msg.get("kind") == "data":
+                data = msg.get("data")
+                if not isinstance(data, bytes):
+                    raise ValueError("malformed data message")
+                box = self._inbox.setdefault(tag, {})
+                if len(self._inbox) > 256:  # bounded: stale exchanges are forgotten
+                    self._inbox.pop(next(iter(self._inbox)))
+                box[sender] = data
+                self._inbox_event.set()
+                self._inbox_event = trio.Event()
+                return
+            ok, digest = msg.get("ok"), msg.get("digest")
+            blame, reason = msg.get("blame") or "", msg.get("reason") or ""
+            if not isinstance(ok, bool) or not isinstance(digest, str) or not isinstance(blame, str):
                 raise ValueError("malformed vote")
+            vote = {"ok": ok, "digest": digest, "blame": blame[:100], "reason": str(reason)[:200]}
             pending = self._rounds.get(tag)
             if pending is None:
                 early = self._early_votes.setdefault(tag, {})
                 if len(self._early_votes) > 256:  # bounded: stale rounds are forgotten
                     self._early_votes.pop(next(iter(self._early_votes)))
-                early[sender] = (ok, digest)
+                early[sender] = vote
             else:
-                pending.votes[sender] = (ok, digest)
+                pending.votes[sender] = vote
                 pending.vote_event.set()
         except Exception as exc:
             log.warning("vote from %s dropped: %s", ID(sender), exc)
@@ -274,8 +298,11 @@ class AllReduceService:
                 await stream.close()
 
     # -- rounds ----------------------------------------------------------------------
-    async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str]) -> RoundResult:
-        """Average `vec` with `members` (ring order, including us). Raises RoundFailed."""
+    async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
+                        own: list | None = None, check=None) -> RoundResult:
+        """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
+
+        `own` and `check` are passed to the data plane (see `p2ptrain.ring.allreduce`)."""
         me = self.identity.peer_id
         ids = [peer_id_from_str(m) for m in members]
         if me not in ids or len(set(ids)) != len(ids):
@@ -290,6 +317,7 @@ class AllReduceService:
         t0 = trio.current_time()
         send_ch = None
         path = "none"
+        voted = False
         try:
             if world > 1:
                 with trio.fail_after(self.config.setup_timeout):
@@ -301,21 +329,32 @@ class AllReduceService:
                 nursery.start_soon(self._abort_on_vote, pending, send_ch)
                 try:
                     result, sent, digest = await trio.to_thread.run_sync(
-                        ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg, self.config.frame_timeout)
+                        ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg, self.config.frame_timeout,
+                        own, check)
                 except RingError as exc:
                     failure = exc
                 nursery.cancel_scope.cancel()
             if failure is not None:
-                aborted = [ID(p).to_base58() for p, (ok, _) in pending.votes.items() if not ok]
-                raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}")
+                if failure.blame:
+                    # Tell everyone who cheated before anything else: they retry without it.
+                    await self._vote(ids, tag, False, "", failure.blame, failure.reason)
+                    voted = True
+                    raise RoundFailed(f"bad data from {failure.blame}: {failure.reason}",
+                                      {failure.blame: failure.reason} | self._blamed(pending))
+                await trio.sleep(0.2)  # an accuser's vote usually arrives right behind the failure
+                aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+                raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}",
+                                  self._blamed(pending))
             await self._vote(ids, tag, True, digest)
             await self._collect(pending, ids, digest)
             return RoundResult(result, digest, sent, trio.current_time() - t0, path)
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None
-        except RoundFailed:
-            await self._vote(ids, tag, False, "")
+        except RoundFailed as exc:
+            if not voted:
+                await self._vote(ids, tag, False, "")
+            exc.blamed.update(self._blamed(pending))
             raise
         finally:
             for ch in (send_ch, pending.channel):
@@ -323,10 +362,14 @@ class AllReduceService:
                     await trio.to_thread.run_sync(ch.close)
             self._rounds.pop(tag, None)
 
+    @staticmethod
+    def _blamed(pending: _Pending) -> dict[str, str]:
+        return {v["blame"]: v["reason"] for v in pending.votes.values() if not v["ok"] and v["blame"]}
+
     async def _abort_on_vote(self, pending: _Pending, send_ch) -> None:
         """An abort vote from anyone closes our channels, so our data plane fails now
         rather than after frame_timeout."""
-        while not any(not ok for ok, _ in pending.votes.values()):
+        while not any(not v["ok"] for v in pending.votes.values()):
             pending.vote_event = trio.Event()
             await pending.vote_event.wait()
         for ch in (send_ch, pending.channel):
@@ -358,8 +401,29 @@ class AllReduceService:
         io = self._wrap(StreamIO(stream, self.config.frame_timeout))
         return FrameChannel(io, key, tag, ID(nxt).to_base58()), "libp2p"
 
-    async def _vote(self, ids: list[bytes], tag: bytes, ok: bool, digest: str) -> None:
-        msg = _pack({"tag": tag, "ok": ok, "digest": digest})
+    async def _vote(self, ids: list[bytes], tag: bytes, ok: bool, digest: str, blame: str = "",
+                    reason: str = "") -> None:
+        await self._send_all(ids, _pack({"tag": tag, "ok": ok, "digest": digest, "blame": blame,
+                                         "reason": reason}))
+
+    async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
+                       timeout: float) -> dict[str, bytes | None]:
+        """Send `payload` to every other member and collect theirs (None where it did not
+        arrive within `timeout`). Used for roster confirmation and contribution headers."""
+        ids = [peer_id_from_str(m) for m in members]
+        tag = session_tag(run_id, round_id)
+        box = self._inbox.setdefault(tag, {})
+        await self._send_all(ids, _pack({"tag": tag, "kind": "data", "data": payload}))
+        others = [p for p in ids if p != self.identity.peer_id]
+        with trio.move_on_after(timeout):
+            while not all(p in box for p in others):
+                await self._inbox_event.wait()
+        box = self._inbox.pop(tag, box)
+        out = {ID(p).to_base58(): box.get(p) for p in others}
+        out[self.identity.peer_id_str] = payload
+        return out
+
+    async def _send_all(self, ids: list[bytes], msg: bytes) -> None:
 
         async def one(peer: bytes) -> None:
             try:
@@ -381,9 +445,9 @@ class AllReduceService:
             while True:
                 for peer in others:
                     vote = pending.votes.get(peer)
-                    if vote is not None and not vote[0]:
-                        raise RoundFailed(f"{ID(peer)} aborted the round")
-                    if vote is not None and vote[1] != digest:
+                    if vote is not None and not vote["ok"]:
+                        raise RoundFailed(f"{ID(peer)} aborted the round", self._blamed(pending))
+                    if vote is not None and vote["digest"] != digest:
                         raise RoundFailed(f"{ID(peer)} got a different result")
                 if all(p in pending.votes for p in others):
                     return

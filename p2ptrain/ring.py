@@ -21,6 +21,7 @@ every frame arrived and verified. Whether to apply it is the commit protocol's d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import queue
 import threading
@@ -33,7 +34,14 @@ from p2ptrain import kernels as K
 
 
 class RingError(Exception):
-    """The data plane failed (peer gone, timeout, too many bad frames); nothing was changed."""
+    """The data plane failed (peer gone, timeout, too many bad frames); nothing was changed.
+
+    `blame` names a member caught sending bad data (by the caller's frame check)."""
+
+    def __init__(self, message: str, blame: str | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.blame = blame
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,29 @@ def wire_bytes(n_elems: int, cfg: RingConfig) -> int:
     return n_elems * 4 if cfg.mode == "fp32" else K.quantized_nbytes(n_elems, cfg.block)
 
 
+def payload_views(m: int, cfg: RingConfig) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
+    """A fresh frame payload and the array views kernels write into (no copies)."""
+    buf = bytearray(wire_bytes(m, cfg))
+    if cfg.mode == "fp32":
+        return buf, np.frombuffer(buf, np.float32), None
+    return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
+
+
+def encode_payload(x: np.ndarray, cfg: RingConfig) -> bytearray:
+    buf, a, meta = payload_views(x.size, cfg)
+    if cfg.mode == "fp32":
+        a[:] = x
+    else:
+        K.quantize(x, cfg.block, q=a, meta=meta)
+    return buf
+
+
+def own_payloads(vec: np.ndarray, rank: int, world: int, cfg: RingConfig) -> list[bytearray]:
+    """This rank's step-0 frames: its own chunk, encoded sub-chunk by sub-chunk."""
+    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    return [encode_payload(vec[lo:hi], cfg) for lo, hi in layout(vec.size, world, cfg)[rank]]
+
+
 def schedule(rank: int, world: int, lay: list[list[tuple[int, int]]]):
     """(sends, recvs): ordered lists of (FrameId, chunk, sub) for this rank."""
     sends, recvs = [], []
@@ -122,7 +153,8 @@ class _Pump(threading.Thread):
 
 
 def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, recv_ch: Channel | None,
-              cfg: RingConfig, timeout: float = 30.0) -> tuple[np.ndarray, int, str]:
+              cfg: RingConfig, timeout: float = 30.0, own: list[bytearray] | None = None,
+              check=None) -> tuple[np.ndarray, int, str]:
     """Mean of every member's `vec` as a new array, the payload bytes this rank sent, and
     the result's digest.
 
@@ -130,6 +162,11 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     order. Every member decodes its result from exactly those bytes, so equal digests mean
     equal results; hashing them as they arrive keeps the commit vote off the critical path
     (hashing the 64 MiB fp32 result afterwards cost ~12 % of a round).
+
+    `own`: this rank's step-0 payloads (its own chunk, already encoded, e.g. so their digests
+    could be signed first). `check(step, chunk, sub, payload, values)`: called on every
+    received frame with the fp32 values it decodes to, before anything is mixed in; an
+    exception with a `peer` attribute aborts the round blaming that peer.
 
     Raises RingError on any failure (including no frame for `timeout` seconds); `vec` is
     never modified."""
@@ -169,20 +206,8 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     si = 0
     sent = 0
 
-    def views(m: int) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
-        """A fresh outgoing payload and the array views kernels write into (no copies)."""
-        buf = bytearray(wire_bytes(m, cfg))
-        if cfg.mode == "fp32":
-            return buf, np.frombuffer(buf, np.float32), None
-        return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
-
-    def encode(x: np.ndarray) -> bytearray:
-        buf, a, meta = views(x.size)
-        if cfg.mode == "fp32":
-            a[:] = x
-        else:
-            K.quantize(x, cfg.block, q=a, meta=meta)
-        return buf
+    views = functools.partial(payload_views, cfg=cfg)
+    encode = functools.partial(encode_payload, cfg=cfg)
 
     def split(buf: bytearray, m: int) -> tuple[np.ndarray, np.ndarray]:
         return np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
@@ -194,7 +219,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
             fid, c, j = sends[si]
             if fid.step == 0:
                 lo, hi = lay[c][j]
-                payload = encode(vec[lo:hi])
+                payload = own[j] if own is not None else encode(vec[lo:hi])
             elif (c, j) in pending:
                 payload = pending.pop((c, j))
             else:
@@ -211,6 +236,17 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
             buf = _get(inq, timeout, receiver, sender)
             lo, hi = lay[c][j]
             m, local = hi - lo, vec[lo:hi]
+            if check is not None:
+                if cfg.mode == "fp32":
+                    values = np.frombuffer(buf, np.float32)
+                else:
+                    values = K.dequantize(*split(buf, m), cfg.block)
+                try:
+                    check(fid.step, c, j, buf, values)
+                except Exception as exc:
+                    if getattr(exc, "peer", None):
+                        raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
+                    raise
             if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
                 out, a, meta = views(m)
                 if cfg.mode == "fp32":

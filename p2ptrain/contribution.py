@@ -1,0 +1,166 @@
+"""Signed contribution headers and their verification (pure logic: no I/O).
+
+Before a group reduces, each member signs a header describing its pseudo-gradient: run,
+step, attempt, roster hash, its norm per ring chunk, the SHA-256 of each sub-chunk payload
+it will send first (its own chunk, quantized: the exact bytes its successor will receive),
+inner steps and tokens. Members exchange headers and each one runs `verify_headers` on the
+same set, so they exclude the same peers. The data plane then holds every frame to these
+claims (`FrameChecker`): the first hop must match the signed digests, and every partial sum
+must be finite and no larger than the claimed norms allow. A peer caught either way is
+excluded, the round is retried without it, and it is ignored for the rest of the run.
+
+Known limit: a data-plane accusation names the accuser's ring predecessor and is trusted by
+the others (frames are sealed pairwise, not signed, so a third party cannot check it). A
+malicious member can therefore get one honest peer excluded per accusation; issue 7's
+robust aggregation addresses Byzantine accusers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
+
+MAX_HEADER_BYTES = 16 * 1024
+_DOMAIN = b"p2ptrain-contribution-v1"
+
+
+class BadContribution(Exception):
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"{peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Header:
+    run: str
+    step: int
+    attempt: int
+    roster: str
+    peer: str
+    chunk_norms: tuple[float, ...]
+    own_digests: tuple[str, ...]
+    norm: float
+    inner_steps: int
+    tokens: int
+
+    def body(self) -> dict:
+        return {"run": self.run, "step": self.step, "attempt": self.attempt, "roster": self.roster,
+                "peer": self.peer, "chunk_norms": list(self.chunk_norms), "own_digests": list(self.own_digests),
+                "norm": self.norm, "inner_steps": self.inner_steps, "tokens": self.tokens}
+
+
+def _payload(body: dict) -> bytes:
+    return _DOMAIN + msgpack.packb(body, use_bin_type=True)
+
+
+def sign_header(h: Header, identity: Identity) -> bytes:
+    body = h.body()
+    return msgpack.packb({"h": body, "sig": identity.sign(_payload(body))}, use_bin_type=True)
+
+
+def decode_header(data: bytes) -> Header:
+    """Parse and check the signature; raises BadContribution(peer='?' when unknown)."""
+    if len(data) > MAX_HEADER_BYTES:
+        raise BadContribution("?", "oversize header")
+    try:
+        obj = msgpack.unpackb(data, raw=False, max_array_len=4096, max_map_len=32, max_bin_len=128,
+                              max_str_len=1024)
+        body, sig = obj["h"], obj["sig"]
+        h = Header(str(body["run"]), int(body["step"]), int(body["attempt"]), str(body["roster"]),
+                   str(body["peer"]), tuple(float(x) for x in body["chunk_norms"]),
+                   tuple(str(x) for x in body["own_digests"]), float(body["norm"]),
+                   int(body["inner_steps"]), int(body["tokens"]))
+    except Exception:
+        raise BadContribution("?", "malformed header") from None
+    try:
+        public = public_from_peer_id_bytes(peer_id_from_str(h.peer))
+    except ValueError:
+        raise BadContribution(h.peer, "malformed peer id") from None
+    if not isinstance(sig, bytes) or not verify(public, sig, _payload(body)):
+        raise BadContribution(h.peer, "bad-signature")
+    return h
+
+
+def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
+                   members: list[str], history: dict[str, set[tuple[str, ...]]],
+                   norm_factor: float = 10.0) -> tuple[dict[str, Header], dict[str, str]]:
+    """(accepted headers, rejected peer -> reason) for the group `members`."""
+    ok: dict[str, Header] = {}
+    bad: dict[str, str] = {}
+    for peer in members:
+        data = raw.get(peer)
+        if data is None:
+            bad[peer] = "missing-header"
+            continue
+        try:
+            h = decode_header(data)
+        except BadContribution as exc:
+            bad[peer] = exc.reason
+            continue
+        if h.peer != peer:
+            bad[peer] = "header-for-another-peer"
+        elif (h.run, h.step, h.attempt) != (run, step, attempt):
+            bad[peer] = "wrong-step"
+        elif h.roster != roster:
+            bad[peer] = "wrong-roster"
+        elif len(h.chunk_norms) != len(members):
+            bad[peer] = "wrong-chunk-count"
+        elif not all(math.isfinite(x) and x >= 0 for x in (*h.chunk_norms, h.norm)):
+            bad[peer] = "non-finite"
+        elif h.own_digests in history.get(peer, set()):
+            bad[peer] = "replay"
+        else:
+            ok[peer] = h
+    if len(ok) >= 3:
+        median = float(np.median([h.norm for h in ok.values()]))
+        for peer, h in list(ok.items()):
+            if median > 0 and h.norm > norm_factor * median:
+                bad[peer] = "norm-outlier"
+                del ok[peer]
+    return ok, bad
+
+
+class FrameChecker:
+    """Holds each frame of a ring round to the members' signed headers.
+
+    Called with the values a frame decodes to (fp32), in the compute thread."""
+
+    def __init__(self, members: list[str], headers: dict[str, Header], rank: int,
+                 sub_counts: list[int], slack: float = 1.05) -> None:
+        self.members = members
+        self.headers = headers
+        self.rank = rank
+        self.world = len(members)
+        self.sub_counts = sub_counts
+        self.slack = slack
+        self._partial: dict[tuple[int, int], float] = {}
+
+    def _bound(self, chunk: int, contributors: list[int]) -> float:
+        return sum(self.headers[self.members[i]].chunk_norms[chunk] for i in contributors)
+
+    def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
+        prev = self.members[(self.rank - 1) % self.world]
+        if not np.isfinite(values).all():
+            raise BadContribution(prev, "non-finite values")
+        w = self.world
+        if step == 0:  # the predecessor's own data, exactly as it signed it
+            digest = hashlib.sha256(payload).hexdigest()
+            own = self.headers[prev].own_digests
+            if sub >= len(own) or own[sub] != digest:
+                raise BadContribution(prev, "payload does not match its signed digest")
+        if step < w - 1:  # a partial sum of members chunk, chunk+1, ..., rank-1
+            contributors = [(chunk + i) % w for i in range(step + 1)]
+            bound = self._bound(chunk, contributors)
+        else:  # all-gather: the owner's mean
+            bound = self._bound(chunk, list(range(w))) / w
+        key = (step, chunk)
+        self._partial[key] = self._partial.get(key, 0.0) + float(np.dot(values, values))
+        if math.sqrt(self._partial[key]) > self.slack * bound + 1e-6:
+            raise BadContribution(prev, f"chunk {chunk} norm exceeds the signed bound at step {step}")

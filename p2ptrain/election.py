@@ -1,0 +1,66 @@
+"""Group election for an outer step, without a coordinator (pure logic: no I/O).
+
+Peers ready for outer step t each publish a signed DHT record carrying their `ready_at`
+(wall time). Every peer applies the same rule to the records it sees:
+  - the step's deadline is the earliest ready_at plus the join window;
+  - the candidates are the records with ready_at <= deadline (a later one skips the step);
+  - candidates are ordered by SHA-256(run, t, peer id) and dealt into ceil(N / G) groups
+    of near-equal size (re-drawn every step, Moshpit-style, so groups mix);
+  - within a group the same order is the ring order.
+No peer is special: if any one vanishes, the others still compute the same groups from the
+records that remain, and members confirm the roster (its hash) before reducing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ready:
+    peer: str
+    ready_at: float
+    addrs: tuple[str, ...] = ()
+
+
+def deadline(records: list[Ready], window: float) -> float | None:
+    return min(r.ready_at for r in records) + window if records else None
+
+
+def order_key(run_id: str, step: int, peer: str) -> bytes:
+    return hashlib.sha256(f"{run_id}\0{step}\0{peer}".encode()).digest()
+
+
+def candidates(records: list[Ready], window: float, exclude: set[str] = frozenset()) -> list[Ready]:
+    d = deadline([r for r in records if r.peer not in exclude], window)
+    if d is None:
+        return []
+    return [r for r in records if r.ready_at <= d and r.peer not in exclude]
+
+
+def groups(run_id: str, step: int, peers: list[str], group_size: int) -> list[list[str]]:
+    """Deterministic partition into groups of at most `group_size`, sizes differing by <= 1."""
+    if group_size < 1:
+        raise ValueError("group_size must be >= 1")
+    ordered = sorted(set(peers), key=lambda p: order_key(run_id, step, p))
+    if not ordered:
+        return []
+    n_groups = -(-len(ordered) // group_size)
+    return [ordered[i::n_groups] for i in range(n_groups)]
+
+
+def my_group(run_id: str, step: int, peers: list[str], group_size: int, me: str) -> list[str]:
+    for g in groups(run_id, step, peers, group_size):
+        if me in g:
+            return ring_order(run_id, step, g)
+    return []
+
+
+def ring_order(run_id: str, step: int, members: list[str]) -> list[str]:
+    return sorted(members, key=lambda p: order_key(run_id, step, p))
+
+
+def roster_hash(run_id: str, step: int, attempt: int, members: list[str]) -> str:
+    text = "\0".join([run_id, str(step), str(attempt), *members])
+    return hashlib.sha256(text.encode()).hexdigest()
