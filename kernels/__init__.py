@@ -1,0 +1,65 @@
+"""Compute kernels of the int8 ring all-reduce (reduce-scatter + all-gather).
+
+Public API (identical on both backends; scheme, wire format and measurements are described
+in `reference.py` and `quant.py`):
+
+    quantize(x, block=16, q=None, meta=None) -> (q, meta)
+    dequantize(q, meta, block=16, out=None) -> out
+    dequantize_add(q, meta, acc, block=16) -> acc                     # acc += deq(q)
+    ring_hop(q_in, meta_in, local, block=16, q_out=None, meta_out=None) -> (q_out, meta_out)
+    owner_hop(q_in, meta_in, local, mul=1.0, block=16, q_out=None, meta_out=None, out=None)
+        -> (q_out, meta_out, out)
+    quantized_nbytes(n, block=16), meta_nbytes(n, block=16), split_bounds(n, parts, block=16)
+    simulate_ring_mean(tensors, block=16, kernels=None, return_all=False)
+
+The backend is numba (`p2ptrain.kernels.quant`) unless the environment variable
+P2PTRAIN_KERNELS=numpy selects the plain-numpy reference (`p2ptrain.kernels.reference`),
+which gives bit-identical results, only slower; `BACKEND` names the one in use. The choice is
+made once, at import.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .reference import DEFAULT_BLOCK, SUBS_PER_SUPER, meta_nbytes, quantized_nbytes, split_bounds
+
+_requested = os.environ.get("P2PTRAIN_KERNELS", "numba").strip().lower() or "numba"
+if _requested not in ("numba", "numpy"):
+    raise ImportError(f"P2PTRAIN_KERNELS must be 'numba' or 'numpy', got {_requested!r}")
+
+if _requested == "numpy":
+    from . import reference as _impl
+else:
+    # imported only here, so the numpy backend works where numba does not
+    from . import quant as _impl
+
+BACKEND = _requested
+quantize = _impl.quantize
+dequantize = _impl.dequantize
+dequantize_add = _impl.dequantize_add
+ring_hop = _impl.ring_hop
+owner_hop = _impl.owner_hop
+
+
+def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=False):
+    """Ring all-reduce (mean) simulation; uses the selected backend unless `kernels` is given."""
+    from .reference import simulate_ring_mean as _sim
+
+    return _sim(tensors, block, kernels if kernels is not None else _impl, return_all)
+
+
+__all__ = [
+    "BACKEND",
+    "DEFAULT_BLOCK",
+    "SUBS_PER_SUPER",
+    "dequantize",
+    "dequantize_add",
+    "meta_nbytes",
+    "owner_hop",
+    "quantize",
+    "quantized_nbytes",
+    "ring_hop",
+    "simulate_ring_mean",
+    "split_bounds",
+]
