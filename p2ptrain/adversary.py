@@ -1,0 +1,63 @@
+"""TEST ONLY: scripted misbehaviour for the hostile-peer tests.
+
+A node runs one of these only when started with P2PTRAIN_ADVERSARY=<mode> (read by `join`);
+honest nodes use `Honest`, which changes nothing. Keeping the attacks in one clearly named
+module keeps them out of the real code paths.
+
+Modes:
+  forge   signs its contribution header with a key that is not its own
+  nan     sends NaN values, with a header claiming finite norms
+  norm    sends its pseudo-gradient scaled 1000x (honest header)
+  replay  re-sends the header it would have signed for the previous step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from p2ptrain.identity import Identity
+
+MODES = ("forge", "nan", "norm", "replay")
+
+
+class Honest:
+    def corrupt(self, delta: np.ndarray) -> np.ndarray:
+        return delta
+
+    def header(self, header, identity: Identity, sign) -> bytes:
+        return sign(header, identity)
+
+
+class Adversary(Honest):
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+
+    def corrupt(self, delta: np.ndarray) -> np.ndarray:
+        if self.mode == "nan":
+            bad = delta.copy()
+            bad[::7] = np.nan
+            return bad
+        if self.mode == "norm":
+            return delta * np.float32(1000.0)
+        return delta
+
+    def header(self, header, identity: Identity, sign) -> bytes:
+        if self.mode == "forge":
+            return sign(header, Identity.generate())
+        if self.mode == "norm":  # honest about its own (huge) norms
+            scaled = dataclasses.replace(header, chunk_norms=tuple(1000 * x for x in header.chunk_norms),
+                                         norm=1000 * header.norm)
+            return sign(scaled, identity)
+        if self.mode == "replay":
+            return sign(dataclasses.replace(header, step=header.step - 1), identity)
+        return sign(header, identity)
+
+
+def make(mode: str) -> Honest:
+    if not mode:
+        return Honest()
+    if mode not in MODES:
+        raise ValueError(f"unknown adversary mode {mode!r}; one of {', '.join(MODES)}")
+    return Adversary(mode)

@@ -1,0 +1,270 @@
+"""A peer's DiLoCo loop over the network: inner steps, election, verified reduction, outer step.
+
+Per outer step t:
+  1. H inner AdamW steps (worker thread), then the pseudo-gradient (outer - current params).
+  2. A signed `ready` record for step t in the DHT; the group comes from `p2ptrain.election`
+     over the records seen once the step's deadline (earliest ready + join window) passed.
+  3. Attempts, each with a fresh roster: confirm the roster hash with every member; exchange
+     signed contribution headers and verify them (`p2ptrain.contribution`); run the int8
+     ring with every frame held to those headers. A member caught cheating is excluded,
+     logged (`contribution_rejected`) and ignored for the rest of the run; a member that
+     vanished drops out at the next roster confirmation. Nothing is applied until a round
+     commits on every member.
+  4. Nesterov outer step on the committed average, published as a `state` record (step,
+     params hash, checkpoint hash) and served to newcomers; checkpoint written atomically.
+A peer that misses a deadline skips the step and catches up from the members' state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import trio
+
+from p2ptrain import checkpoint, election, ring
+from p2ptrain.allreduce import AllReduceService, RoundFailed
+from p2ptrain.clock import wall_time
+from p2ptrain.contribution import FrameChecker, Header, sign_header, verify_headers
+from p2ptrain.events import EventSink
+from p2ptrain.fetch import BlobServer, FetchError, fetch_any
+from p2ptrain.identity import peer_id_from_str
+
+log = logging.getLogger("p2ptrain.trainer")
+MAX_ATTEMPTS = 4
+KEEP_CHECKPOINTS = 3
+
+
+def run_key(run_id: str, what: str) -> str:
+    return f"/p2ptrain/{run_id}/{what}"
+
+
+@dataclass
+class TrainerConfig:
+    max_outer_steps: int = 0
+    """Leave cleanly after this many committed outer steps (0 = train until interrupted)."""
+    threads: int = 1
+    """torch threads for inner steps."""
+    adversary: str = ""
+    """TEST ONLY: misbehave this way (see p2ptrain/adversary.py)."""
+
+    def __post_init__(self) -> None:
+        if self.max_outer_steps < 0 or self.threads < 1:
+            raise ValueError("max_outer_steps must be >= 0 and threads >= 1")
+
+
+@dataclass
+class StepStats:
+    bytes_sent: int = 0
+    members: list[str] = field(default_factory=list)
+
+
+class Trainer:
+    def __init__(self, node, svc: AllReduceService, blobs: BlobServer, manifest: dict, run_id: str,
+                 local, events: EventSink, workdir: Path, config: TrainerConfig) -> None:
+        self.node = node
+        self.dht = node.dht
+        self.svc = svc
+        self.blobs = blobs
+        self.manifest = manifest
+        self.run_id = run_id
+        self.local = local
+        self.events = events
+        self.workdir = Path(workdir)
+        self.config = config
+        self.me = node.identity.peer_id_str
+        tm = manifest["timeouts"]
+        self.window = float(tm["join_window"])
+        self.exchange_timeout = float(tm["exchange"])
+        self.group_size = int(manifest["train"]["group_size"])
+        self.mode = manifest["train"]["allreduce"]
+        self.ignored: set[str] = set()
+        self.history: dict[str, set[tuple[str, ...]]] = {}
+        self.committed = 0
+        self._state_digest = ""
+        self._prev_header: bytes | None = None
+        from p2ptrain import adversary
+
+        self.adversary = adversary.make(config.adversary)
+
+    # -- service ---------------------------------------------------------------------
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self.publish_state()
+        self.events.emit("run_joined", run=self.run_id, step=self.local.step, params=self.local.n_params)
+        task_status.started()
+        while not self.config.max_outer_steps or self.committed < self.config.max_outer_steps:
+            await self.outer_step()
+
+    async def outer_step(self) -> None:
+        t = self.local.step
+        self.events.emit("outer_step_started", step=t)
+        loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner)
+        delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
+        t_comm = trio.current_time()
+        ready_at = wall_time()
+        await self.dht.store(run_key(self.run_id, f"ready/{t}"),
+                             msgpack.packb({"ready_at": ready_at, "addrs": self.node.rpc.local_addrs()}),
+                             ttl=max(60.0, 20 * self.window))
+        group = await self.elect(t)
+        if not group:
+            self.events.emit("outer_step_skipped", step=t, reason="not ready by the deadline")
+            await self.catch_up(t + 1)
+            return
+        self.events.emit("group_formed", step=t, members=group)
+        avg, stats = await self.reduce(t, delta, group, tokens)
+        if avg is None:
+            self.events.emit("outer_step_skipped", step=t, reason="no round committed")
+            await self.catch_up(t + 1)
+            return
+        sha = await trio.to_thread.run_sync(self.local.outer_step, avg)
+        val = await trio.to_thread.run_sync(self.local.evaluate)
+        self.committed += 1
+        seconds_comm = trio.current_time() - t_comm
+        await self.publish_state()
+        self.events.emit("outer_step_committed", step=self.local.step, loss=round(loss, 5), val_loss=round(val, 5),
+                         params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
+                         seconds_comm=round(seconds_comm, 3), members=stats.members)
+
+    # -- election --------------------------------------------------------------------
+    async def read_ready(self, t: int) -> list[election.Ready]:
+        out = []
+        for rec in (await self.dht.get(run_key(self.run_id, f"ready/{t}"))).values():
+            try:
+                v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
+                r = election.Ready(election_peer(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]))
+            except Exception:
+                continue
+            if math.isfinite(r.ready_at):
+                out.append(r)
+        return out
+
+    async def elect(self, t: int) -> list[str]:
+        margin = 0.5  # records stored just before the deadline need a moment to replicate
+        while True:
+            recs = [r for r in await self.read_ready(t) if r.peer not in self.ignored]
+            d = election.deadline(recs, self.window)
+            if d is not None and wall_time() >= d + margin:
+                break
+            await trio.sleep(0.2 if d is None else max(0.02, min(0.2, d + margin - wall_time())))
+        cands = election.candidates(recs, self.window, self.ignored)
+        for r in cands:
+            self.node.rpc.learn_addrs(peer_id_from_str(r.peer), list(r.addrs))
+        return election.my_group(self.run_id, t, [r.peer for r in cands], self.group_size, self.me)
+
+    # -- reduction -------------------------------------------------------------------
+    def reject(self, t: int, peer: str, reason: str) -> None:
+        if peer == self.me or peer in self.ignored:
+            return
+        self.ignored.add(peer)
+        log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
+        self.events.emit("contribution_rejected", step=t, remote=peer, reason=reason)
+
+    async def reduce(self, t: int, delta: np.ndarray, group: list[str], tokens: int):
+        roster = list(group)
+        stats = StepStats()
+        cfg = ring.RingConfig(self.mode)
+        for attempt in range(MAX_ATTEMPTS):
+            roster = [p for p in roster if p not in self.ignored]
+            stats.members = roster
+            if roster == [self.me]:
+                return delta.copy(), stats
+            rid = f"{t}/{attempt}"
+            rh = election.roster_hash(self.run_id, t, attempt, roster)
+            got = await self.svc.exchange(self.run_id, rid + "/roster", roster, rh.encode(), self.exchange_timeout)
+            agreeing = [p for p in roster if got.get(p) == rh.encode()]
+            if agreeing != roster:
+                log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
+                         sorted(set(roster) - set(agreeing)))
+                roster = agreeing
+                continue
+            rank, world = roster.index(self.me), len(roster)
+            send = self.adversary.corrupt(delta)
+            own = ring.own_payloads(send, rank, world, cfg)
+            lay = ring.layout(delta.size, world, cfg)
+            norms = tuple(float(np.linalg.norm(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
+            header = Header(self.run_id, t, attempt, rh, self.me, norms,
+                            tuple(hashlib.sha256(p).hexdigest() for p in own),
+                            float(np.linalg.norm(delta)), self.local.H, tokens)
+            signed = self.adversary.header(header, self.node.identity, sign_header)
+            raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.exchange_timeout)
+            ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.history)
+            if bad:
+                for peer, reason in bad.items():
+                    self.reject(t, peer, reason)
+                roster = [p for p in roster if p not in bad]
+                continue
+            checker = FrameChecker(roster, ok, rank, [len(s) for s in lay])
+            try:
+                res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker.check)
+            except RoundFailed as exc:
+                log.info("step %d attempt %d failed: %s", t, attempt, exc)
+                for peer, reason in exc.blamed.items():
+                    self.reject(t, peer, reason)
+                continue
+            stats.bytes_sent += res.sent_bytes
+            for peer, h in ok.items():
+                self.history.setdefault(peer, set()).add(h.own_digests)
+            return res.result, stats
+        return None, stats
+
+    # -- state -----------------------------------------------------------------------
+    async def publish_state(self) -> None:
+        data = await trio.to_thread.run_sync(self.local.state_bytes)
+        digest = self.blobs.add(data)
+        if self._state_digest and self._state_digest != digest:
+            self.blobs.remove(self._state_digest)
+        self._state_digest = digest
+        await trio.to_thread.run_sync(self._write_checkpoint, data)
+        value = msgpack.packb({"step": self.local.step, "params": self.local.outer.params_sha256(),
+                               "ckpt": digest, "addrs": self.node.rpc.local_addrs()})
+        await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
+
+    def _write_checkpoint(self, data: bytes) -> None:
+        d = self.workdir / "checkpoints" / self.run_id[:16]
+        checkpoint.write_atomic(d / f"step-{self.local.step:06d}.p2ck", data)
+        for old in sorted(d.glob("step-*.p2ck"))[:-KEEP_CHECKPOINTS]:
+            old.unlink(missing_ok=True)
+
+    async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:
+        """Adopt the newest state that members published, once it reaches `at_least`."""
+        with trio.move_on_after(timeout):
+            while True:
+                best = await latest_state(self.dht, self.run_id)
+                if best and best[0] >= at_least:
+                    step, digest, providers = best
+                    try:
+                        data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60)
+                    except FetchError as exc:
+                        log.warning("catch-up fetch failed: %s", exc)
+                    else:
+                        await trio.to_thread.run_sync(self.local.load_state_at, data)
+                        self.events.emit("caught_up", step=self.local.step)
+                        return
+                await trio.sleep(1.0)
+
+
+def election_peer(subkey: bytes) -> str:
+    from p2ptrain.identity import peer_id_to_str
+
+    return peer_id_to_str(subkey)
+
+
+async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:
+    """(step, checkpoint hash, providers) of the newest state published by the most peers."""
+    votes: dict[tuple[int, str], list[bytes]] = {}
+    for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
+        try:
+            v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
+            votes.setdefault((int(v["step"]), str(v["ckpt"])), []).append(sub)
+        except Exception:
+            continue
+    if not votes:
+        return None
+    (step, digest), providers = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1])))
+    return step, digest, providers
