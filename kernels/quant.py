@@ -68,10 +68,8 @@ _V = np.uint64(16)  # lanes of the explicit vector helpers
 _TILE = 64
 
 # ------------------------------------------------------------------ explicit 16-lane helpers
-# Why hand-written vectors: numba's loop vectorization of these kernels proved fragile (the
-# cost model declined the quantize loop once inlined; a 16-wide max unrolled into mispredicted
-# branches). Each helper is plain IEEE arithmetic with no fast-math flags, so lane results
-# equal the scalar code's. Offsets are element offsets; the caller guarantees 16 in bounds.
+# Plain IEEE arithmetic without fast-math flags, so every lane equals the scalar path's result
+# (and numpy's). Offsets are element offsets; the caller guarantees 16 lanes in bounds.
 _I32, _I64 = ir.IntType(32), ir.IntType(64)
 _I8x = ir.VectorType(ir.IntType(8), 16)
 _I32x = ir.VectorType(_I32, 16)
@@ -125,14 +123,16 @@ def _make_quant16(deq):
     def _quant16(typingctx, src, so, inv, d, q, qo, out):
         def codegen(context, builder, sig, args):
             x = _load(context, builder, sig, args, 0, args[1], _F32x)
-            r = _vcall(builder, "llvm.rint.v16f32", _F32x, builder.fmul(x, _splat(builder, args[2])))
+            r = builder.fmul(x, _splat(builder, args[2]))
+            r = _vcall(builder, "llvm.rint.v16f32", _F32x, r)
             lo, hi = _cv(_F32x, -float(QMAX)), _cv(_F32x, float(QMAX))
             r = builder.select(builder.fcmp_ordered("<", r, lo), lo, r)
             r = builder.select(builder.fcmp_ordered(">", r, hi), hi, r)
             qv = builder.fptosi(r, _I8x)
             _store(context, builder, sig, args, 4, args[5], qv)
-            if deq:
-                v = builder.fmul(builder.sitofp(qv, _F32x), _splat(builder, args[3]))
+            if deq:  # r + 0.0 is float(q) exactly (-0.0 becomes +0.0): no int8 round trip
+                r = builder.fadd(r, _cv(_F32x, 0.0))
+                v = builder.fmul(r, _splat(builder, args[3]))
                 _store(context, builder, sig, args, 6, args[5], v)
             return context.get_dummy_value()
 
@@ -151,17 +151,24 @@ def _deq_vec(context, builder, sig, args):
     return builder.fmul(builder.sitofp(qv, _F32x), _splat(builder, args[2]))
 
 
-@intrinsic
-def _sum16(typingctx, q, qo, d, y, yo, mul, dst, do):
-    """dst[do:do+16] = (q[qo:qo+16] * d + y[yo:yo+16]) * mul; returns their max abs-bits."""
-    def codegen(context, builder, sig, args):
-        y = _load(context, builder, sig, args, 3, args[4], _F32x)
-        s = builder.fadd(_deq_vec(context, builder, sig, args), y)
-        s = builder.fmul(s, _splat(builder, args[5]))
-        _store(context, builder, sig, args, 6, args[7], s)
-        return _abs_max(builder, s)
+def _make_sum16(scaled):
+    def _sum16(typingctx, q, qo, d, y, yo, mul, dst, do):
+        def codegen(context, builder, sig, args):
+            y = _load(context, builder, sig, args, 3, args[4], _F32x)
+            s = builder.fadd(_deq_vec(context, builder, sig, args), y)
+            if scaled:
+                s = builder.fmul(s, _splat(builder, args[5]))
+            _store(context, builder, sig, args, 6, args[7], s)
+            return _abs_max(builder, s)
 
-    return types.int32(q, qo, d, y, yo, mul, dst, do), codegen
+        return types.int32(q, qo, d, y, yo, mul, dst, do), codegen
+
+    _sum16.__doc__ = ("dst[do:do+16] = q[qo:qo+16] * d + y[yo:yo+16]"
+                      + (", times mul" if scaled else "") + "; returns their max abs-bits.")
+    return intrinsic(_sum16)
+
+
+_sum16, _sumscaled16 = _make_sum16(False), _make_sum16(True)
 
 
 @intrinsic
@@ -179,7 +186,8 @@ def _steps16(typingctx, subbits, S, meta, mo, dsub):
         d = builder.fmul(_splat(builder, args[1]), c)
         inv = builder.fdiv(_cv(_F32x, 1.0), d)
         ok = builder.fcmp_ordered("<", inv, _cv(_F32x, _INF))
-        _store(context, builder, sig, args, 2, args[3], builder.fptoui(builder.select(ok, c, z), _I8x))
+        m = builder.fptoui(builder.select(ok, c, z), _I8x)
+        _store(context, builder, sig, args, 2, args[3], m)
         _store(context, builder, sig, args, 4, zero, builder.select(ok, d, z))
         _store(context, builder, sig, args, 4, ir.Constant(_I64, 16), builder.select(ok, inv, z))
         return context.get_dummy_value()
@@ -375,7 +383,11 @@ def _hop_sups(q_in, meta_in, local, block, mul, q_out, meta_out, out, owner, s0,
                 mb = np.int32(0)
                 for c in range(nc):
                     o = (np.uint64(k) * nc + c) * _V
-                    mb = max(mb, _sum16(q_in, base + o, d, local, base + o, mul, sbuf, o))
+                    if owner:
+                        b = _sumscaled16(q_in, base + o, d, local, base + o, mul, sbuf, o)
+                    else:
+                        b = _sum16(q_in, base + o, d, local, base + o, mul, sbuf, o)
+                    mb = max(mb, b)
                 subbits[k] = mb
                 amax = max(amax, mb)
         else:
@@ -413,8 +425,8 @@ def _quantize_par(x, block, q, meta, n_sup, no_out):
 def _hop_par(q_in, meta_in, local, block, mul, q_out, meta_out, out, owner, n_sup):
     for t in prange((n_sup + _TILE - 1) // _TILE):
         _hop_sups(q_in, meta_in, local, block, mul, q_out, meta_out, out, owner, t * _TILE,
-                  min(n_sup, (t + 1) * _TILE), np.empty(_G, np.int32), np.empty(2 * _G, np.float32),
-                  np.empty(_G * np.int64(block), np.float32))
+                  min(n_sup, (t + 1) * _TILE), np.empty(_G, np.int32),
+                  np.empty(2 * _G, np.float32), np.empty(_G * np.int64(block), np.float32))
 
 
 @njit(**_TKW)

@@ -49,7 +49,8 @@ def test_parity_all_kernels(n, block, kind):
     assert _same(qa, qb) and _same(ma, mb)
     assert ma.size == NP.meta_nbytes(n, block) and qa.size + ma.size == K.quantized_nbytes(n, block)
     assert _same(NB.dequantize(qa, ma, block), NP.dequantize(qb, mb, block))
-    assert _same(NB.dequantize_add(qa, ma, acc.copy(), block), NP.dequantize_add(qb, mb, acc.copy(), block))
+    assert _same(NB.dequantize_add(qa, ma, acc.copy(), block),
+                 NP.dequantize_add(qb, mb, acc.copy(), block))
     ha, hb = NB.ring_hop(qa, ma, local, block), NP.ring_hop(qb, mb, local, block)
     assert all(_same(u, v) for u, v in zip(ha, hb))
     oa, ob = NB.owner_hop(qa, ma, local, 1 / 3, block), NP.owner_hop(qb, mb, local, 1 / 3, block)
@@ -85,7 +86,8 @@ def test_deterministic_across_runs_and_thread_counts(block):
         for threads in (numba.config.NUMBA_NUM_THREADS, 1, numba.config.NUMBA_NUM_THREADS):
             numba.set_num_threads(threads)
             q, m = NB.quantize(x, block)
-            results.append((q, m, *NB.owner_hop(q, m, local, 0.25, block), NB.dequantize(q, m, block)))
+            owner = NB.owner_hop(q, m, local, 0.25, block)
+            results.append((q, m, *owner, NB.dequantize(q, m, block)))
     finally:
         numba.set_num_threads(saved)
     for other in results[1:]:
