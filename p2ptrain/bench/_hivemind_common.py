@@ -187,14 +187,19 @@ class Watchdog:
     """Bound the whole benchmark: after ``timeout`` seconds print a one-line error, SIGKILL our own
     descendants (hivemind processes and their p2pd daemons) and exit with code 3."""
 
-    def __init__(self, timeout: float, what: str):
-        self.timeout, self.what = timeout, what
+    def __init__(self, timeout: float, what: str, on_timeout=None):
+        self.timeout, self.what, self.on_timeout = timeout, what, on_timeout
         self._timer = threading.Timer(timeout, self._fire)
         self._timer.daemon = True
 
     def _fire(self) -> None:
         print(f"error: {self.what} exceeded the {self.timeout:.0f} s timeout", file=sys.stderr, flush=True)
         kill_descendants(signal.SIGKILL, include_helpers=True)
+        if self.on_timeout is not None:  # e.g. remove a work directory
+            try:
+                self.on_timeout()
+            except Exception:
+                pass
         os._exit(3)
 
     def __enter__(self) -> "Watchdog":
@@ -203,3 +208,72 @@ class Watchdog:
 
     def __exit__(self, *exc) -> None:
         self._timer.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory sampling and benchmark data (used by hivemind_allreduce)
+
+
+def tree_rss_bytes(pid: int) -> Optional[int]:
+    """Resident set of process ``pid`` plus all its descendants (hivemind's DHT and averager
+    processes, p2pd), summed; pages shared between them (e.g. the averaged tensors in shared
+    memory) count once per process, as ``ps`` would show them. None if the process is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return None
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+class PeakRssSampler:
+    """Background thread sampling :func:`tree_rss_bytes` of some pids every ``interval`` seconds;
+    ``peak_mib()`` gives the per-pid maxima in MiB (None where nothing was ever sampled)."""
+
+    def __init__(self, pids: Sequence[int], interval: float = 0.2):
+        self.pids, self.interval = list(pids), interval
+        self.peak: Dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="rss-sampler")
+
+    def add(self, pid: int) -> None:
+        self.pids.append(pid)
+
+    def sample(self) -> None:
+        for pid in list(self.pids):
+            rss = tree_rss_bytes(pid)
+            if rss is not None and rss > self.peak.get(pid, 0):
+                self.peak[pid] = rss
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "PeakRssSampler":
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def peak_mib(self) -> List[Optional[float]]:
+        return [round(self.peak[p] / 2**20, 1) if p in self.peak else None for p in self.pids]
+
+
+def fill_gaussian(out, seed: int, rank: int):
+    """Fill a float32 numpy array in place with peer ``rank``'s benchmark data: the same values as
+    ``p2ptrain.bench.raw_ring.gaussian(seed, rank, out.size)``, without a temporary copy."""
+    import numpy as np
+
+    np.random.default_rng([seed, rank]).standard_normal(dtype=np.float32, out=out)
+    return out
