@@ -2,7 +2,8 @@
 
 Peers ready for outer step t each publish a signed DHT record carrying their `ready_at`
 (wall time). Every peer applies the same rule to the records it sees:
-  - the step's deadline is the earliest ready_at plus the join window;
+  - the step's deadline is the earliest ready_at of a peer that trained, plus the join
+    window (newcomers joining with a zero contribution never start the clock);
   - the candidates are the records with ready_at <= deadline (a later one skips the step);
   - candidates are ordered by SHA-256(run, t, peer id) and dealt into ceil(N / G) groups
     of near-equal size (re-drawn every step, Moshpit-style, so groups mix);
@@ -22,10 +23,15 @@ class Ready:
     peer: str
     ready_at: float
     addrs: tuple[str, ...] = ()
+    joining: bool = False
+    """A newcomer that just adopted the current state and contributes a zero
+    pseudo-gradient: it is ready at once, so it must not start the step's clock."""
 
 
 def deadline(records: list[Ready], window: float) -> float | None:
-    return min(r.ready_at for r in records) + window if records else None
+    """Earliest ready_at of a peer that trained, plus the window (None: nobody trained yet)."""
+    trained = [r.ready_at for r in records if not r.joining]
+    return min(trained) + window if trained else None
 
 
 def order_key(run_id: str, step: int, peer: str) -> bytes:

@@ -16,7 +16,7 @@ import torch
 from p2ptrain import checkpoint
 from p2ptrain.data import Dataset, evaluate, load_dataset, train_batch
 from p2ptrain.model import ModelConfig, build_model
-from p2ptrain.outer import OuterOptimizer, make_inner_optimizer
+from p2ptrain.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
 
 
 class DataMismatch(ValueError):
@@ -36,8 +36,8 @@ def genesis_state(manifest_body: dict) -> bytes:
     """The step-0 checkpoint implied by the model config and seed (what `init` writes)."""
     cfg = ModelConfig.from_dict(manifest_body["model"])
     model = build_model(cfg, int(manifest_body["train"]["seed"]))
-    outer = OuterOptimizer(model, float(manifest_body["train"]["outer_lr"]),
-                           float(manifest_body["train"]["outer_momentum"]))
+    outer = OuterOptimizer(model, OuterConfig(float(manifest_body["train"]["outer_lr"]),
+                                              float(manifest_body["train"]["outer_momentum"])))
     return encode_state(outer, 0)
 
 
@@ -63,7 +63,7 @@ class LocalModel:
         self.seed = int(tr["seed"])
         cfg = ModelConfig.from_dict(manifest["model"])
         self.model = build_model(cfg, self.seed)
-        self.outer = OuterOptimizer(self.model, float(tr["outer_lr"]), float(tr["outer_momentum"]))
+        self.outer = OuterOptimizer(self.model, OuterConfig(float(tr["outer_lr"]), float(tr["outer_momentum"])))
         self.step = self.load_state(state)
         total = self.H * int(tr["planned_outer_steps"])
         self.inner_opt, self.sched = make_inner_optimizer(
@@ -96,7 +96,7 @@ class LocalModel:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.inner_opt.step()
             self.sched.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if progress is not None:
                 progress(i + 1, self.H)
         self.inner_done += self.H

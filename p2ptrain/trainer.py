@@ -38,6 +38,7 @@ from p2ptrain.identity import peer_id_from_str
 
 log = logging.getLogger("p2ptrain.trainer")
 MAX_ATTEMPTS = 4
+MAX_WAIT_FOR_TRAINERS = 600.0  # a joining peer waits this long for peers that train the step
 KEEP_CHECKPOINTS = 3
 
 
@@ -98,38 +99,59 @@ class Trainer:
         await self.publish_state()
         self.events.emit("run_joined", run=self.run_id, step=self.local.step, params=self.local.n_params)
         task_status.started()
+        joining = await self.sync_with_run()
         while not self.config.max_outer_steps or self.committed < self.config.max_outer_steps:
-            await self.outer_step()
+            joining = await self.outer_step(joining)
 
-    async def outer_step(self) -> None:
+    async def sync_with_run(self) -> bool:
+        """Adopt the run's newest state if it is ahead of ours. Returns True when others are
+        already training the current step: we then join it at once with a zero
+        pseudo-gradient instead of making everyone wait for our inner steps."""
+        best = await latest_state(self.dht, self.run_id)
+        if best is None:
+            return False
+        if best[0] > self.local.step:
+            await self.catch_up(best[0])
+        others = [p for p in best[2] if p != self.node.identity.peer_id]
+        return best[0] == self.local.step and bool(others) and self.local.step > 0
+
+    async def outer_step(self, joining: bool) -> bool:
+        """One outer step; returns whether the next one starts as a zero-contribution join."""
         t = self.local.step
-        self.events.emit("outer_step_started", step=t)
-        loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner)
-        delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
+        self.events.emit("outer_step_started", step=t, joining=joining)
+        if joining:
+            loss, tokens, sec_inner = float("nan"), 0, 0.0
+            delta = np.zeros(self.local.outer.numel, np.float32)
+        else:
+            loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner)
+            delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
         t_comm = trio.current_time()
         ready_at = wall_time()
         await self.dht.store(run_key(self.run_id, f"ready/{t}"),
-                             msgpack.packb({"ready_at": ready_at, "addrs": self.node.rpc.local_addrs()}),
+                             msgpack.packb({"ready_at": ready_at, "addrs": self.node.rpc.local_addrs(),
+                                            "joining": joining}),
                              ttl=max(60.0, 20 * self.window))
         group = await self.elect(t)
         if not group:
             self.events.emit("outer_step_skipped", step=t, reason="not ready by the deadline")
             await self.catch_up(t + 1)
-            return
+            return True
         self.events.emit("group_formed", step=t, members=group)
         avg, stats = await self.reduce(t, delta, group, tokens)
         if avg is None:
             self.events.emit("outer_step_skipped", step=t, reason="no round committed")
             await self.catch_up(t + 1)
-            return
+            return True
         sha = await trio.to_thread.run_sync(self.local.outer_step, avg)
         val = await trio.to_thread.run_sync(self.local.evaluate)
         self.committed += 1
         seconds_comm = trio.current_time() - t_comm
         await self.publish_state()
-        self.events.emit("outer_step_committed", step=self.local.step, loss=round(loss, 5), val_loss=round(val, 5),
+        self.events.emit("outer_step_committed", step=self.local.step,
+                         loss=None if joining else round(loss, 5), val_loss=round(val, 5),
                          params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
                          seconds_comm=round(seconds_comm, 3), members=stats.members)
+        return False
 
     # -- election --------------------------------------------------------------------
     async def read_ready(self, t: int) -> list[election.Ready]:
@@ -137,7 +159,8 @@ class Trainer:
         for rec in (await self.dht.get(run_key(self.run_id, f"ready/{t}"))).values():
             try:
                 v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
-                r = election.Ready(election_peer(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]))
+                r = election.Ready(election_peer(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]),
+                                   bool(v.get("joining", False)))
             except Exception:
                 continue
             if math.isfinite(r.ready_at):
@@ -146,11 +169,14 @@ class Trainer:
 
     async def elect(self, t: int) -> list[str]:
         margin = 0.5  # records stored just before the deadline need a moment to replicate
+        give_up = trio.current_time() + MAX_WAIT_FOR_TRAINERS
         while True:
             recs = [r for r in await self.read_ready(t) if r.peer not in self.ignored]
             d = election.deadline(recs, self.window)
             if d is not None and wall_time() >= d + margin:
                 break
+            if d is None and trio.current_time() > give_up:
+                return []  # only newcomers showed up: nobody trained this step
             await trio.sleep(0.2 if d is None else max(0.02, min(0.2, d + margin - wall_time())))
         cands = election.candidates(recs, self.window, self.ignored)
         for r in cands:
@@ -238,6 +264,8 @@ class Trainer:
                 best = await latest_state(self.dht, self.run_id)
                 if best and best[0] >= at_least:
                     step, digest, providers = best
+                    if step <= self.local.step:
+                        return
                     try:
                         data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60)
                     except FetchError as exc:
@@ -256,12 +284,15 @@ def election_peer(subkey: bytes) -> str:
 
 
 async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:
-    """(step, checkpoint hash, providers) of the newest state published by the most peers."""
+    """(step, checkpoint hash, providers) of the newest state published by the most peers.
+
+    Providers' addresses from their records go to the address book, so they can be dialed."""
     votes: dict[tuple[int, str], list[bytes]] = {}
     for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
         try:
             v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
             votes.setdefault((int(v["step"]), str(v["ckpt"])), []).append(sub)
+            dht.transport.learn_addrs(sub, [a for a in v["addrs"][:16] if isinstance(a, str)])
         except Exception:
             continue
     if not votes:

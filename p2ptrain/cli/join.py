@@ -1,17 +1,23 @@
-"""`p2ptrain join`: join the network, publish presence, keep running until interrupted."""
+"""`p2ptrain join`: join the network; with --manifest or --run, train in that run."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from p2ptrain.cli.common import DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_service, section
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("join", help="join the network (and later a training run)")
+    p = sub.add_parser("join", help="join the network and (with --run/--manifest) a training run")
     p.add_argument("--bootstrap", action="append", metavar="MADDR", required=False,
                    help="entry point /ip4/.../tcp/.../p2p/<id> (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help=f"state directory (default {DEFAULT_HOME})")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--run", metavar="RUN_ID", help="join this run: manifest and state come from peers")
+    which.add_argument("--manifest", metavar="RUN_TOML", help="publish and join the run in this manifest")
+    p.add_argument("--max-outer-steps", type=int, default=None, help="leave after N committed outer steps")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -24,13 +30,28 @@ def run(args) -> int:
     cfg, toml = node_config(args)
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
-    presence_cfg = section(PresenceConfig, toml, "presence")
-    if args.workdir and not args.key:
-        workdir = Path(args.workdir).expanduser()
-        workdir.mkdir(parents=True, exist_ok=True)
+    workdir = Path(args.workdir or DEFAULT_HOME).expanduser()
+    workdir.mkdir(parents=True, exist_ok=True)
+    if not args.key:
         args.key = str(workdir / "node.key")
     identity = load_identity(args)
     events = EventSink(identity.peer_id_str, args.json)
+    manifest = run_id = None
+    if args.manifest:
+        from p2ptrain import manifest as mf
+
+        try:
+            manifest, run_id = mf.read(Path(args.manifest))
+        except mf.ManifestError as exc:
+            raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
+    namespace = run_id or args.run or "lobby"
+    presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
+    if args.run or manifest:
+        from p2ptrain.trainer import TrainerConfig
+
+        trainer_cfg = section(TrainerConfig, toml, "trainer", {
+            "max_outer_steps": args.max_outer_steps, "threads": args.threads,
+            "adversary": os.environ.get("P2PTRAIN_ADVERSARY", "")})
 
     async def main() -> None:
         import trio
@@ -39,6 +60,15 @@ def run(args) -> int:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
+                if args.run or manifest:
+                    from p2ptrain.runner import run_training
+
+                    presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer")
+                    await nursery.start(presence.run)
+                    await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
+                                       trainer_cfg)
+                    nursery.cancel_scope.cancel()
+                    return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg)
                 await nursery.start(presence.run)
                 await trio.sleep_forever()

@@ -18,6 +18,7 @@ from p2ptrain.cli.common import CLIError
 # command -> module in p2ptrain.cli; modules are imported lazily so `p2ptrain status`
 # does not pay for torch.
 COMMANDS = {
+    "init": "init",
     "join": "join",
     "status": "status",
     "bootstrap": "bootstrap",

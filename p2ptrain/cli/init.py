@@ -1,0 +1,84 @@
+"""`p2ptrain init`: start a run: a signed manifest and its genesis checkpoint."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from p2ptrain.cli.common import CLIError, load_identity
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("init", help="start a training run: write DIR/run.toml and the genesis checkpoint")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for run.toml and genesis.p2ck")
+    p.add_argument("--name", default="", help="a human-readable name for the run")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--data", default="stdlib", metavar="SPEC", help="'stdlib', 'glob:path/*.txt' or 'bin:file'")
+    p.add_argument("--inner-steps", type=int, default=20, metavar="H")
+    p.add_argument("--group-size", type=int, default=4, metavar="G")
+    p.add_argument("--outer-lr", type=float, default=0.7)
+    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--inner-lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=20, help="inner warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--planned-outer-steps", type=int, default=10, help="horizon of the inner LR schedule")
+    p.add_argument("--allreduce", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--join-window", type=float, default=3.0, help="seconds after the first ready peer")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--key", metavar="FILE", help="initiator's Ed25519 key (default ~/.p2ptrain/node.key)")
+    p.set_defaults(func=run)
+
+
+def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -> dict:
+    from p2ptrain.model import ModelConfig
+
+    model = ModelConfig.preset(args.preset).to_dict()
+    if args.seq_len > model["max_seq_len"]:
+        raise CLIError(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {model['max_seq_len']}",
+                       "use a smaller --seq-len")
+    for name in ("inner_steps", "group_size", "batch_size", "seq_len", "planned_outer_steps"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
+    if not (0 <= args.outer_momentum < 1 and args.outer_lr > 0 and args.inner_lr > 0):
+        raise CLIError("learning rates must be > 0 and --outer-momentum in [0, 1)")
+    return {
+        "version": 1,
+        "name": args.name or f"run-{int(time.time())}",
+        "created": int(time.time()),
+        "model": model,
+        "data": {"spec": args.data, "content_hash": data_hash},
+        "train": {"seed": args.seed, "inner_steps": args.inner_steps, "inner_lr": args.inner_lr,
+                  "warmup": args.warmup, "weight_decay": args.weight_decay, "batch_size": args.batch_size,
+                  "seq_len": args.seq_len, "schedule": "cosine", "planned_outer_steps": args.planned_outer_steps,
+                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+                  "group_size": args.group_size, "allreduce": args.allreduce},
+        "timeouts": {"join_window": args.join_window, "exchange": 5.0},
+        "genesis": {"sha256": genesis_sha, "bytes": genesis_bytes},
+    }
+
+
+def run(args) -> int:
+    from p2ptrain import checkpoint, manifest as mf
+    from p2ptrain.data import load_dataset
+    from p2ptrain.local import genesis_state
+
+    out = Path(args.out).expanduser()
+    if (out / "run.toml").exists():
+        raise CLIError(f"{out}/run.toml already exists", "choose another --out directory")
+    identity = load_identity(args)
+    try:
+        ds = load_dataset(args.data)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    draft = build_manifest(args, ds.content_hash, "", 0)
+    genesis = genesis_state(draft)
+    body = build_manifest(args, ds.content_hash, checkpoint.sha256(genesis), len(genesis))
+    body["created"], body["name"] = draft["created"], draft["name"]
+    signed = mf.sign(body, identity)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint.write_atomic(out / "genesis.p2ck", genesis)
+    rid = mf.write(signed, out)
+    print(rid)
+    return 0
