@@ -37,16 +37,23 @@ class NodeProcess:
         self._reader.start()
 
     def _read(self) -> None:
-        for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\n")
-            self.lines.append(line)
-            if line.startswith("{"):
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                self.all_events.append(ev)
-                self.events.put(ev)
+        # Kept on disk too: when a test fails, the whole event stream is there to read.
+        with open(self.stderr_path.with_suffix(".stdout"), "w") as log:
+            for raw in self.proc.stdout:
+                line = raw.decode(errors="replace").rstrip("\n")
+                log.write(line + "\n")
+                log.flush()
+                self._line(line)
+
+    def _line(self, line: str) -> None:
+        self.lines.append(line)
+        if line.startswith("{"):
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                return
+            self.all_events.append(ev)
+            self.events.put(ev)
 
     def send(self, obj: dict) -> None:
         """One JSON command line on the child's stdin (children started with stdin=True)."""

@@ -52,12 +52,17 @@ class TrainerConfig:
     """Leave cleanly after this many committed outer steps (0 = train until interrupted)."""
     threads: int = 1
     """torch threads for inner steps."""
+    min_peers: int = 1
+    """At the start of a run, wait until this many trainers are ready (so a run that many
+    people start together does not begin as one peer alone)."""
+    start_timeout: float = 300.0
+    """Seconds to wait for min_peers before starting anyway."""
     adversary: str = ""
     """TEST ONLY: misbehave this way (see p2ptrain/adversary.py)."""
 
     def __post_init__(self) -> None:
-        if self.max_outer_steps < 0 or self.threads < 1:
-            raise ValueError("max_outer_steps must be >= 0 and threads >= 1")
+        if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1:
+            raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1")
 
 
 @dataclass
@@ -99,9 +104,23 @@ class Trainer:
         await self.publish_state()
         self.events.emit("run_joined", run=self.run_id, step=self.local.step, params=self.local.n_params)
         task_status.started()
+        if self.local.step == 0 and self.config.min_peers > 1:
+            await self.wait_for_peers()
         joining = await self.sync_with_run()
         while not self.config.max_outer_steps or self.committed < self.config.max_outer_steps:
             joining = await self.outer_step(joining)
+
+    async def wait_for_peers(self) -> None:
+        with trio.move_on_after(self.config.start_timeout):
+            while True:
+                best = await latest_state(self.dht, self.run_id)
+                if best is not None and best[0] == 0 and len(best[2]) >= self.config.min_peers:
+                    return
+                if best is not None and best[0] > 0:
+                    return  # the run already started without us
+                await trio.sleep(0.2)
+        log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers,
+                    self.config.start_timeout)
 
     async def sync_with_run(self) -> bool:
         """Adopt the run's newest state if it is ahead of ours. Returns True when others are
@@ -168,6 +187,9 @@ class Trainer:
         return out
 
     async def elect(self, t: int) -> list[str]:
+        """Wait for the step's deadline, or less: the step closes early once every peer whose
+        state says it is training step t has posted its ready record (a dead peer therefore
+        costs one full window, once)."""
         margin = 0.5  # records stored just before the deadline need a moment to replicate
         give_up = trio.current_time() + MAX_WAIT_FOR_TRAINERS
         while True:
@@ -175,6 +197,10 @@ class Trainer:
             d = election.deadline(recs, self.window)
             if d is not None and wall_time() >= d + margin:
                 break
+            if d is not None:
+                expected = await peers_at_step(self.dht, self.run_id, t) - self.ignored
+                if expected and expected <= {r.peer for r in recs}:
+                    break
             if d is None and trio.current_time() > give_up:
                 return []  # only newcomers showed up: nobody trained this step
             await trio.sleep(0.2 if d is None else max(0.02, min(0.2, d + margin - wall_time())))
@@ -281,6 +307,20 @@ def election_peer(subkey: bytes) -> str:
     from p2ptrain.identity import peer_id_to_str
 
     return peer_id_to_str(subkey)
+
+
+async def peers_at_step(dht, run_id: str, step: int) -> set[str]:
+    """Peers whose published state is at outer step `step` (they are training it now)."""
+    from p2ptrain.identity import peer_id_to_str
+
+    out = set()
+    for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
+        try:
+            if int(msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)["step"]) == step:
+                out.add(peer_id_to_str(sub))
+        except Exception:
+            continue
+    return out
 
 
 async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:

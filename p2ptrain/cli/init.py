@@ -25,7 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--planned-outer-steps", type=int, default=10, help="horizon of the inner LR schedule")
     p.add_argument("--allreduce", default="int8", choices=["int8", "fp32"])
-    p.add_argument("--join-window", type=float, default=3.0, help="seconds after the first ready peer")
+    p.add_argument("--join-window", type=float, default=30.0,
+                   help="longest wait, after the first peer is ready, for the others (a step closes "
+                        "earlier once every peer training it is ready)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--key", metavar="FILE", help="initiator's Ed25519 key (default ~/.p2ptrain/node.key)")
     p.set_defaults(func=run)

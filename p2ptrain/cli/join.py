@@ -18,6 +18,7 @@ def add_parser(sub) -> None:
     which.add_argument("--manifest", metavar="RUN_TOML", help="publish and join the run in this manifest")
     p.add_argument("--max-outer-steps", type=int, default=None, help="leave after N committed outer steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
+    p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -50,7 +51,7 @@ def run(args) -> int:
         from p2ptrain.trainer import TrainerConfig
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
-            "max_outer_steps": args.max_outer_steps, "threads": args.threads,
+            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers,
             "adversary": os.environ.get("P2PTRAIN_ADVERSARY", "")})
 
     async def main() -> None:

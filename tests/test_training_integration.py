@@ -1,0 +1,117 @@
+"""The product end to end: real bootstrap and trainer processes on 127.0.0.1 run DiLoCo."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import start_bootstrap
+from p2ptrain.identity import load_or_create
+
+pytestmark = pytest.mark.integration
+STEPS = 3
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> tuple[Path, str]:
+    d = tmp_path_factory.mktemp("run")
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3"],
+        capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory) -> list[Path]:
+    d = tmp_path_factory.mktemp("keys")
+    paths = [d / f"peer{i}.key" for i in range(4)]
+    for p in paths:
+        load_or_create(p)
+    return paths
+
+
+def start_trainers(procs, baddr: str, run: tuple[Path, str], keys: list[Path], n: int, steps: int,
+                   adversary: str | None = None):
+    run_path, rid = run
+    peers = []
+    for i in range(n):
+        work = procs.log_dir / f"p{i}"
+        work.mkdir(parents=True, exist_ok=True)
+        which = ["--manifest", str(run_path / "run.toml")] if i == 0 else ["--run", rid]
+        env = {"P2PTRAIN_ADVERSARY": adversary} if (adversary and i == n - 1) else None
+        peers.append(procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key",
+                                  str(keys[i]), "--workdir", str(work), *which, "--max-outer-steps", str(steps),
+                                  "--min-peers", str(n), "--threads", "1", "--json"], f"p{i}", env=env))
+    return peers
+
+
+def committed(peer, step: int, timeout: float = 240) -> dict:
+    return peer.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] == step, timeout)
+
+
+def run_honest(procs, run, keys, n=3, steps=STEPS) -> list[list[dict]]:
+    boot, baddr = start_bootstrap(procs)
+    peers = start_trainers(procs, baddr, run, keys, n, steps)
+    return [[committed(p, s) for p in peers] for s in range(1, steps + 1)]
+
+
+_baseline: dict = {}
+
+
+def baseline(procs, run, keys) -> list[str]:
+    if "hashes" not in _baseline:
+        steps = run_honest(procs, run, keys)
+        _baseline["events"] = steps
+        _baseline["hashes"] = [evs[0]["params_sha256"] for evs in steps]
+    return _baseline["hashes"]
+
+
+def test_three_peers_commit_identical_params_and_loss_falls(procs, run_dir, keys):
+    baseline(procs, run_dir, keys)
+    steps = _baseline["events"]
+    for evs in steps:
+        assert len({e["params_sha256"] for e in evs}) == 1, evs
+        assert all(len(e["members"]) == 3 for e in evs)
+    val = [evs[0]["val_loss"] for evs in steps]
+    assert val[-1] < val[0], val
+    assert all(e["bytes_sent"] > 0 for evs in steps for e in evs)
+
+
+@pytest.mark.parametrize("attack,reason", [("forge", "bad-signature"), ("nan", "non-finite values"),
+                                           ("norm", "norm-outlier"), ("replay", "wrong-step")])
+def test_malicious_peer_is_excluded_and_changes_nothing(procs, tmp_path, run_dir, keys, attack, reason):
+    want = baseline(procs, run_dir, keys)[:2]
+    with type(procs)(tmp_path / "attack") as group:
+        boot, baddr = start_bootstrap(group)
+        peers = start_trainers(group, baddr, run_dir, keys, 4, 2, adversary=attack)
+        honest, evil = peers[:3], peers[3]
+        evil_id = evil.wait_event(lambda e: e["event"] == "run_joined", 120)["peer"]
+        for s in (1, 2):
+            evs = [committed(p, s) for p in honest]
+            assert [e["params_sha256"] for e in evs] == [want[s - 1]] * 3, (s, evs)
+            assert all(evil_id not in e["members"] for e in evs)
+        for p in honest:
+            rej = [e for e in p.all_events if e["event"] == "contribution_rejected"]
+            assert rej and rej[0]["remote"] == evil_id and reason in rej[0]["reason"], rej
+        # At most one of the honest peers (the attacker's successor) saw NaN frames; the
+        # others learn the blame from its abort vote.
+
+
+def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys):
+    boot, baddr = start_bootstrap(procs)
+    peers = start_trainers(procs, baddr, run_dir, keys, 3, 3)
+    first = [committed(p, 1) for p in peers]
+    assert len({e["params_sha256"] for e in first}) == 1
+    peers[2].wait_event(lambda e: e["event"] == "outer_step_started" and e["step"] == 1, 60)
+    peers[2].kill(signal.SIGKILL)
+    nxt = [committed(p, 2) for p in peers[:2]]
+    assert len({e["params_sha256"] for e in nxt}) == 1
+    assert all(len(e["members"]) == 2 for e in nxt)
