@@ -1,0 +1,435 @@
+"""`p2ptrain bench diloco`: does DiLoCo train as well as data-parallel on these CPUs?
+
+One process simulates the M workers in turn (no networking): each DiLoCo worker runs H AdamW
+steps on its own data shard (`train_batch` keyed by the worker id), then the pseudo-gradients
+are averaged -- exactly (fp32) or through `simulate_ring_mean`, the int8 ring all-reduce
+bit-for-bit as the network runs it -- and `OuterOptimizer` applies the Nesterov outer step.
+
+Configurations, all from the same initial model (per seed) and at equal compute per worker:
+  single       1 worker, S steps at batch b            (the paper's baseline: 1/M of the tokens)
+  single_Mx    1 worker, M*S steps at batch b          (same tokens as everything below, M x time)
+  dp           synchronous data-parallel, S steps at batch M*b (the M workers' batches of each
+               step, by gradient accumulation); sends a full fp32 gradient every step
+  diloco_H*_fp32 / _int8   M workers, S steps each at batch b, outer step every H steps
+Optionally all of them start from a briefly pre-trained checkpoint (--warm-start steps of one
+worker, shared by every configuration of a seed).
+
+Wire bytes per worker use the ring formula 2 (M-1)/M * payload per all-reduce, with payload
+quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step.
+Configurations run in separate processes (--jobs) of one thread each by default: on two
+shared cores, two single-threaded processes were faster and far steadier than one process with
+two threads (OpenMP barriers stall when another job takes a core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_H = (10, 50, 100)
+
+
+@dataclass
+class Settings:
+    """Everything a configuration's result depends on (printed with the results)."""
+    model: dict = field(default_factory=lambda: dict(d_model=64, n_layers=2, n_heads=2, ffn_hidden=192,
+                                                     max_seq_len=64))
+    """ModelConfig fields. Default: a 123k-parameter model (the 0.84M 'tiny' preset costs ~10x
+    more per step, too much for 50+ worker-runs in 25 minutes on two cores)."""
+    data: str = "stdlib"
+    workers: int = 4
+    steps: int = 1000
+    """Inner steps per worker after the warm start."""
+    batch: int = 16
+    """Sequences per worker per inner step."""
+    seq_len: int = 64
+    inner_lr: float = 3e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    warm_start: int = 0
+    """Steps of single-worker pre-training shared by every configuration of a seed."""
+    eval_batches: int = 8
+    eval_batch: int = 64
+    block: int = 16
+    """int8 sub-block size of the ring (the network's default)."""
+
+    def __post_init__(self) -> None:
+        if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0:
+            raise ValueError("need workers >= 2, steps >= 1, batch >= 1, warm_start >= 0")
+
+
+# ----------------------------------------------------------------------------- training
+def _lr_warm(warmup: int):
+    return lambda s: min(1.0, (s + 1) / max(1, warmup))
+
+
+def _optimizer(model, st: Settings, total: int, opt_state=None):
+    """AdamW + cosine schedule over `total` steps; continues a warm start's Adam moments."""
+    from p2ptrain.outer import make_inner_optimizer
+
+    warmup = 0 if opt_state is not None else min(st.warmup, total)
+    opt, sched = make_inner_optimizer(model, st.inner_lr, st.weight_decay, warmup, total, "cosine")
+    if opt_state is not None:
+        opt.load_state_dict(opt_state)
+        for g in opt.param_groups:  # the schedule, not the warm phase, sets the lr from here on
+            g["lr"] = g["initial_lr"] = st.inner_lr
+    return opt, sched
+
+
+def _step(model, opt, sched, batches) -> float:
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for tokens in batches:  # gradient accumulation: one AdamW step over all micro-batches
+        loss = model.loss(tokens) / len(batches)
+        loss.backward()
+        total += float(loss)
+    opt.step()
+    sched.step()
+    return total
+
+
+def _start(st: Settings, seed: int, warm):
+    from p2ptrain.model import ModelConfig, build_model
+
+    model = build_model(ModelConfig(**st.model), seed)
+    if warm is None:
+        return model, None
+    model.load_state_dict(warm["model"])
+    return model, copy.deepcopy(warm["opt"])
+
+
+def warm_start_state(st: Settings, seed: int) -> dict | None:
+    """One worker pre-trained for st.warm_start steps (linear warmup, then the peak lr)."""
+    if st.warm_start == 0:
+        return None
+    import torch
+
+    from p2ptrain.data import load_dataset, train_batch
+    from p2ptrain.model import ModelConfig, build_model
+
+    ds = load_dataset(st.data)
+    model = build_model(ModelConfig(**st.model), seed)
+    opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": st.weight_decay},
+                             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=st.inner_lr, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_warm(st.warmup))
+    for s in range(st.warm_start):
+        _step(model, opt, sched, [train_batch(ds, b"warm", s, st.batch, st.seq_len, seed)])
+    return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
+
+
+def _peer(w: int) -> bytes:
+    return f"worker-{w}".encode()
+
+
+def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> dict:
+    """Train one configuration for one seed; returns its final validation loss and counters."""
+    import torch
+
+    from p2ptrain.data import evaluate, load_dataset, train_batch
+    from p2ptrain.kernels import quantized_nbytes, reference, simulate_ring_mean
+    from p2ptrain.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
+
+    t0 = time.perf_counter()
+    ds = load_dataset(st.data)
+    M, S, W = st.workers, st.steps, st.warm_start
+    batch = lambda w, s: train_batch(ds, _peer(w), W + s, st.batch, st.seq_len, seed)  # noqa: E731
+    model, opt_state = _start(st, seed, warm)
+    n = sum(p.numel() for p in model.parameters())
+    ring = 2 * (M - 1) / M
+    out = {"kind": kind, "H": H, "avg": avg, "seed": seed, "params": n}
+    if kind in ("single", "single_Mx"):
+        steps = S if kind == "single" else M * S
+        opt, sched = _optimizer(model, st, steps, opt_state)
+        for s in range(steps):
+            _step(model, opt, sched, [batch(0, s)])
+        out.update(wire_bytes=0, inner_steps=steps, tokens=steps * st.batch * st.seq_len)
+    elif kind == "dp":
+        opt, sched = _optimizer(model, st, S, opt_state)
+        for s in range(S):
+            _step(model, opt, sched, [batch(w, s) for w in range(M)])
+        out.update(wire_bytes=round(S * ring * 4 * n), inner_steps=S, tokens=S * M * st.batch * st.seq_len)
+    elif kind == "diloco":
+        if S % H:
+            raise ValueError(f"steps {S} is not a multiple of H {H}")
+        models = [model] + [copy.deepcopy(model) for _ in range(M - 1)]
+        opts = [_optimizer(m, st, S, opt_state) for m in models]
+        outer = OuterOptimizer(model, OuterConfig(st.outer_lr, st.outer_momentum, st.nesterov))
+        errs = []
+        for r in range(S // H):
+            for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
+                for h in range(H):
+                    _step(m, opt, sched, [batch(w, r * H + h)])
+            deltas = [outer.outer - flatten(m.parameters()) for m in models]
+            exact = torch.stack(deltas).mean(0)
+            if avg == "int8":
+                # the numpy kernels (bit-identical to numba's): numba's OpenMP pool next to
+                # torch's made every later torch step ~10x slower in the same process
+                ring_mean = simulate_ring_mean([d.numpy() for d in deltas], st.block, kernels=reference)
+                mean = torch.from_numpy(ring_mean)
+                errs.append(float((mean - exact).norm() / exact.norm().clamp_min(1e-30)))
+            else:
+                mean = exact
+            outer.step(mean)  # worker 0's model now holds the outer parameters
+            for m in models[1:]:
+                unflatten_into(outer.outer, list(m.parameters()))
+        payload = quantized_nbytes(n, st.block) if avg == "int8" else 4 * n
+        out.update(wire_bytes=round((S // H) * ring * payload), inner_steps=S, outer_steps=S // H,
+                   tokens=S * M * st.batch * st.seq_len, outer_sha256=outer.params_sha256()[:16])
+        if errs:
+            out["int8_rel_err"] = statistics.fmean(errs)
+    else:
+        raise ValueError(f"unknown configuration kind {kind!r}")
+    out["val_loss"] = evaluate(model, ds, batch=st.eval_batch, seq_len=st.seq_len, max_batches=st.eval_batches)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+# ----------------------------------------------------------------------------- plan
+def _name(kind: str, H: int, avg: str, M: int) -> str:
+    if kind == "diloco":
+        return f"diloco_H{H}_{avg}"
+    return f"single_{M}x" if kind == "single_Mx" else kind
+
+
+def plan(args, st: Settings) -> list[tuple[str, int, str, int]]:
+    """(kind, H, avg, seed) tasks. Seeds: all of them for the baselines and for the DiLoCo H
+    values in --seeded-h, the first one elsewhere."""
+    seeds = list(range(args.seeds))
+    tasks = []
+    for s in seeds:
+        tasks.append(("dp", 0, "fp32", s))
+        tasks.append(("single", 0, "fp32", s))
+    if args.single_mx:
+        tasks.append(("single_Mx", 0, "fp32", 0))
+    for H in args.H:
+        for avg in ("fp32", "int8"):
+            for s in (seeds if H in args.seeded_h else seeds[:1]):
+                tasks.append(("diloco", H, avg, s))
+    if args.only:
+        keep = set(args.only.split(","))
+        tasks = [t for t in tasks if _name(t[0], t[1], t[2], st.workers) in keep]
+    cost = {"single": 1, "single_Mx": st.workers}
+    return sorted(tasks, key=lambda t: -cost.get(t[0], st.workers))  # long jobs first
+
+
+def _cost_steps(tasks, st: Settings) -> int:
+    per = {"single": st.steps, "single_Mx": st.workers * st.steps}
+    return sum(per.get(k, st.workers * st.steps) for k, *_ in tasks) + st.warm_start * len({t[3] for t in tasks})
+
+
+def _init_worker(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _measure_step_ms(st: Settings, threads: int) -> float:
+    import torch
+
+    from p2ptrain.data import load_dataset, train_batch
+    from p2ptrain.model import ModelConfig, build_model
+
+    torch.set_num_threads(threads)
+    ds = load_dataset(st.data)
+    model = build_model(ModelConfig(**st.model), 0)
+    opt, sched = _optimizer(model, st, 100)
+    b = train_batch(ds, b"probe", 0, st.batch, st.seq_len, 0)
+    _step(model, opt, sched, [b])
+    t = time.perf_counter()
+    for _ in range(5):
+        _step(model, opt, sched, [b])
+    return (time.perf_counter() - t) / 5 * 1000
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_arguments(p) -> None:
+    p.add_argument("--steps", type=int, default=None, help="inner steps per worker (default 1000)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds for the baselines and --seeded-h (default 3)")
+    p.add_argument("--H", type=int, nargs="+", default=list(DEFAULT_H), help="DiLoCo sync intervals")
+    p.add_argument("--seeded-h", type=int, nargs="*", default=[100],
+                   help="H values run with every seed (the others with one seed)")
+    p.add_argument("--quick", action="store_true", help="smoke test in about a minute")
+    p.add_argument("--batch", type=int, default=None, help="sequences per worker step (default 16)")
+    p.add_argument("--workers", type=int, default=4, help="DiLoCo workers M (default 4)")
+    p.add_argument("--model", default=None, help="model preset (tiny/small/base) instead of the 123k bench model")
+    p.add_argument("--inner-lr", type=float, default=None)
+    p.add_argument("--outer-lr", type=float, default=None)
+    p.add_argument("--outer-momentum", type=float, default=None)
+    p.add_argument("--no-nesterov", action="store_true")
+    p.add_argument("--warm-start", type=int, default=None, help="steps of shared single-worker pre-training")
+    p.add_argument("--single-mx", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run 1 worker for M x steps (same tokens as DP/DiLoCo), one seed")
+    p.add_argument("--only", default="", help="comma-separated configuration names to run")
+    p.add_argument("--jobs", type=int, default=2, help="configurations run in parallel processes")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2 // jobs)")
+    p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
+
+
+def settings_from_args(args) -> Settings:
+    st = Settings(workers=args.workers)
+    if args.quick:
+        st.steps, st.batch, st.eval_batches, st.warmup = 60, 8, 2, 10
+    if args.model:
+        from p2ptrain.model import ModelConfig
+
+        st.model = ModelConfig.preset(args.model).to_dict()
+        st.seq_len = st.model["max_seq_len"]
+    for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start"):
+        if getattr(args, name) is not None:
+            setattr(st, name, getattr(args, name))
+    if args.no_nesterov:
+        st.nesterov = False
+    return st
+
+
+def _agg(results: list[dict]) -> dict:
+    vals = [r["val_loss"] for r in results]
+    return {"val_loss_mean": statistics.fmean(vals), "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else None,
+            "val_losses": [round(v, 5) for v in vals], "seeds": [r["seed"] for r in results]}
+
+
+def summarize(st: Settings, results: list[dict]) -> tuple[list[dict], dict]:
+    groups: dict[str, list[dict]] = {}
+    for r in results:
+        groups.setdefault(_name(r["kind"], r["H"], r["avg"], st.workers), []).append(r)
+    dp = groups.get("dp")
+    dp_bytes = dp[0]["wire_bytes"] if dp else None
+    rows = []
+    for name, rs in groups.items():
+        rs.sort(key=lambda r: r["seed"])
+        row = {"event": "bench_diloco_config", "name": name, "kind": rs[0]["kind"], "H": rs[0]["H"] or None,
+               "avg": rs[0]["avg"] if rs[0]["kind"] == "diloco" else None, **_agg(rs),
+               "wire_bytes_per_worker": rs[0]["wire_bytes"], "tokens": rs[0]["tokens"],
+               "inner_steps": rs[0]["inner_steps"], "seconds_per_run": round(statistics.fmean(r["seconds"] for r in rs), 1)}
+        if dp_bytes and rs[0]["wire_bytes"]:
+            row["bytes_reduction_vs_dp"] = round(dp_bytes / rs[0]["wire_bytes"], 1)
+        if "int8_rel_err" in rs[0]:
+            row["int8_rel_err"] = round(statistics.fmean(r["int8_rel_err"] for r in rs), 5)
+        rows.append(row)
+    order = {"single": 0, "single_Mx": 1, "dp": 2, "diloco": 3}
+    rows.sort(key=lambda r: (order[r["kind"]], r["H"] or 0, r["avg"] or ""))
+    by = {r["name"]: r for r in rows}
+    summary: dict = {"event": "bench_diloco_summary"}
+    dil = [r for r in rows if r["kind"] == "diloco"]
+    if dil:
+        best = min(dil, key=lambda r: r["val_loss_mean"])
+        summary["best_diloco"] = best["name"]
+        summary["best_diloco_val_loss"] = round(best["val_loss_mean"], 4)
+        if "dp" in by:
+            dpv = by["dp"]["val_loss_mean"]
+            summary["dp_val_loss"] = round(dpv, 4)
+            summary["diloco_vs_dp_pct"] = {r["name"]: round(100 * (r["val_loss_mean"] / dpv - 1), 2) for r in dil}
+            summary["goal_within_2pct_of_dp"] = best["val_loss_mean"] <= 1.02 * dpv
+        if "single" in by:
+            summary["single_val_loss"] = round(by["single"]["val_loss_mean"], 4)
+            summary["goal_better_than_single"] = best["val_loss_mean"] < by["single"]["val_loss_mean"]
+        if "single_Mx" in by:
+            summary["single_Mx_val_loss"] = round(by["single_Mx"]["val_loss_mean"], 4)
+        pairs = {}
+        for H in sorted({r["H"] for r in dil}):
+            a, b = groups.get(f"diloco_H{H}_fp32"), groups.get(f"diloco_H{H}_int8")
+            if not a or not b:
+                continue
+            fa, fb = by[f"diloco_H{H}_fp32"], by[f"diloco_H{H}_int8"]
+            diffs = [y["val_loss"] - x["val_loss"] for x, y in zip(a, b) if x["seed"] == y["seed"]]
+            pairs[H] = {"int8_minus_fp32": round(fb["val_loss_mean"] - fa["val_loss_mean"], 5),
+                        "paired_diffs": [round(d, 5) for d in diffs], "fp32_seed_std": fa["val_loss_std"],
+                        "within_one_std": (abs(fb["val_loss_mean"] - fa["val_loss_mean"]) <= fa["val_loss_std"])
+                        if fa["val_loss_std"] is not None else None}
+        summary["int8_vs_fp32"] = pairs
+        i8 = by.get("diloco_H100_int8")
+        if i8 and "bytes_reduction_vs_dp" in i8:
+            summary["bytes_reduction_H100_int8"] = i8["bytes_reduction_vs_dp"]
+            summary["goal_bytes_360x"] = i8["bytes_reduction_vs_dp"] >= 360
+    return rows, summary
+
+
+def _table(rows: list[dict]) -> str:
+    lines = [f"{'config':<20} {'seeds':>5} {'val loss':>9} {'std':>7} {'vs dp':>7} {'bytes/worker':>13} {'x fewer':>8} {'s/run':>6}"]
+    dpv = next((r["val_loss_mean"] for r in rows if r["name"] == "dp"), None)
+    for r in rows:
+        std = f"{r['val_loss_std']:.4f}" if r["val_loss_std"] is not None else "-"
+        vs = f"{100 * (r['val_loss_mean'] / dpv - 1):+.1f}%" if dpv else "-"
+        red = f"{r['bytes_reduction_vs_dp']:.0f}" if "bytes_reduction_vs_dp" in r else "-"
+        lines.append(f"{r['name']:<20} {len(r['seeds']):>5} {r['val_loss_mean']:>9.4f} {std:>7} {vs:>7} "
+                     f"{r['wire_bytes_per_worker']:>13,} {red:>8} {r['seconds_per_run']:>6}")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    st = settings_from_args(args)
+    if args.quick:
+        args.H = [h for h in (10, 30, 60) if h <= st.steps]
+        args.seeded_h, args.seeds = [30], 2
+    bad = [h for h in args.H if h < 1 or st.steps % h]
+    if bad:
+        print(f"error: --steps {st.steps} must be a multiple of every H (not of {bad})", file=sys.stderr)
+        return 2
+    jobs = max(1, args.jobs)
+    threads = args.threads or max(1, 2 // jobs)
+    tasks = plan(args, st)
+    if not tasks:
+        print("error: --only selected no configuration", file=sys.stderr)
+        return 2
+    say = (lambda obj: print(json.dumps(obj), flush=True)) if args.json else (lambda obj: None)
+    log = (lambda s: None) if args.json else (lambda s: print(s, flush=True))
+    step_ms = _measure_step_ms(st, threads)
+    total = _cost_steps(tasks, st)
+    est = total * step_ms / 1000 / min(jobs, len(tasks))
+    say({"event": "bench_diloco_plan", "tasks": len(tasks), "worker_steps": total, "step_ms": round(step_ms, 1),
+         "jobs": jobs, "threads": threads, "estimate_s": round(est), "settings": asdict(st)})
+    log(f"plan: {len(tasks)} runs, {total:,} worker-steps of batch {st.batch}x{st.seq_len} at ~{step_ms:.0f} ms "
+        f"-> ~{est / 60:.1f} min on {jobs} job(s) x {threads} thread(s)\nsettings: {asdict(st)}")
+
+    t0 = time.perf_counter()
+    seeds = sorted({t[3] for t in tasks})
+    results = []
+    if jobs == 1:
+        _init_worker(threads)
+        warm = {s: warm_start_state(st, s) for s in seeds}
+        for t in tasks:
+            results.append(run_config(st, *t, warm[t[3]]))
+            log(f"  {_name(*t[:3], st.workers)} seed {t[3]}: {results[-1]['val_loss']:.4f} ({results[-1]['seconds']} s)")
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                 initargs=(threads,)) as pool:
+            warm = dict(zip(seeds, pool.map(warm_start_state, [st] * len(seeds), seeds)))
+            futs = {pool.submit(run_config, st, *t, warm[t[3]]): t for t in tasks}
+            for f in as_completed(futs):
+                results.append(f.result())
+                t = futs[f]
+                log(f"  {_name(*t[:3], st.workers)} seed {t[3]}: {results[-1]['val_loss']:.4f} ({results[-1]['seconds']} s)")
+    rows, summary = summarize(st, results)
+    summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    summary["settings"] = asdict(st)
+    for r in rows:
+        say(r)
+    say(summary)
+    if not args.json:
+        print(_table(rows))
+        print(json.dumps({k: v for k, v in summary.items() if k not in ("event", "settings")}))
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m p2ptrain.bench.diloco", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
