@@ -93,6 +93,7 @@ class Trainer:
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.committed = 0
+        self.last_roster: set[str] = set()
         self._state_digest = ""
         self._prev_header: bytes | None = None
         from p2ptrain import adversary
@@ -161,6 +162,7 @@ class Trainer:
             self.events.emit("outer_step_skipped", step=t, reason="no round committed")
             await self.catch_up(t + 1)
             return True
+        self.last_roster = set(stats.members)
         sha = await trio.to_thread.run_sync(self.local.outer_step, avg)
         val = await trio.to_thread.run_sync(self.local.evaluate)
         self.committed += 1
@@ -198,7 +200,8 @@ class Trainer:
             if d is not None and wall_time() >= d + margin:
                 break
             if d is not None:
-                expected = await peers_at_step(self.dht, self.run_id, t) - self.ignored
+                # Last step's roster is at step t too even if its state record is not out yet.
+                expected = (await peers_at_step(self.dht, self.run_id, t) | self.last_roster) - self.ignored
                 if expected and expected <= {r.peer for r in recs}:
                     break
             if d is None and trio.current_time() > give_up:
