@@ -62,15 +62,14 @@ class OuterConfig:
     momentum: float = 0.9
     """Outer momentum (paper: 0.9)."""
     nesterov: bool = True
-    """Nesterov momentum (the paper's choice); False gives heavy-ball momentum."""
+    """Nesterov momentum (the paper's choice); False gives heavy-ball momentum. With momentum 0
+    both are plain SGD (allowed, unlike torch.optim.SGD, so a manifest can set momentum 0 alone)."""
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"outer lr must be positive and finite, got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"outer momentum must be in [0, 1), got {self.momentum}")
-        if self.nesterov and self.momentum == 0:
-            raise ValueError("nesterov needs momentum > 0 (use nesterov=False for momentum 0)")
 
 
 class OuterOptimizer:

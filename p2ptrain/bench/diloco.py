@@ -93,7 +93,7 @@ def _step(model, opt, sched, batches) -> float:
     for tokens in batches:  # gradient accumulation: one AdamW step over all micro-batches
         loss = model.loss(tokens) / len(batches)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     opt.step()
     sched.step()
     return total
