@@ -5,3 +5,12 @@ This top-level module stays import-light on purpose: benchmark baselines (hivemi
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `from p2ptrain import DiLoCo` without making `import p2ptrain` load torch and libp2p.
+    if name == "DiLoCo":
+        from p2ptrain.api import DiLoCo
+
+        return DiLoCo
+    raise AttributeError(f"module 'p2ptrain' has no attribute {name!r}")

@@ -1,0 +1,195 @@
+"""The library entry point: bring your own `nn.Module`, optimizer and data.
+
+    from p2ptrain import DiLoCo
+    diloco = DiLoCo(model, torch.optim.AdamW(model.parameters()), run="my-run",
+                    bootstrap=["/ip4/.../tcp/4001/p2p/12D3KooW..."], inner_steps=100)
+    for batch in data:
+        loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
+        diloco.step(loss)        # every inner_steps calls: the outer step, over the network
+    diloco.close()
+
+It runs the same network side as `p2ptrain join` (node, DHT, election, verified int8 ring,
+Nesterov outer step: `p2ptrain.trainer.Trainer`) in a background thread with its own trio
+loop. The only difference is who drives the inner steps: here your loop does, and
+`step()` blocks on the H-th call until the outer step is done (or skipped) and the model
+holds the new outer parameters. All peers of a run must start from identical parameters;
+the run id includes their hash, so peers that did not are never grouped together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from p2ptrain.outer import OuterConfig, OuterOptimizer, sha256_f32, flatten
+
+
+class _UserModel:
+    """The `LocalModel` interface the Trainer expects, driven by the user's own loop."""
+
+    def __init__(self, model: torch.nn.Module, inner_steps: int, outer: OuterConfig, evaluate) -> None:
+        self.model = model
+        self.H = inner_steps
+        self.outer = OuterOptimizer(model, outer)
+        self.step = 0
+        self.n_params = int(sum(p.numel() for p in model.parameters()))
+        self._evaluate = evaluate
+        self.lock = threading.Condition()
+        self.calls = 0
+        self.losses: list[float] = []
+        self.tokens = 0
+        self.outer_done = True  # the user may run its first H steps straight away
+        self.applied = False
+        self.closed = False
+
+    # called from the trainer's worker threads
+    def inner(self):
+        t0 = time.perf_counter()
+        with self.lock:
+            self.outer_done = True
+            self.lock.notify_all()
+            while self.calls < self.H and not self.closed:
+                self.lock.wait(0.5)
+            if self.closed:
+                raise RuntimeError("DiLoCo closed")
+            self.calls = 0
+            self.outer_done = False
+            losses, self.losses = self.losses, []
+            tokens, self.tokens = self.tokens, 0
+        return (float(np.mean(losses)) if losses else math.nan), tokens, time.perf_counter() - t0
+
+    def pseudo_gradient(self) -> np.ndarray:
+        return np.ascontiguousarray(self.outer.pseudo_gradient(self.model).numpy(), np.float32)
+
+    def outer_step(self, avg: np.ndarray) -> str:
+        self.outer.step(torch.from_numpy(np.array(avg, np.float32)))
+        self.step += 1
+        self.applied = True
+        return self.outer.params_sha256()
+
+    def evaluate(self) -> float:
+        return float(self._evaluate()) if self._evaluate else math.nan
+
+    def state_bytes(self) -> bytes:
+        from p2ptrain.local import encode_state
+
+        return encode_state(self.outer, self.step)
+
+    def load_state_at(self, data: bytes) -> None:
+        from p2ptrain import checkpoint
+
+        arrays, meta = checkpoint.decode(data)
+        sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+        sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+        self.outer.load_state_dict(sd)
+        self.step = int(meta.get("outer_step", 0))
+
+
+class DiLoCo:
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
+                 bootstrap: list[str], inner_steps: int = 100, group_size: int = 8, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, allreduce: str = "int8", join_window: float = 30.0,
+                 listen: str = "/ip4/0.0.0.0/tcp/0", key: str | Path | None = None,
+                 workdir: str | Path | None = None, evaluate=None, tokens_per_step: int = 0,
+                 json_events: bool = False, min_peers: int = 1, timeout: float = 120.0) -> None:
+        from p2ptrain.identity import Identity, load_or_create
+
+        self.inner_optimizer = inner_optimizer
+        self.tokens_per_step = tokens_per_step
+        self.local = _UserModel(model, inner_steps, OuterConfig(outer_lr, outer_momentum), evaluate)
+        start_hash = sha256_f32(flatten(list(model.parameters())))
+        self.run_id = hashlib.sha256(f"{run}\0{start_hash}\0{inner_steps}\0{allreduce}".encode()).hexdigest()
+        self.identity = load_or_create(Path(key)) if key else Identity.generate()
+        self.workdir = Path(workdir) if workdir else Path.home() / ".p2ptrain" / "lib" / self.run_id[:16]
+        self._spec = {"timeouts": {"join_window": float(join_window), "exchange": 5.0},
+                      "train": {"group_size": int(group_size), "allreduce": allreduce}}
+        self._bootstrap, self._listen, self._json = list(bootstrap), listen, json_events
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._token = None
+        self._cancel = None
+        self._min_peers = min_peers
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="p2ptrain-diloco")
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"p2ptrain node did not start within {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def outer_step_count(self) -> int:
+        return self.local.step
+
+    def step(self, loss: float | torch.Tensor | None = None) -> bool:
+        """Record one inner step. On every `inner_steps`-th call, block until the outer step
+        finished; returns True when it changed the model (committed or caught up)."""
+        if self._error is not None:
+            raise RuntimeError("the p2ptrain network thread failed") from self._error
+        m = self.local
+        with m.lock:
+            if loss is not None:
+                m.losses.append(float(loss.detach() if torch.is_tensor(loss) else loss))
+            m.tokens += self.tokens_per_step
+            m.calls += 1
+            if m.calls < m.H:
+                return False
+            before = m.step
+            m.lock.notify_all()
+            while not m.outer_done or m.calls >= m.H:
+                if self._error is not None or not self._thread.is_alive():
+                    raise RuntimeError("the p2ptrain network thread stopped") from self._error
+                m.lock.wait(0.5)
+            return m.step != before
+
+    def close(self) -> None:
+        with self.local.lock:
+            self.local.closed = True
+            self.local.lock.notify_all()
+        if self._token is not None and self._cancel is not None:
+            try:
+                import trio
+
+                trio.from_thread.run_sync(self._cancel.cancel, trio_token=self._token)
+            except Exception:
+                pass
+        self._thread.join(30)
+
+    # -- the network thread ------------------------------------------------------------
+    def _serve(self) -> None:
+        import trio
+
+        try:
+            trio.run(self._main)
+        except BaseException as exc:  # reported to the user's thread
+            if not self.local.closed:
+                self._error = exc
+            self._ready.set()
+
+    async def _main(self) -> None:
+        import trio
+
+        from p2ptrain.allreduce import AllReduceConfig, AllReduceService
+        from p2ptrain.events import EventSink
+        from p2ptrain.fetch import BlobServer
+        from p2ptrain.node import Node, NodeConfig
+        from p2ptrain.trainer import Trainer, TrainerConfig
+
+        self._token = trio.lowlevel.current_trio_token()
+        events = EventSink(self.identity.peer_id_str, self._json)
+        node = Node(self.identity, NodeConfig(listen=[self._listen], bootstrap=self._bootstrap), events)
+        async with trio.open_nursery() as nursery:
+            self._cancel = nursery.cancel_scope
+            await nursery.start(node.run)
+            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self._spec["train"]["allreduce"]),
+                                   listen_ip=self._listen.split("/")[2])
+            await nursery.start(svc.run)
+            trainer = Trainer(node, svc, BlobServer(node.host), self._spec, self.run_id, self.local, events,
+                              self.workdir, TrainerConfig(min_peers=self._min_peers))
+            self._ready.set()
+            await trainer.run()
