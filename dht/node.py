@@ -175,23 +175,35 @@ class DHTNode:
                         nursery.start_soon(one, peer)
         return len(acked)
 
-    async def get(self, key: str) -> dict[bytes, Record]:
-        """Every writer's live, verified entry under `key` (subkey -> record)."""
+    async def get(self, key: str, quorum: int | None = None) -> dict[bytes, Record]:
+        """Every writer's live, verified entry under `key` (subkey -> record).
+
+        By default the `replication` nearest live nodes must all answer, because different
+        replicas may hold different writers' entries. With `quorum`, the read returns as soon
+        as that many nodes holding entries have answered (our own store counts): faster, at
+        the price of possibly missing a writer whose store reached few replicas. Elections
+        read in full; status-style reads may use a quorum."""
         found: dict[bytes, Record] = {}
+        holders = 0
         if self.server:
             for rec in self.store_.get(key, wall_time()):
                 found[rec.subkey] = rec
-        await self.lookup(dht_id(key), key=key, found=found)
+            holders = 1 if found else 0
+        if quorum is not None and holders >= quorum:
+            return found
+        await self.lookup(dht_id(key), key=key, found=found,
+                          quorum=None if quorum is None else quorum - holders)
         return found
 
     async def lookup(self, target: int, key: str | None = None,
-                     found: dict[bytes, Record] | None = None) -> list[bytes]:
+                     found: dict[bytes, Record] | None = None, quorum: int | None = None) -> list[bytes]:
         """Iterative Kademlia lookup; returns the closest answering peers, nearest first.
 
         With `key`, asks for records too and merges every valid entry into `found`; it
-        keeps going until the `replication` nearest live nodes have all answered, because
-        different replicas may hold different writers' entries."""
+        keeps going until the `replication` nearest live nodes have all answered, or, with
+        `quorum`, until that many answered with entries."""
         cfg = self.config
+        holders = 0
         queried: set[bytes] = set()
         answered: list[bytes] = []
         candidates = set(self.routing.closest(target, cfg.bucket_size))
@@ -223,9 +235,13 @@ class DHTNode:
                     self.transport.learn_addrs(pid, addrs)
                     candidates.add(pid)
             if key is not None and found is not None:
+                nonlocal holders
                 self._merge_records(reply.get("records"), key, peer, found)
+                holders += bool(reply.get("records"))
+                if quorum is not None and holders >= quorum:
+                    scope.cancel()
 
-        with trio.move_on_after(cfg.lookup_timeout):
+        with trio.move_on_after(cfg.lookup_timeout) as scope:
             while not done():
                 batch = nearest_pending()[: cfg.alpha if answered else cfg.replication]
                 queried.update(batch)

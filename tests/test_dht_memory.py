@@ -137,3 +137,21 @@ def test_record_roundtrip_and_garbage():
     with pytest.raises(RecordError) as e:
         make_record(me, "/other/ns", b"v", 1000.0)
     assert e.value.reason == "bad-key"
+
+
+@trio_test()
+async def test_quorum_read_returns_early_and_full_read_sees_everyone():
+    net, nodes = make_swarm(12)
+    await join_all(nodes)
+    for node in nodes[:6]:
+        await node.store(KEY, b"x", ttl=60)
+    reader = nodes[11]
+    before = reader.stats.rpcs
+    quick = await reader.get(KEY, quorum=1)
+    quick_rpcs = reader.stats.rpcs - before
+    before = reader.stats.rpcs
+    full = await reader.get(KEY)
+    assert set(full) == {n.identity.peer_id for n in nodes[:6]}
+    assert quick and set(quick) <= set(full)
+    assert quick_rpcs <= reader.stats.rpcs - before
+    assert await reader.get("/p2ptrain/test/missing", quorum=1) == {}

@@ -50,13 +50,15 @@ async def _measure(bootstrap: str, ops: int) -> dict:
         b = await nursery.start(Node(Identity.generate(), cfg, EventSink("b", False)).run)
         for n in (a, b):  # both learn the whole swarm before timing
             await n.dht.refresh()
-        times: dict[str, list[float]] = {k: [] for k in ("store", "get_remote", "get_local", "get_missing")}
+        times: dict[str, list[float]] = {k: [] for k in ("store", "get_remote", "get_remote_q1", "get_local",
+                                                         "get_missing")}
         failures = {k: 0 for k in times}
         rpcs = {k: 0 for k in times}
         for i in range(ops + 3):
             key = f"/p2ptrain/bench/{secrets.token_hex(8)}"
             for name, node, fn in (("store", a, lambda: a.dht.store(key, b"v" * 64, 60)),
                                    ("get_remote", b, lambda: b.dht.get(key)),
+                                   ("get_remote_q1", b, lambda: b.dht.get(key, quorum=1)),
                                    ("get_local", a, lambda: a.dht.get(key)),
                                    ("get_missing", b, lambda: b.dht.get(key + "-missing"))):
                 before = node.dht.stats.rpcs
@@ -118,6 +120,7 @@ def run(args) -> int:
         "store": ratio("store_ms", "store_ms"),
         "get_remote_vs_hivemind_latest_false": ratio("get_remote_ms", "get_remote_ms"),
         "get_remote_vs_hivemind_latest_true": ratio("get_remote_ms", "get_remote_latest_ms"),
+        "get_remote_quorum1_vs_hivemind_latest_false": ratio("get_remote_q1_ms", "get_remote_ms"),
         "get_missing": ratio("get_missing_ms", "get_missing_ms"),
     }
     summary = {"event": "bench_dht_summary", "nodes": args.nodes, "ops": args.ops, "p2ptrain": ours,
@@ -133,6 +136,7 @@ def run(args) -> int:
     rows = [("store", "store_ms", "store_ms", "store"),
             ("get from other node", "get_remote_ms", "get_remote_ms", "get_remote_vs_hivemind_latest_false"),
             ("  vs hivemind latest=True", "get_remote_ms", "get_remote_latest_ms", "get_remote_vs_hivemind_latest_true"),
+            ("get other node, quorum=1", "get_remote_q1_ms", "get_remote_ms", "get_remote_quorum1_vs_hivemind_latest_false"),
             ("get from storing node", "get_local_ms", "get_local_ms", None),
             ("get missing key", "get_missing_ms", "get_missing_ms", "get_missing")]
     for label, ok, hk, rk in rows:
