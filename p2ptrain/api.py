@@ -49,7 +49,7 @@ class _UserModel:
         self.closed = False
 
     # called from the trainer's worker threads
-    def inner(self):
+    def inner(self, progress=None):
         t0 = time.perf_counter()
         with self.lock:
             self.outer_done = True

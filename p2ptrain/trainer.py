@@ -21,6 +21,7 @@ import hashlib
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,7 +144,7 @@ class Trainer:
             loss, tokens, sec_inner = float("nan"), 0, 0.0
             delta = np.zeros(self.local.outer.numel, np.float32)
         else:
-            loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner)
+            loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
         t_comm = trio.current_time()
         ready_at = wall_time()
@@ -173,6 +174,20 @@ class Trainer:
                          params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
                          seconds_comm=round(seconds_comm, 3), members=stats.members)
         return False
+
+    def _progress(self, t: int):
+        """An inner-step progress bar on stderr when a person is watching (a terminal and
+        no --json); plain logs otherwise."""
+        if self.events.json_mode or not sys.stderr.isatty():
+            return None
+
+        def show(i: int, n: int) -> None:
+            bar = "#" * (30 * i // n)
+            end = "\n" if i == n else ""
+            sys.stderr.write(f"\router step {t}: [{bar:<30}] {i}/{n} inner steps{end}")
+            sys.stderr.flush()
+
+        return show
 
     # -- election --------------------------------------------------------------------
     async def read_ready(self, t: int) -> list[election.Ready]:
