@@ -89,6 +89,8 @@ class RoundResult:
     seconds: float
     path: str
     """'direct' or 'libp2p' for our outgoing bulk session."""
+    phases: dict = field(default_factory=dict)
+    """Seconds spent in setup, data plane and commit votes (for benches)."""
 
 
 @dataclass
@@ -323,6 +325,7 @@ class AllReduceService:
                 with trio.fail_after(self.config.setup_timeout):
                     send_ch, path = await self._open_session(ids[(rank + 1) % world], tag)
                     await pending.ready.wait()
+            t_setup = trio.current_time()
             cfg = RingConfig(self.config.mode, sub_chunk_bytes=self.config.sub_chunk_bytes)
             failure: RingError | None = None
             async with trio.open_nursery() as nursery:
@@ -345,9 +348,13 @@ class AllReduceService:
                 aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
                 raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}",
                                   self._blamed(pending))
+            t_data = trio.current_time()
             await self._vote(ids, tag, True, digest)
             await self._collect(pending, ids, digest)
-            return RoundResult(result, digest, sent, trio.current_time() - t0, path)
+            t_end = trio.current_time()
+            return RoundResult(result, digest, sent, t_end - t0, path,
+                               {"setup": round(t_setup - t0, 4), "data": round(t_data - t_setup, 4),
+                                "commit": round(t_end - t_data, 4)})
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None

@@ -119,6 +119,7 @@ class FrameChannel:
         self.stats = BulkStats()
         self._bad = 0
         self._sealed = bytearray()  # reused: sends on one channel are sequential
+        self._body = bytearray()
 
     @staticmethod
     def _nonce(fid: FrameId) -> bytes:
@@ -146,8 +147,11 @@ class FrameChannel:
             if magic != MAGIC or version != VERSION or length > MAX_FRAME:
                 # Framing itself is broken: nothing after this can be trusted.
                 raise RingError(f"frame from {self.peer}: malformed header")
-            body = bytearray(length + TAG)
-            self.io.recv_into(memoryview(body))
+            # One ciphertext buffer per channel, reused: frames arrive one at a time.
+            if len(self._body) < length + TAG:
+                self._body = bytearray(length + TAG)
+            body = memoryview(self._body)[: length + TAG]
+            self.io.recv_into(body)
             if bytes(hdr) != expected:
                 reason = ("wrong-session" if tag != self.tag else
                           "unexpected-frame" if (step, chunk) != (fid.step, fid.chunk) else "wrong-length")

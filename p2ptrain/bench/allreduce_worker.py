@@ -61,6 +61,7 @@ async def main(args) -> None:
                 await nursery.start(svc.run)
                 configs["svc"] = svc
             svc.config = AllReduceConfig(mode=mode, direct=args.direct, send_rate_mbps=args.rate,
+                                         sub_chunk_bytes=int(args.sub_chunk_mb * (1 << 20)),
                                          frame_timeout=args.frame_timeout, commit_timeout=args.commit_timeout)
             return svc
 
@@ -108,7 +109,7 @@ async def main(args) -> None:
                 continue
             tensor = res.result
             events.emit("round_committed", round=cmd["round"], digest=res.digest, seconds=round(res.seconds, 4),
-                        path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1))
+                        path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1), phases=res.phases)
         nursery.cancel_scope.cancel()
 
 
@@ -125,6 +126,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-direct", dest="direct", action="store_false", help="bulk bytes over libp2p only")
     ap.add_argument("--rate", type=float, default=0.0, help="bulk send cap, MB/s (0 = none)")
     ap.add_argument("--frame-timeout", type=float, default=20.0)
+    ap.add_argument("--sub-chunk-mb", type=float, default=1.0, help="fp32 MiB per pipelined frame")
     ap.add_argument("--commit-timeout", type=float, default=10.0)
     args = ap.parse_args(argv)
     setup_logging()
