@@ -82,13 +82,10 @@ class _UserModel:
         return encode_state(self.outer, self.step)
 
     def load_state_at(self, data: bytes) -> None:
-        from p2ptrain import checkpoint
+        from p2ptrain.local import decode_state
 
-        arrays, meta = checkpoint.decode(data)
-        sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
-        sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+        sd, self.step = decode_state(data)
         self.outer.load_state_dict(sd)
-        self.step = int(meta.get("outer_step", 0))
 
 
 class DiLoCo:

@@ -41,6 +41,14 @@ def genesis_state(manifest_body: dict) -> bytes:
     return encode_state(outer, 0)
 
 
+def decode_state(data: bytes) -> tuple[dict, int]:
+    """(OuterOptimizer state dict, outer step) from checkpoint bytes (see `encode_state`)."""
+    arrays, meta = checkpoint.decode(data)
+    sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+    sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+    return sd, int(meta.get("outer_step", 0))
+
+
 def encode_state(outer: OuterOptimizer, step: int) -> bytes:
     sd = outer.state_dict()
     arrays = {k: np.asarray(v.detach().cpu().numpy() if torch.is_tensor(v) else v) for k, v in sd.items()
@@ -73,11 +81,9 @@ class LocalModel:
         self.n_params = int(sum(p.numel() for p in self.model.parameters()))
 
     def load_state(self, data: bytes) -> int:
-        arrays, meta = checkpoint.decode(data)
-        sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
-        sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+        sd, step = decode_state(data)
         self.outer.load_state_dict(sd)
-        return int(meta.get("outer_step", 0))
+        return step
 
     def state_bytes(self) -> bytes:
         return encode_state(self.outer, self.step)
