@@ -166,7 +166,7 @@ def _baseline(work: Path, steps: int) -> float:
     m = dict(m, train=dict(m["train"], inner_steps=steps, planned_outer_steps=1))
     ds = load_run_data(m)
     genesis = (work / "run" / "genesis.p2ck").read_bytes()
-    local = LocalModel(m, ds, Identity.from_seed(b"\x07" * 32).peer_id, genesis, threads=2)
+    local = LocalModel(m, ds, Identity.from_seed(b"\x07" * 32).peer_id, genesis, threads=1)
     local.inner()
     val = local.evaluate()
     return float(val) if math.isfinite(val) else float(np.nan)
