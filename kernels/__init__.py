@@ -1,20 +1,29 @@
 """Compute kernels of the int8 ring all-reduce (reduce-scatter + all-gather).
 
-Public API (identical on both backends; scheme, wire format and measurements are described
-in `reference.py` and `quant.py`):
+Public API (identical on both backends, bit for bit):
 
     quantize(x, block=16, q=None, meta=None) -> (q, meta)
     dequantize(q, meta, block=16, out=None) -> out
     dequantize_add(q, meta, acc, block=16) -> acc                     # acc += deq(q)
     ring_hop(q_in, meta_in, local, block=16, q_out=None, meta_out=None) -> (q_out, meta_out)
+        # quantize(dequantize(q_in) + local), fused: each byte read and written once
     owner_hop(q_in, meta_in, local, mul=1.0, block=16, q_out=None, meta_out=None, out=None)
         -> (q_out, meta_out, out)
-    quantized_nbytes(n, block=16), meta_nbytes(n, block=16), split_bounds(n, parts, block=16)
+        # q_out = quantize((deq(q_in) + local) * float32(mul)); out = dequantize(q_out), so the
+        # owner's result is bit-identical to every other peer's decoding of the forwarded bytes
+    quantized_nbytes(n, block=16)   # wire bytes: n (int8) + meta_nbytes(n, block)
+    meta_nbytes(n, block=16)        # 2 per super-block of 16 sub-blocks + 1 per sub-block
+    split_bounds(n, parts, block=16)  # ring chunk boundaries on super-block multiples
     simulate_ring_mean(tensors, block=16, kernels=None, return_all=False)
 
+Arrays are 1-D C-contiguous numpy arrays: x, local, acc, out float32; q int8; meta uint8 (a
+bf16 scale per super-block, little-endian, then a uint8 step multiplier per sub-block: see
+reference.py for the scheme, the measurements behind it and the edge cases). Outputs are
+allocated when not given; given ones are written in place and may be the inputs they replace.
+
 The backend is numba (`p2ptrain.kernels.quant`) unless the environment variable
-P2PTRAIN_KERNELS=numpy selects the plain-numpy reference (`p2ptrain.kernels.reference`),
-which gives bit-identical results, only slower; `BACKEND` names the one in use. The choice is
+P2PTRAIN_KERNELS=numpy selects the plain-numpy reference (`p2ptrain.kernels.reference`, slow
+but correct, and numba is then never imported); `BACKEND` names the one in use. The choice is
 made once, at import.
 """
 
