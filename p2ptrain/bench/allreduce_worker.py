@@ -40,6 +40,15 @@ def _sha(x: np.ndarray) -> str:
 
 
 def _rss_mib() -> float:
+    """Peak RSS of this process. VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss
+    across exec, so a child of a big parent would report the parent's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -85,7 +94,7 @@ async def main(args) -> None:
                 # of random numbers does not count against everyone's round time.
                 pristine = make_tensor(int(cmd["seed"]), int(cmd["n"]))
                 tensor = pristine.copy()
-                events.emit("prepared", n=int(cmd["n"]))
+                events.emit("prepared", n=int(cmd["n"]), rss_mib=round(_rss_mib(), 1))
                 continue
             if cmd.get("cmd") != "round":
                 continue
