@@ -168,7 +168,7 @@ class Trainer:
         val = await trio.to_thread.run_sync(self.local.evaluate)
         self.committed += 1
         seconds_comm = trio.current_time() - t_comm
-        await self.publish_state()
+        await self.publish_state(None if joining else loss, val)
         self.events.emit("outer_step_committed", step=self.local.step,
                          loss=None if joining else round(loss, 5), val_loss=round(val, 5),
                          params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
@@ -284,7 +284,7 @@ class Trainer:
         return None, stats
 
     # -- state -----------------------------------------------------------------------
-    async def publish_state(self) -> None:
+    async def publish_state(self, loss: float | None = None, val_loss: float | None = None) -> None:
         data = await trio.to_thread.run_sync(self.local.state_bytes)
         digest = self.blobs.add(data)
         if self._state_digest and self._state_digest != digest:
@@ -292,7 +292,8 @@ class Trainer:
         self._state_digest = digest
         await trio.to_thread.run_sync(self._write_checkpoint, data)
         value = msgpack.packb({"step": self.local.step, "params": self.local.outer.params_sha256(),
-                               "ckpt": digest, "addrs": self.node.rpc.local_addrs()})
+                               "ckpt": digest, "addrs": self.node.rpc.local_addrs(),
+                               "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss)})
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
 
     def _write_checkpoint(self, data: bytes) -> None:
@@ -319,6 +320,26 @@ class Trainer:
                         self.events.emit("caught_up", step=self.local.step)
                         return
                 await trio.sleep(1.0)
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return round(float(x), 5) if x is not None and math.isfinite(x) else None
+
+
+async def run_states(dht, run_id: str) -> dict[str, dict]:
+    """peer id -> its published state (step, params hash, loss, val_loss, addrs)."""
+    from p2ptrain.identity import peer_id_to_str
+
+    out = {}
+    for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
+        try:
+            v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
+            out[peer_id_to_str(sub)] = {"step": int(v["step"]), "params": str(v["params"])[:64],
+                                        "loss": v.get("loss"), "val_loss": v.get("val_loss"),
+                                        "addrs": [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]}
+        except Exception:
+            continue
+    return out
 
 
 def election_peer(subkey: bytes) -> str:

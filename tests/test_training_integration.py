@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
+import json
 import signal
 import subprocess
 import sys
@@ -115,3 +115,10 @@ def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys
     nxt = [committed(p, 2) for p in peers[:2]]
     assert len({e["params_sha256"] for e in nxt}) == 1
     assert all(len(e["members"]) == 2 for e in nxt)
+    # `p2ptrain status --run` shows the run as the DHT has it.
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", baddr, "--run", run_dir[1],
+                          "--json"], capture_output=True, text=True, timeout=60, cwd=procs.log_dir)
+    assert out.returncode == 0, out.stderr
+    rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
+    for ev in nxt:
+        assert rows[ev["peer"]]["step"] >= 2 and rows[ev["peer"]]["val_loss"] is not None

@@ -12,6 +12,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the peers the network knows about")
     p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point (repeatable)")
     p.add_argument("--namespace", default="lobby", help="presence namespace (a run id, or 'lobby')")
+    p.add_argument("--run", metavar="RUN_ID", help="show this training run: peers, last committed step, loss")
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -32,15 +33,25 @@ def run(args) -> int:
     identity = Identity.generate()  # a throwaway client identity: status publishes nothing
     events = EventSink(identity.peer_id_str, False)
 
+    if args.run:
+        args.namespace = args.run
+    states: dict = {}
+
     async def main() -> dict:
         node = Node(identity, cfg, events, dht_server=False)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
             peers = await read_peers(node.dht, args.namespace)
+            if args.run:
+                from p2ptrain.trainer import run_states
+
+                states.update(await run_states(node.dht, args.run))
             nursery.cancel_scope.cancel()
         return peers
 
     peers = run_service(main) or {}
+    if args.run:
+        return _print_run(args, identity, peers, states)
     if args.json:
         print(json.dumps({"event": "status", "t": round(__import__("time").time(), 3),
                           "peer": identity.peer_id_str, "namespace": args.namespace,
@@ -50,4 +61,26 @@ def run(args) -> int:
         for p, info in sorted(peers.items()):
             print(f"  {p}  {info['role']:<6} {' '.join(info['addrs'])}")
     sys.stdout.flush()
+    return 0
+
+
+def _print_run(args, identity, peers: dict, states: dict) -> int:
+    import time
+
+    rows = []
+    for pid in sorted(set(peers) | set(states)):
+        st = states.get(pid, {})
+        rows.append({"remote": pid, "online": pid in peers, "step": st.get("step"), "loss": st.get("loss"),
+                     "val_loss": st.get("val_loss"), "params_sha256": st.get("params"),
+                     "addrs": (peers.get(pid) or st).get("addrs", [])})
+    if args.json:
+        print(json.dumps({"event": "status", "t": round(time.time(), 3), "peer": identity.peer_id_str,
+                          "run": args.run, "peers": rows}))
+        return 0
+    print(f"run {args.run}: {len(rows)} peer(s)")
+    print(f"  {'peer':<54}{'step':>6}{'loss':>9}{'val':>9}  params")
+    for r in rows:
+        fmt = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) else "-"
+        print(f"  {r['remote']:<54}{(r['step'] if r['step'] is not None else '-'):>6}{fmt(r['loss']):>9}"
+              f"{fmt(r['val_loss']):>9}  {(r['params_sha256'] or '-')[:12]}")
     return 0
