@@ -56,8 +56,6 @@ class DHTConfig:
         for name in ("rpc_timeout", "lookup_timeout", "max_ttl", "refresh_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DHTConfig.{name} must be > 0")
-        if self.max_records_per_get * 64 * 1024 > protocol.DEFAULT_MAX_FRAME * 64:
-            raise ValueError("max_records_per_get too large for the frame limit")
 
 
 @dataclass
@@ -313,12 +311,18 @@ class DHTNode:
             now = wall_time()
             records = []
             # Re-validate on the way out: a record that expired while stored is not served.
+            # Replies stay within half a frame; the rest of a huge key is not served here.
+            budget = protocol.DEFAULT_MAX_FRAME // 2
             for rec in self.store_.get(key, now)[: self.config.max_records_per_get]:
                 try:
                     validate(rec, now, self.config.max_ttl, self.config.max_clock_skew)
-                    records.append(rec.encode())
                 except RecordError:
                     continue
+                raw = rec.encode()
+                budget -= len(raw)
+                if budget < 0:
+                    break
+                records.append(raw)
             return {"records": records, "peers": self._closer_peers(dht_id(key), sender)}
         if method == "store":
             raw = body.get("records")
