@@ -9,6 +9,7 @@ BENCHES = {
     "dht": "p2ptrain.bench.dht",
     "kernels": "p2ptrain.bench.kernels",
     "allreduce": "p2ptrain.bench.allreduce",
+    "diloco": "p2ptrain.bench.diloco",
 }
 
 
