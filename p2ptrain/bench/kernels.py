@@ -5,7 +5,7 @@ MB/s" = fp32 bytes of the vector processed per second (MB = 1e6 bytes), and the 
 np.copyto's payload MB/s from the same run (the machines are shared and noisy: only same-run
 ratios are comparable; the goal is >= 0.7x copy). Usage:
 
-    python -m p2ptrain.bench.kernels [--mb 64] [--repeat 7] [--block 16] [--json]
+    python -m p2ptrain.bench.kernels [--mb 64] [--repeat 7] [--block 16] [--threads N] [--json]
     p2ptrain bench kernels ...          (the CLI calls add_arguments / run)
 
 Run `python -m` from outside the repository root: there, ./p2ptrain (without the kernels,
@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="timed runs per kernel; the median is reported (default 7)")
     parser.add_argument("--block", type=int, default=None,
                         help="sub-block size (default: the kernels' DEFAULT_BLOCK)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="numba threads (default 0: numba's default, all cores)")
     parser.add_argument("--json", action="store_true",
                         help="print one JSON object per line instead of a table")
 
@@ -60,9 +62,20 @@ def run(args) -> int:
     from p2ptrain import kernels as K
 
     block = args.block if args.block is not None else K.DEFAULT_BLOCK
-    if args.mb <= 0 or args.repeat < 1 or block < 1:
+    if args.mb <= 0 or args.repeat < 1 or block < 1 or args.threads < 0:
         print("bench kernels: --mb, --repeat and --block must be positive", file=sys.stderr)
         return 2
+    threads = 1
+    if K.BACKEND == "numba":
+        import numba
+
+        if args.threads:
+            if args.threads > numba.config.NUMBA_NUM_THREADS:
+                print(f"bench kernels: --threads at most {numba.config.NUMBA_NUM_THREADS}",
+                      file=sys.stderr)
+                return 2
+            numba.set_num_threads(args.threads)
+        threads = numba.get_num_threads()
     n = int(args.mb * (1 << 20)) // 4
     rng = np.random.default_rng(1234)
     x = rng.standard_normal(n, dtype=np.float32)
@@ -94,11 +107,6 @@ def run(args) -> int:
         r["ratio_vs_copy"] = r["payload_mb_s"] / copy_rate
     kernel_rows = [r for r in rows if r["in_goal"]]
     worst = min(kernel_rows, key=lambda r: r["ratio_vs_copy"])
-    threads = 1
-    if K.BACKEND == "numba":
-        import numba
-
-        threads = numba.get_num_threads()
     summary = {
         "event": "bench_kernels_summary", "backend": K.BACKEND, "n": n, "mib": payload / (1 << 20),
         "block": block, "wire_bytes": K.quantized_nbytes(n, block), "repeat": args.repeat,
