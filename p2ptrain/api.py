@@ -14,6 +14,9 @@ loop. The only difference is who drives the inner steps: here your loop does, an
 `step()` blocks on the H-th call until the outer step is done (or skipped) and the model
 holds the new outer parameters. All peers of a run must start from identical parameters;
 the run id includes their hash, so peers that did not are never grouped together.
+
+Import p2ptrain before torch (or set OMP_WAIT_POLICY=passive): see p2ptrain/__init__.py for
+why an active OpenMP wait policy makes torch ~27x slower next to the ring's numba kernels.
 """
 
 from __future__ import annotations
