@@ -22,8 +22,8 @@ def add_parser(sub) -> None:
         bp.set_defaults(func=_runner(module))
         try:
             importlib.import_module(module).add_arguments(bp)
-        except ImportError:
-            pass  # a bench whose module is missing fails when run, not at parse time
+        except Exception:  # a broken bench fails when it is run, never the other commands
+            pass
 
 
 def _runner(module: str):
