@@ -26,8 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import os
 import statistics
 import sys
 import time
