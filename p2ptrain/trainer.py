@@ -35,7 +35,7 @@ from p2ptrain.clock import wall_time
 from p2ptrain.contribution import FrameChecker, Header, sign_header, verify_headers
 from p2ptrain.events import EventSink
 from p2ptrain.fetch import BlobServer, FetchError, fetch_any
-from p2ptrain.identity import peer_id_from_str
+from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 
 log = logging.getLogger("p2ptrain.trainer")
 MAX_ATTEMPTS = 4
@@ -195,7 +195,7 @@ class Trainer:
         for rec in (await self.dht.get(run_key(self.run_id, f"ready/{t}"))).values():
             try:
                 v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
-                r = election.Ready(election_peer(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]),
+                r = election.Ready(peer_id_to_str(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]),
                                    bool(v.get("joining", False)))
             except Exception:
                 continue
@@ -326,54 +326,38 @@ def _finite_or_none(x: float | None) -> float | None:
     return round(float(x), 5) if x is not None and math.isfinite(x) else None
 
 
-async def run_states(dht, run_id: str) -> dict[str, dict]:
-    """peer id -> its published state (step, params hash, loss, val_loss, addrs)."""
-    from p2ptrain.identity import peer_id_to_str
+async def _state_records(dht, run_id: str) -> list[tuple[bytes, dict]]:
+    """Every peer's published state record, decoded once: (peer id bytes, fields).
 
-    out = {}
+    Providers' addresses go to the address book, so their checkpoints can be fetched."""
+    out = []
     for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
         try:
             v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
-            out[peer_id_to_str(sub)] = {"step": int(v["step"]), "params": str(v["params"])[:64],
-                                        "loss": v.get("loss"), "val_loss": v.get("val_loss"),
-                                        "addrs": [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]}
+            addrs = [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]
+            out.append((sub, {"step": int(v["step"]), "params": str(v["params"])[:64], "ckpt": str(v["ckpt"]),
+                              "loss": v.get("loss"), "val_loss": v.get("val_loss"), "addrs": addrs}))
         except Exception:
             continue
+        dht.transport.learn_addrs(sub, addrs)
     return out
 
 
-def election_peer(subkey: bytes) -> str:
-    from p2ptrain.identity import peer_id_to_str
-
-    return peer_id_to_str(subkey)
+async def run_states(dht, run_id: str) -> dict[str, dict]:
+    """peer id -> its published state (step, params hash, checkpoint hash, losses, addrs)."""
+    return {peer_id_to_str(sub): v for sub, v in await _state_records(dht, run_id)}
 
 
 async def peers_at_step(dht, run_id: str, step: int) -> set[str]:
     """Peers whose published state is at outer step `step` (they are training it now)."""
-    from p2ptrain.identity import peer_id_to_str
-
-    out = set()
-    for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
-        try:
-            if int(msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)["step"]) == step:
-                out.add(peer_id_to_str(sub))
-        except Exception:
-            continue
-    return out
+    return {peer_id_to_str(sub) for sub, v in await _state_records(dht, run_id) if v["step"] == step}
 
 
 async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:
-    """(step, checkpoint hash, providers) of the newest state published by the most peers.
-
-    Providers' addresses from their records go to the address book, so they can be dialed."""
+    """(step, checkpoint hash, providers) of the newest state published by the most peers."""
     votes: dict[tuple[int, str], list[bytes]] = {}
-    for sub, rec in (await dht.get(run_key(run_id, "state"))).items():
-        try:
-            v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
-            votes.setdefault((int(v["step"]), str(v["ckpt"])), []).append(sub)
-            dht.transport.learn_addrs(sub, [a for a in v["addrs"][:16] if isinstance(a, str)])
-        except Exception:
-            continue
+    for sub, v in await _state_records(dht, run_id):
+        votes.setdefault((v["step"], v["ckpt"]), []).append(sub)
     if not votes:
         return None
     (step, digest), providers = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1])))

@@ -277,3 +277,14 @@ def fill_gaussian(out, seed: int, rank: int):
 
     np.random.default_rng([seed, rank]).standard_normal(dtype=np.float32, out=out)
     return out
+
+
+def merge_audits(audits: list) -> dict:
+    """One loopback-audit summary over several audits (non-loopback sockets abort a run
+    earlier, so a finished run reports 0)."""
+    return {
+        "checked": all(x["checked"] for x in audits) if audits else False,
+        "processes": max((x["processes"] for x in audits), default=0),
+        "sockets": max((x["sockets"] for x in audits), default=0),
+        "non_loopback": 0,
+    }

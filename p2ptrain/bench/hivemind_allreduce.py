@@ -50,6 +50,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from p2ptrain.bench._hivemind_common import (
+    merge_audits,
     INSTALL_HINT,
     LOOPBACK_P2P_KWARGS,
     PeakRssSampler,
@@ -427,12 +428,7 @@ def _measure(parent: Parent) -> Dict[str, Any]:
         "errors": [e for r in measured for e in r["errors"]][:5],
         "warmup_s": round(rounds[0]["seconds"], 3) if a.warmup and rounds else None,
         "startup_s": round(startup_s, 2),
-        "loopback_audit": {
-            "checked": all(x["checked"] for x in audits) if audits else False,
-            "processes": max((x["processes"] for x in audits), default=0),
-            "sockets": max((x["sockets"] for x in audits), default=0),
-            "non_loopback": 0,
-        },
+        "loopback_audit": merge_audits(audits),
         "forced_kills": forced,
     }
 

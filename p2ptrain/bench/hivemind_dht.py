@@ -43,6 +43,7 @@ from functools import partial
 from typing import Any, Dict, List, Optional, Tuple
 
 from p2ptrain.bench._hivemind_common import (
+    merge_audits,
     LOOPBACK_P2P_KWARGS,
     Watchdog,
     audit_loopback,
@@ -324,12 +325,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         "routing_table_sizes": bench.info["routing_table_sizes"],
         "startup_s": bench.info["startup_s"],
         "connect_s": bench.info["connect_s"],
-        "loopback_audit": {
-            "checked": all(x["checked"] for x in audits) if audits else False,
-            "processes": max((x["processes"] for x in audits), default=0),
-            "sockets": max((x["sockets"] for x in audits), default=0),
-            "non_loopback": 0,
-        },
+        "loopback_audit": merge_audits(audits),
         "forced_kills": forced,
         "hivemind_version": hivemind.__version__,
     }
