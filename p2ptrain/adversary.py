@@ -9,6 +9,8 @@ Modes:
   nan     sends NaN values, with a header claiming finite norms
   norm    sends its pseudo-gradient scaled 1000x (honest header)
   replay  re-sends the header it would have signed for the previous step
+  chunk   trains honestly but serves every blob (checkpoint chunks, chunk manifests) with
+          one byte flipped
 """
 
 from __future__ import annotations
@@ -19,10 +21,20 @@ import numpy as np
 
 from p2ptrain.identity import Identity
 
-MODES = ("forge", "nan", "norm", "replay")
+MODES = ("forge", "nan", "norm", "replay", "chunk")
+
+
+def flip_one_byte(data: bytes) -> bytes:
+    if not data:
+        return data
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0xFF
+    return bytes(bad)
 
 
 class Honest:
+    tamper = None  # what a BlobServer does to the bytes it serves (None: nothing)
+
     def corrupt(self, delta: np.ndarray) -> np.ndarray:
         return delta
 
@@ -33,6 +45,8 @@ class Honest:
 class Adversary(Honest):
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        if mode == "chunk":
+            self.tamper = flip_one_byte
 
     def corrupt(self, delta: np.ndarray) -> np.ndarray:
         if self.mode == "nan":

@@ -6,19 +6,25 @@ bytes. Decoding checks the header size before parsing it, allows only plain nume
 and checks every array lies inside the buffer. The content hash is SHA-256 of the bytes.
 
 Files are written atomically (temporary file, fsync, rename, fsync of the directory), so a
-crash mid-write leaves the previous checkpoint intact.
+crash mid-write leaves the previous checkpoint intact. `AsyncWriter` does that in a thread
+of its own: training hands over the bytes of an in-memory snapshot and goes on; the writer
+keeps the last K files and removes temporary files a killed process left behind.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 import msgpack
 import numpy as np
 
+log = logging.getLogger("p2ptrain.checkpoint")
 MAGIC = b"P2CK"
 MAX_HEADER = 1 << 20
 DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64", "uint16"}
@@ -74,12 +80,20 @@ def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_atomic(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes, pause=None) -> None:
+    """`pause` (TEST ONLY) is called once half of the data is in the temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    view = memoryview(data)
     with open(tmp, "wb") as f:
-        f.write(data)
+        if pause is not None:
+            f.write(view[:len(view) // 2])
+            f.flush()
+            pause()
+            f.write(view[len(view) // 2:])
+        else:
+            f.write(view)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -88,6 +102,107 @@ def write_atomic(path: Path, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class AsyncWriter:
+    """Writes `step-NNNNNN.p2ck` files in a background thread, keeping the newest `keep`.
+
+    One write runs at a time; if training commits faster than the disk writes, only the
+    newest waiting snapshot is written (an older one would be deleted right after anyway).
+    `on_written(step, seconds, path)` is called from the writer thread.
+    """
+
+    def __init__(self, directory: Path, keep: int = 3, on_written=None, pause_at: tuple[int, float] | None = None) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.dir = Path(directory)
+        self.keep = keep
+        self.on_written = on_written
+        self.pause_at = pause_at  # TEST ONLY: (step, seconds) to stall that write midway
+        self.on_pause = None
+        self._cond = threading.Condition()
+        self._waiting: tuple[int, bytes] | None = None
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
+        self._remove_stale_tmp()
+        self._thread.start()
+
+    def _remove_stale_tmp(self) -> None:
+        for tmp in self.dir.glob(".step-*.p2ck.tmp.*"):
+            log.info("removing %s, a write interrupted by a crash", tmp)
+            tmp.unlink(missing_ok=True)
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{step:06d}.p2ck"
+
+    def submit(self, step: int, data: bytes) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("checkpoint writer is closed")
+            self._waiting = (step, data)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 120.0) -> bool:
+        """Wait until everything submitted is on disk; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 120.0) -> bool:
+        ok = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        return ok
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                (step, data), self._waiting = self._waiting, None
+                self._busy = True
+            try:
+                t0 = time.perf_counter()
+                pause = None
+                if self.pause_at and self.pause_at[0] == step:
+                    pause = self._pause
+                write_atomic(self.path(step), data, pause)
+                for old in sorted(self.dir.glob("step-*.p2ck"))[:-self.keep]:
+                    old.unlink(missing_ok=True)
+                if self.on_written is not None:
+                    self.on_written(step, time.perf_counter() - t0, str(self.path(step)))
+            except Exception:
+                log.exception("checkpoint for step %d could not be written", step)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _pause(self) -> None:
+        if self.on_pause is not None:
+            self.on_pause(self.pause_at[0])
+        time.sleep(self.pause_at[1])
+
+
+def pause_from_env(value: str | None) -> tuple[int, float] | None:
+    """TEST ONLY: P2PTRAIN_TEST_CKPT_PAUSE="STEP:SECONDS" stalls the write of that step's
+    checkpoint halfway, so a test can SIGKILL the process mid-write."""
+    if not value:
+        return None
+    try:
+        step, seconds = value.split(":")
+        return int(step), float(seconds)
+    except ValueError:
+        raise ValueError("P2PTRAIN_TEST_CKPT_PAUSE must look like STEP:SECONDS") from None
 
 
 def outer_state_arrays(params: np.ndarray, momentum: np.ndarray) -> dict[str, np.ndarray]:

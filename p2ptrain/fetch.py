@@ -2,14 +2,19 @@
 
 A peer serves the blobs it holds (`/p2ptrain/fetch/1.0.0`, request {sha256}); a fetcher
 names the hash it wants, enforces a size limit before reading, and checks the hash of what
-arrived, so a provider can waste a fetcher's time but never feed it wrong bytes. Serving is
-bounded (a few concurrent requests) so it never starves the node's own rounds.
+arrived, so a provider can waste a fetcher's time but never feed it wrong bytes.
+
+Serving is bounded so it never starves the node's own rounds (hivemind's donors time out
+newcomers, or their own averaging, when both compete): at most `max_concurrent` requests
+at a time, and all of them together share a token bucket of `upload_mbps` (a bandwidth
+share, like a home uplink). Bytes leave in 256 KiB slices, each paced by the bucket.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 
 import msgpack
 import trio
@@ -20,24 +25,67 @@ from p2ptrain.dht.libp2p_rpc import read_exactly
 
 log = logging.getLogger("p2ptrain.fetch")
 PROTOCOL = TProtocol("/p2ptrain/fetch/1.0.0")
-CHUNK = 1 << 20
+
+
+SLICE = 256 << 10
 
 
 class FetchError(Exception):
     pass
 
 
+@dataclass
+class ServeConfig:
+    max_concurrent: int = 4
+    """Blob/chunk requests served at once; more wait their turn."""
+    upload_mbps: float = 0.0
+    """Upload cap in MB/s shared by all requests served (0 = uncapped)."""
+    burst_mb: float = 1.0
+    """Bytes (MB) the bucket may send at once after being idle."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1 or self.upload_mbps < 0 or self.burst_mb <= 0:
+            raise ValueError("max_concurrent must be >= 1, upload_mbps >= 0, burst_mb > 0")
+
+
+class TokenBucket:
+    """Paces bytes to `rate` bytes/s with a burst allowance; shared by all serving tasks."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.next_free = 0.0  # trio time at which the bucket is empty again
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        now = trio.current_time()
+        start = max(now - self.burst / self.rate, self.next_free)
+        self.next_free = start + n / self.rate
+        if self.next_free > now:
+            await trio.sleep(self.next_free - now)
+
+
 class BlobServer:
-    def __init__(self, host, max_concurrent: int = 4) -> None:
+    def __init__(self, host, max_concurrent: int = 4, config: ServeConfig | None = None, tamper=None) -> None:
         self.host = host
-        self.blobs: dict[str, bytes] = {}
-        self.limiter = trio.CapacityLimiter(max_concurrent)
+        self.config = config or ServeConfig(max_concurrent=max_concurrent)
+        self.blobs: dict[str, bytes | memoryview] = {}
+        self.limiter = trio.CapacityLimiter(self.config.max_concurrent)
+        self.bucket = TokenBucket(self.config.upload_mbps * 1e6, self.config.burst_mb * 1e6)
+        self.tamper = tamper  # TEST ONLY (p2ptrain.adversary "chunk"): alters served bytes
+        self.served_bytes = 0
+        self.served_requests = 0
         host.set_stream_handler(PROTOCOL, self._handle)
 
     def add(self, data: bytes) -> str:
         digest = hashlib.sha256(data).hexdigest()
         self.blobs[digest] = data
         return digest
+
+    def add_known(self, digest: str, data: bytes | memoryview) -> None:
+        """Serve `data` under `digest` already computed by the caller (chunks)."""
+        self.blobs[digest] = data
 
     def remove(self, digest: str) -> None:
         self.blobs.pop(digest, None)
@@ -54,9 +102,15 @@ class BlobServer:
                     size = len(blob) if blob is not None else -1
                     await stream.write(size.to_bytes(8, "big", signed=True))
                     if blob is not None:
+                        self.served_requests += 1
                         view = memoryview(blob)
-                        for off in range(0, len(blob), CHUNK):
-                            await stream.write(bytes(view[off:off + CHUNK]))
+                        if self.tamper is not None:
+                            view = memoryview(self.tamper(bytes(view)))
+                        for off in range(0, len(view), SLICE):
+                            piece = bytes(view[off:off + SLICE])
+                            await self.bucket.take(len(piece))
+                            await stream.write(piece)
+                            self.served_bytes += len(piece)
             await stream.close()
         except Exception as exc:
             log.info("fetch request from %s failed: %r", stream.muxed_conn.peer_id, exc)
@@ -64,8 +118,11 @@ class BlobServer:
                 await stream.reset()
 
 
-async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
-    """The blob with `digest` from `peer`, verified; raises FetchError."""
+async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
+    """The bytes `peer` serves under `digest`, NOT verified (callers that need to tell a
+    lying donor from a failing one verify themselves); raises FetchError. A request
+    abandoned (cancelled) midway resets its stream, so the donor stops sending at once."""
+    stream = None
     try:
         with trio.fail_after(timeout):
             stream = await host.new_stream(ID(peer), [PROTOCOL])
@@ -78,10 +135,24 @@ async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) 
                 raise FetchError(f"provider offers {size} bytes, over the limit {max_bytes}")
             data = await read_exactly(stream, size)
             await stream.close()
+            stream = None
+            return data
     except FetchError:
         raise
     except (Exception, trio.TooSlowError) as exc:
         raise FetchError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        if stream is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass
+
+
+async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
+    """The blob with `digest` from `peer`, verified; raises FetchError."""
+    data = await request(host, peer, digest, max_bytes, timeout)
     if hashlib.sha256(data).hexdigest() != digest:
         raise FetchError("content does not match its hash")
     return data

@@ -14,9 +14,11 @@ import trio
 
 from p2ptrain import checkpoint, manifest as mf
 from p2ptrain.allreduce import AllReduceConfig, AllReduceService
-from p2ptrain.fetch import BlobServer, FetchError, fetch_any
+from p2ptrain.config import ConfigError, resolve
+from p2ptrain.download import fetch_checkpoint
+from p2ptrain.fetch import BlobServer, FetchError, ServeConfig
 from p2ptrain.node import NodeError
-from p2ptrain.trainer import Trainer, TrainerConfig, latest_state, run_key
+from p2ptrain.trainer import Trainer, TrainerConfig, run_key
 
 log = logging.getLogger("p2ptrain.runner")
 
@@ -48,7 +50,8 @@ def newest_local_checkpoint(workdir: Path, run_id: str) -> bytes | None:
     return None
 
 
-async def starting_state(node, manifest: dict, run_id: str, manifest_path: str | None, workdir: Path) -> bytes:
+async def starting_state(node, manifest: dict, run_id: str, manifest_path: str | None, workdir: Path,
+                         events) -> bytes:
     local = await trio.to_thread.run_sync(newest_local_checkpoint, workdir, run_id)
     if local is not None:
         return local
@@ -64,13 +67,13 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
         return data
     with trio.move_on_after(120):
         while True:
-            best = await latest_state(node.dht, run_id)
-            digest, providers = (best[1], best[2]) if best else (genesis, [])
-            if providers:
-                try:
-                    return await fetch_any(node.host, providers, digest, 1 << 34, 120)
-                except FetchError as exc:
-                    log.warning("state fetch failed: %s", exc)
+            try:
+                got = await fetch_checkpoint(node, run_id, manifest, events)
+            except FetchError as exc:
+                log.warning("state fetch failed: %s", exc)
+                got = None
+            if got is not None and got[1] is not None:
+                return got[1]
             await trio.sleep(1.0)
     raise NodeError("could not fetch the run's state from any peer within 120s", "try again later")
 
@@ -81,14 +84,20 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
-    blobs = BlobServer(node.host)
+    try:
+        serve_cfg = resolve(ServeConfig, section="serve")
+    except ConfigError as exc:
+        raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None
+    from p2ptrain import adversary
+
+    blobs = BlobServer(node.host, config=serve_cfg, tamper=adversary.make(config.adversary).tamper)
     blobs.add(mf.encode(manifest))
     await node.dht.store(run_key(run_id, "manifest"), mf.encode(manifest), ttl=3600)
     try:
         ds = await trio.to_thread.run_sync(load_run_data, manifest)
     except (DataMismatch, ValueError) as exc:
         raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
-    state = await starting_state(node, manifest, run_id, manifest_path, workdir)
+    state = await starting_state(node, manifest, run_id, manifest_path, workdir, events)
     local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
     tm = manifest["timeouts"]
     svc = AllReduceService(node.host, node.identity, AllReduceConfig(
@@ -99,6 +108,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         await nursery.start(svc.run)
         trainer = Trainer(node, svc, blobs, manifest, run_id, local, events, workdir, config)
         await trainer.run()
+        await trio.to_thread.run_sync(trainer.writer.close)
         nursery.cancel_scope.cancel()
 
 

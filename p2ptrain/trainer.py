@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,8 +34,9 @@ from p2ptrain import checkpoint, election, ring
 from p2ptrain.allreduce import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
 from p2ptrain.contribution import FrameChecker, Header, sign_header, verify_headers
+from p2ptrain.download import CheckpointServer, fetch_checkpoint
 from p2ptrain.events import EventSink
-from p2ptrain.fetch import BlobServer, FetchError, fetch_any
+from p2ptrain.fetch import BlobServer, FetchError
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 
 log = logging.getLogger("p2ptrain.trainer")
@@ -100,6 +102,12 @@ class Trainer:
         from p2ptrain import adversary
 
         self.adversary = adversary.make(config.adversary)
+        self.ckpt_server = CheckpointServer(blobs)
+        self.writer = checkpoint.AsyncWriter(
+            self.workdir / "checkpoints" / run_id[:16], KEEP_CHECKPOINTS,
+            on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)),
+            pause_at=checkpoint.pause_from_env(os.environ.get("P2PTRAIN_TEST_CKPT_PAUSE")))
+        self.writer.on_pause = lambda step: events.emit("checkpoint_write_paused", step=step)
 
     # -- service ---------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -285,40 +293,44 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------
     async def publish_state(self, loss: float | None = None, val_loss: float | None = None) -> None:
+        # Training blocks only for the in-memory snapshot; the disk write runs in the
+        # writer's thread (p2ptrain.checkpoint.AsyncWriter).
+        t0 = time.perf_counter()
         data = await trio.to_thread.run_sync(self.local.state_bytes)
+        snapshot = time.perf_counter() - t0
+        self.writer.submit(self.local.step, data)
         digest = self.blobs.add(data)
         if self._state_digest and self._state_digest != digest:
             self.blobs.remove(self._state_digest)
         self._state_digest = digest
-        await trio.to_thread.run_sync(self._write_checkpoint, data)
-        value = msgpack.packb({"step": self.local.step, "params": self.local.outer.params_sha256(),
+        params = self.local.outer.params_sha256()
+        value = msgpack.packb({"step": self.local.step, "params": params,
                                "ckpt": digest, "addrs": self.node.rpc.local_addrs(),
                                "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss)})
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
-
-    def _write_checkpoint(self, data: bytes) -> None:
-        d = self.workdir / "checkpoints" / self.run_id[:16]
-        checkpoint.write_atomic(d / f"step-{self.local.step:06d}.p2ck", data)
-        for old in sorted(d.glob("step-*.p2ck"))[:-KEEP_CHECKPOINTS]:
-            old.unlink(missing_ok=True)
+        await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
+                                       sorted(self.last_roster) if self.local.step else [],
+                                       self.node.rpc.local_addrs())
+        self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
     async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:
-        """Adopt the newest state that members published, once it reaches `at_least`."""
+        """Adopt the newest state a quorum of its group attests, once it reaches `at_least`
+        (chunks from every provider at once: p2ptrain.download)."""
         with trio.move_on_after(timeout):
             while True:
-                best = await latest_state(self.dht, self.run_id)
-                if best and best[0] >= at_least:
-                    step, digest, providers = best
-                    if step <= self.local.step:
+                try:
+                    got = await fetch_checkpoint(self.node, self.run_id, self.manifest, self.events,
+                                                 at_least, self.local.step)
+                except FetchError as exc:
+                    log.warning("catch-up fetch failed: %s", exc)
+                    got = None
+                if got is not None:
+                    step, data = got
+                    if data is None:
                         return
-                    try:
-                        data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60)
-                    except FetchError as exc:
-                        log.warning("catch-up fetch failed: %s", exc)
-                    else:
-                        await trio.to_thread.run_sync(self.local.load_state_at, data)
-                        self.events.emit("caught_up", step=self.local.step)
-                        return
+                    await trio.to_thread.run_sync(self.local.load_state_at, data)
+                    self.events.emit("caught_up", step=self.local.step)
+                    return
                 await trio.sleep(1.0)
 
 

@@ -1,0 +1,193 @@
+"""Checkpoints between peers: chunk manifests, the provider quorum, and multi-donor downloads
+over real libp2p nodes on 127.0.0.1 (a lying donor, a slow one, a dead one)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+
+import msgpack
+import pytest
+import trio
+
+from conftest import LOOPBACK
+from p2ptrain import chunks, providers
+from p2ptrain.adversary import flip_one_byte
+from p2ptrain.download import CheckpointServer, DownloadConfig, download
+from p2ptrain.events import EventSink
+from p2ptrain.fetch import BlobServer, FetchError, ServeConfig
+from p2ptrain.identity import Identity
+from p2ptrain.node import Node, NodeConfig
+
+H = [hashlib.sha256(bytes([i])).hexdigest() for i in range(8)]
+
+
+# -- chunk manifests (pure) ------------------------------------------------------------
+def test_split_verify_assemble_roundtrip():
+    data = os.urandom(100_000)
+    m, parts = chunks.split(data, 8192)
+    assert len(m.chunks) == 13 and m.size == len(data)
+    back = chunks.decode_manifest(m.encode(), m.digest())
+    assert back == m
+    asm = chunks.Assembler(back)
+    for i in reversed(range(len(parts))):
+        assert not asm.put(i, flip_one_byte(bytes(parts[i])))  # a wrong chunk is refused
+        assert asm.put(i, parts[i])
+    assert asm.result() == data
+
+
+@pytest.mark.parametrize("bad", [
+    b"\x00" * (chunks.MAX_MANIFEST_BYTES + 1),
+    msgpack.packb({"v": 1, "size": 10 << 20, "chunk": 1 << 20, "sha256": H[0], "chunks": [b"x" * 32]}),
+    msgpack.packb({"v": 1, "size": 10, "chunk": 1, "sha256": H[0], "chunks": [b"x" * 32]}),
+    msgpack.packb({"v": 2, "size": 10, "chunk": 4096, "sha256": H[0], "chunks": [b"x" * 32]}),
+    msgpack.packb({"v": 1, "size": 10, "chunk": 4096, "sha256": "zz", "chunks": [b"x" * 32]}),
+    msgpack.packb([1, 2, 3]),
+    b"\xc1garbage",
+])
+def test_hostile_chunk_manifests_are_rejected(bad):
+    with pytest.raises(chunks.ChunkError):
+        chunks.decode_manifest(bad)
+
+
+def test_manifest_must_match_its_attested_hash():
+    m, _ = chunks.split(b"abc" * 5000, 4096)
+    with pytest.raises(chunks.ChunkError, match="hash"):
+        chunks.decode_manifest(m.encode(), H[0])
+
+
+# -- quorum rule (pure) -----------------------------------------------------------------
+def rec(peer, step, manifest, members, sha=H[5]):
+    return providers.Provider(peer, step, manifest, sha, H[6], tuple(sorted(members)), ())
+
+
+def test_quorum_needs_half_of_the_group_that_committed():
+    g = ["a", "b", "c", "d"]
+    one = [rec("a", 3, H[1], g)]
+    assert providers.choose(one, H[7]) is None  # 1 of 4
+    two = one + [rec("b", 3, H[1], g), rec("x", 3, H[1], [])]  # x: provider, not an attester
+    c = providers.choose(two, H[7])
+    assert (c.step, c.manifest, c.attesters, c.providers) == (3, H[1], ("a", "b"), ("a", "b", "x"))
+
+
+def test_newest_attested_step_wins_and_liars_do_not_count():
+    g = ["a", "b", "c"]
+    recs = [rec("a", 2, H[1], g), rec("b", 2, H[1], g),
+            rec("c", 5, H[2], g),                      # alone: 1 of 3
+            rec("e", 9, H[3], ["e", "f", "g"]), rec("f", 9, H[3], ["e", "f", "g", "h"]),  # disagree on group
+            rec("s", 99, H[4], [f"s{i}" for i in range(9)] + ["s"])]  # bigger than the run's groups
+    c = providers.choose(recs, H[7], max_group=4)
+    assert (c.step, c.manifest) == (2, H[1])
+
+
+def test_step_zero_needs_the_genesis_hash():
+    recs = [rec("a", 0, H[1], [], sha=H[7]), rec("m", 0, H[2], [], sha=H[3])]
+    c = providers.choose(recs, H[7])
+    assert (c.step, c.manifest, c.providers) == (0, H[1], ("a",))
+    assert providers.choose(recs[1:], H[7]) is None
+
+
+def test_provider_record_decoder_is_bounded():
+    v = providers.encode(4, H[1], H[2], H[3], ["b", "a"], ["/ip4/127.0.0.1/tcp/1"])
+    p = providers.decode("a", v)
+    assert (p.step, p.members) == (4, ("a", "b"))
+    for bad in (b"\x00" * 10000, msgpack.packb({"step": -1}), msgpack.packb({"step": 1, "manifest": "x"}),
+                msgpack.packb({"step": 1, "manifest": H[1], "sha256": H[1], "params": H[1],
+                               "members": ["m"] * 100})):
+        with pytest.raises(providers.ProviderError):
+            providers.decode("a", bad)
+
+
+# -- real libp2p donors ---------------------------------------------------------------
+async def _nodes(nursery, n):
+    out = []
+    for _ in range(n):
+        ident = Identity.generate()
+        node = Node(ident, NodeConfig(listen=[LOOPBACK]), EventSink(ident.peer_id_str, False))
+        await nursery.start(node.run)
+        out.append(node)
+    return out
+
+
+async def _swarm(nursery, data, donor_cfgs, chunk_bytes):
+    """Donor nodes serving `data` as chunks, and a fetcher that knows their addresses."""
+    nodes = await _nodes(nursery, len(donor_cfgs) + 1)
+    fetcher, donors = nodes[0], nodes[1:]
+    servers, digest = [], None
+    for node, (cfg, tamper) in zip(donors, donor_cfgs):
+        blobs = BlobServer(node.host, config=cfg, tamper=tamper)
+        _, digest = CheckpointServer(blobs, chunk_bytes).serve(data)
+        servers.append(blobs)
+        fetcher.rpc.learn_addrs(node.identity.peer_id, node.rpc.local_addrs())
+    m, _ = chunks.split(data, chunk_bytes)
+    choice = providers.Choice(1, digest, m.sha256, H[0], tuple(n.peer_id for n in donors), ())
+    return fetcher, donors, servers, choice
+
+
+@pytest.mark.integration
+def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again():
+    data = os.urandom(3 << 20)
+    excluded = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            honest = (ServeConfig(), None)
+
+            def chunks_only(b: bytes) -> bytes:  # serves its manifest honestly, then lies
+                return flip_one_byte(b) if len(b) == 64 << 10 else b
+            fetcher, donors, servers, choice = await _swarm(
+                nursery, data, [(ServeConfig(), chunks_only), honest, honest], 64 << 10)
+            got, rep = await download(fetcher.host, choice, config=DownloadConfig(per_donor=1),
+                                      on_exclude=lambda d, r: excluded.append((d, r)))
+            nursery.cancel_scope.cancel()
+            return got, rep, donors, servers
+
+    got, rep, donors, servers = trio.run(main)
+    liar = donors[0].peer_id
+    assert got == data
+    assert [d for d, _ in excluded] == [liar] and "failed verification" in excluded[0][1]
+    assert rep.per_donor[liar] == 0 and sum(rep.per_donor.values()) == rep.chunks == 48
+    # The manifest and exactly one (corrupted) chunk request; nothing after the exclusion.
+    assert servers[0].served_requests == 2, servers[0].served_requests
+
+
+@pytest.mark.integration
+def test_slow_and_dead_donors_do_not_stall_the_download():
+    data = os.urandom(2 << 20)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetcher, donors, servers, choice = await _swarm(
+                nursery, data, [(ServeConfig(upload_mbps=0.02, burst_mb=0.01), None), (ServeConfig(), None)], 128 << 10)
+            dead = Identity.generate()
+            fetcher.rpc.learn_addrs(dead.peer_id, ["/ip4/127.0.0.1/tcp/9"])  # nothing listens there
+            choice = providers.Choice(1, choice.manifest, choice.sha256, H[0],
+                                      (*choice.providers, dead.peer_id_str), ())
+            t0 = time.monotonic()
+            got, rep = await download(fetcher.host, choice, config=DownloadConfig(chunk_timeout=30))
+            took = time.monotonic() - t0
+            nursery.cancel_scope.cancel()
+            return got, rep, took, donors, dead
+
+    got, rep, took, donors, dead = trio.run(main)
+    assert got == data
+    # Alone, the slow donor needs 2 MiB / 20 kB/s = 100 s; stealing finishes far sooner.
+    assert took < 30, took
+    assert rep.per_donor[donors[1].peer_id] >= 14 and rep.stolen >= 1, rep
+    assert rep.per_donor[dead.peer_id_str] == 0
+
+
+@pytest.mark.integration
+def test_download_fails_cleanly_when_every_donor_lies():
+    data = os.urandom(256 << 10)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetcher, donors, servers, choice = await _swarm(
+                nursery, data, [(ServeConfig(), flip_one_byte)] * 2, 64 << 10)
+            with pytest.raises(FetchError):
+                await download(fetcher.host, choice)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
