@@ -42,10 +42,14 @@ class ServeConfig:
     """Upload cap in MB/s shared by all requests served (0 = uncapped)."""
     burst_mb: float = 1.0
     """Bytes (MB) the bucket may send at once after being idle."""
+    chunk_kib: int = 4096
+    """Checkpoints are served as chunks of this many KiB (p2ptrain.chunks)."""
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.upload_mbps < 0 or self.burst_mb <= 0:
             raise ValueError("max_concurrent must be >= 1, upload_mbps >= 0, burst_mb > 0")
+        if not 4 <= self.chunk_kib <= 65536:
+            raise ValueError("chunk_kib must be in [4, 65536]")
 
 
 class TokenBucket:

@@ -102,7 +102,7 @@ class Trainer:
         from p2ptrain import adversary
 
         self.adversary = adversary.make(config.adversary)
-        self.ckpt_server = CheckpointServer(blobs)
+        self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         self.writer = checkpoint.AsyncWriter(
             self.workdir / "checkpoints" / run_id[:16], KEEP_CHECKPOINTS,
             on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)),
