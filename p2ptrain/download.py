@@ -8,9 +8,10 @@ signed provider record (`p2ptrain.providers`).
 Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
 group attests, gets the chunk manifest (verified against the attested hash), then pulls
 chunks from every provider at once. Each donor has `per_donor` request slots; a free slot
-takes the next missing chunk, and once none is left it steals a chunk still in flight on
-another donor (the first verified copy wins and the other request is cancelled), so a slow
-or dead donor never stalls the download. A donor whose chunk fails verification is
+takes the next missing chunk, and once none is left it steals a chunk that has been in
+flight on another donor for over twice the typical chunk time (the first verified copy
+wins and the other request is cancelled), so a slow or dead donor never stalls the
+download, while donors of equal speed do not duplicate each other's work. A donor whose chunk fails verification is
 excluded for the rest of the download; one that fails `max_failures` requests is dropped.
 """
 
@@ -40,7 +41,7 @@ class DownloadConfig:
     """Chunk requests in flight per donor (hides per-request latency)."""
     chunk_timeout: float = 60.0
     """Seconds one chunk request may take before the donor is counted as failing."""
-    max_failures: int = 2
+    max_failures: int = 3
     """Failed (not wrong) requests after which a donor is dropped for this download."""
 
     def __post_init__(self) -> None:
@@ -65,10 +66,13 @@ class DownloadReport:
 class CheckpointServer:
     """Serves the latest committed checkpoint as chunks and advertises it."""
 
-    def __init__(self, blobs: BlobServer, chunk_bytes: int = chunks.CHUNK_BYTES) -> None:
+    def __init__(self, blobs: BlobServer, chunk_bytes: int = chunks.CHUNK_BYTES, keep: int = 2) -> None:
         self.blobs = blobs
         self.chunk_bytes = chunk_bytes
-        self.served: set[str] = set()
+        # The previous step's chunks stay served too: a newcomer that chose it just before
+        # we committed the next step can still finish its download.
+        self.keep = keep
+        self.served: list[set[str]] = []
         self.current: tuple[int, str] | None = None
 
     def serve(self, data: bytes) -> tuple[chunks.ChunkManifest, str]:
@@ -80,9 +84,11 @@ class CheckpointServer:
         for h, part in zip(manifest.chunks, parts):
             self.blobs.add_known(h, part)
         self.blobs.add_known(digest, raw)
-        for old in self.served - new:
+        self.served = [*self.served, new][-self.keep:]
+        live = set().union(*self.served)
+        for old in list(self.blobs.chunk_digests - live):
             self.blobs.remove(old)
-        self.served = new
+        self.blobs.chunk_digests = live
         return manifest, digest
 
     async def publish(self, dht, run_id: str, data: bytes, step: int, params: str, members: list[str],
@@ -165,6 +171,8 @@ class _Download:
         self.asm = chunks.Assembler(manifest)
         self.pending: deque[int] = deque(range(len(manifest.chunks)))
         self.inflight: dict[int, dict[str, trio.CancelScope]] = {}
+        self.started: dict[int, float] = {}  # chunk -> when its first request started
+        self.times: list[float] = []         # seconds of verified chunk requests
         self.failures: dict[str, int] = {}
         self.report = DownloadReport(per_donor={d: 0 for d in donors})
         self.changed = trio.Event()
@@ -188,11 +196,15 @@ class _Download:
             i = self.pending.popleft()
             if i not in self.asm.have:
                 return i
-        # Endgame: help with the chunk that has the fewest requesters, not already ours.
-        cands = [(len(r), i) for i, r in self.inflight.items() if donor not in r and i not in self.asm.have]
-        if cands:
+        # Endgame: help with the chunk in flight longest, once it is clearly late.
+        now = trio.current_time()
+        typical = sorted(self.times)[len(self.times) // 2] if self.times else 1.0
+        late = [(self.started.get(i, now), i) for i, r in self.inflight.items()
+                if donor not in r and i not in self.asm.have
+                and now - self.started.get(i, now) > max(0.5, 2 * typical)]
+        if late:
             self.report.stolen += 1
-            return min(cands)[1]
+            return min(late)[1]
         return None
 
     async def run(self) -> None:
@@ -209,11 +221,13 @@ class _Download:
         while not self.asm.done() and donor not in self.report.excluded:
             i = self._next(donor)
             if i is None:
-                with trio.move_on_after(0.5):
+                with trio.move_on_after(0.25):
                     await self.changed.wait()
                 continue
             scope = trio.CancelScope()
             self.inflight.setdefault(i, {})[donor] = scope
+            t0 = trio.current_time()
+            self.started.setdefault(i, t0)
             start, end = self.manifest.span(i)
             data, err = None, None
             with scope:
@@ -229,6 +243,7 @@ class _Download:
                     pass  # a stolen duplicate that lost the race
                 elif self.asm.put(i, data):
                     self.report.per_donor[donor] = self.report.per_donor.get(donor, 0) + 1
+                    self.times.append(trio.current_time() - t0)
                     for other in requesters.values():
                         other.cancel()  # someone else's duplicate of a chunk we now have
                     self.inflight.pop(i, None)
@@ -241,6 +256,8 @@ class _Download:
                 self._requeue(i)
                 if self.failures[donor] >= self.config.max_failures:
                     self._exclude(donor, f"unresponsive ({err})")
+                else:
+                    await trio.sleep(0.2)  # a transient failure (e.g. a stream refused under load)
             if not self.inflight.get(i):
                 self.inflight.pop(i, None)
             self._notify()
@@ -249,6 +266,7 @@ class _Download:
 
     def _requeue(self, i: int) -> None:
         if i not in self.asm.have and not self.inflight.get(i) and i not in self.pending:
+            self.started.pop(i, None)
             self.pending.appendleft(i)
 
 

@@ -80,6 +80,7 @@ class BlobServer:
         self.tamper = tamper  # TEST ONLY (p2ptrain.adversary "chunk"): alters served bytes
         self.served_bytes = 0
         self.served_requests = 0
+        self.chunk_digests: set[str] = set()  # owned by p2ptrain.download.CheckpointServer
         host.set_stream_handler(PROTOCOL, self._handle)
 
     def add(self, data: bytes) -> str:

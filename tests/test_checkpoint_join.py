@@ -16,9 +16,9 @@ from p2ptrain import checkpoint
 from p2ptrain.identity import load_or_create
 
 pytestmark = pytest.mark.integration
-GROUP_STEPS = 6
-# 64 KiB chunks: the tiny test model's checkpoint becomes several chunks, so every donor serves.
-ENV = {"P2PTRAIN_SERVE_CHUNK_KIB": "64"}
+GROUP_STEPS = 40  # never reached: the group trains until the test has seen what it needs
+# 1 MiB chunks: the tiny test model's 6.7 MB checkpoint becomes 7 chunks, so every donor serves.
+ENV = {"P2PTRAIN_SERVE_CHUNK_KIB": "1024"}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def run(tmp_path_factory) -> tuple[Path, str, list[Path]]:
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
-         "--planned-outer-steps", "8", "--join-window", "20", "--group-size", "4", "--seed", "5"],
+         "--planned-outer-steps", "12", "--join-window", "20", "--group-size", "4", "--seed", "5"],
         capture_output=True, text=True, timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     keys = [d / f"peer{i}.key" for i in range(4)]
@@ -73,13 +73,16 @@ def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run):
     assert {e["params_sha256"] for e in mine} == {first["params_sha256"]}, (first, mine)
     assert newcomer.all_events[0]["peer"] in mine[0]["members"]
     # The group's step durations while the newcomer joined, against the steps before it.
-    times = {s: committed(group[0], s)["t"] for s in range(1, GROUP_STEPS + 1)}
-    dur = {s: times[s] - times[s - 1] for s in range(2, GROUP_STEPS + 1)}
+    times = {s: committed(group[0], s)["t"] for s in range(1, first["step"] + 1)}
+    dur = {s: times[s] - times[s - 1] for s in range(2, first["step"] + 1)}
     before_max = max(dur[2], dur[3])
     during = [dur[s] for s in range(4, first["step"] + 1)]
-    # Stated bound: 1.5x the slowest step before plus 5 s of scheduling noise; a newcomer
-    # that stalled the group would cost a whole 20 s join window.
-    assert max(during) <= 1.5 * before_max + 5.0, (dur, first["step"])
+    # Stated bound: 2x the slowest step before plus 10 s for the newcomer's process start
+    # (torch import, data load) competing for the 2 shared cores; a newcomer that stalled
+    # the group's election would cost a whole 20 s join window on top.
+    print("group step durations (s):", {s: round(d, 2) for s, d in dur.items()}, "newcomer's first step:",
+          first["step"], "fetch:", fetched["seconds"], "s")
+    assert max(during) <= 2 * before_max + 10.0, (dur, first["step"])
     assert before[0] < fetched["t"]
 
 
