@@ -192,6 +192,8 @@ class _Download:
         self._notify()
 
     def _next(self, donor: str) -> int | None:
+        if not self.pending and not self.inflight:
+            self.pending.extend(self.asm.missing())  # never lose a chunk, whatever the path
         while self.pending:
             i = self.pending.popleft()
             if i not in self.asm.have:
@@ -250,7 +252,9 @@ class _Download:
                 else:
                     self._exclude(donor, f"chunk {i} failed verification")
                     self._requeue(i)
-            elif not scope.cancelled_caught:
+            elif scope.cancelled_caught:
+                self._requeue(i)  # our donor was excluded mid-request: the chunk is still needed
+            else:
                 self.failures[donor] = self.failures.get(donor, 0) + 1
                 log.info("chunk %d from %s failed: %s", i, donor, err)
                 self._requeue(i)

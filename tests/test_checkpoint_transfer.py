@@ -126,7 +126,8 @@ async def _swarm(nursery, data, donor_cfgs, chunk_bytes):
 
 
 @pytest.mark.integration
-def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again():
+@pytest.mark.parametrize("per_donor", [1, 2])
+def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again(per_donor):
     data = os.urandom(3 << 20)
     excluded = []
 
@@ -138,8 +139,9 @@ def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again():
                 return flip_one_byte(b) if len(b) == 64 << 10 else b
             fetcher, donors, servers, choice = await _swarm(
                 nursery, data, [(ServeConfig(), chunks_only), honest, honest], 64 << 10)
-            got, rep = await download(fetcher.host, choice, config=DownloadConfig(per_donor=1),
-                                      on_exclude=lambda d, r: excluded.append((d, r)))
+            with trio.fail_after(60):
+                got, rep = await download(fetcher.host, choice, config=DownloadConfig(per_donor=per_donor),
+                                          on_exclude=lambda d, r: excluded.append((d, r)))
             nursery.cancel_scope.cancel()
             return got, rep, donors, servers
 
@@ -148,8 +150,9 @@ def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again():
     assert got == data
     assert [d for d, _ in excluded] == [liar] and "failed verification" in excluded[0][1]
     assert rep.per_donor[liar] == 0 and sum(rep.per_donor.values()) == rep.chunks == 48
-    # The manifest and exactly one (corrupted) chunk request; nothing after the exclusion.
-    assert servers[0].served_requests == 2, servers[0].served_requests
+    # The manifest, then at most its `per_donor` chunk requests in flight when it was
+    # caught; nothing after the exclusion.
+    assert 2 <= servers[0].served_requests <= 1 + per_donor, servers[0].served_requests
 
 
 @pytest.mark.integration
@@ -165,7 +168,8 @@ def test_slow_and_dead_donors_do_not_stall_the_download():
             choice = providers.Choice(1, choice.manifest, choice.sha256, H[0],
                                       (*choice.providers, dead.peer_id_str), ())
             t0 = time.monotonic()
-            got, rep = await download(fetcher.host, choice, config=DownloadConfig(chunk_timeout=30))
+            with trio.fail_after(60):
+                got, rep = await download(fetcher.host, choice, config=DownloadConfig(chunk_timeout=30))
             took = time.monotonic() - t0
             nursery.cancel_scope.cancel()
             return got, rep, took, donors, dead
@@ -186,8 +190,28 @@ def test_download_fails_cleanly_when_every_donor_lies():
         async with trio.open_nursery() as nursery:
             fetcher, donors, servers, choice = await _swarm(
                 nursery, data, [(ServeConfig(), flip_one_byte)] * 2, 64 << 10)
-            with pytest.raises(FetchError):
+            with pytest.raises(FetchError), trio.fail_after(60):
                 await download(fetcher.host, choice)
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+# -- async checkpoint writer ------------------------------------------------------------
+def test_async_writer_keeps_last_k_and_cleans_torn_writes(tmp_path):
+    from p2ptrain import checkpoint
+
+    (tmp_path / ".step-000009.p2ck.tmp.123").write_bytes(b"torn")  # a killed process's leftover
+    written, paused = [], []
+    w = checkpoint.AsyncWriter(tmp_path, keep=2, on_written=lambda s, sec, p: written.append(s),
+                               pause_at=(3, 0.2))
+    w.on_pause = paused.append
+    assert not list(tmp_path.glob(".step-*"))
+    for step in range(1, 5):
+        w.submit(step, checkpoint.encode({"x": __import__("numpy").full(3, step, "float32")}, {"outer_step": step}))
+        assert w.flush(10)
+    assert w.close(10)
+    assert written == [1, 2, 3, 4] and paused == [3]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["step-000003.p2ck", "step-000004.p2ck"], names
+    assert checkpoint.decode((tmp_path / names[-1]).read_bytes())[1]["outer_step"] == 4
