@@ -68,7 +68,7 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
             digest, providers = (best[1], best[2]) if best else (genesis, [])
             if providers:
                 try:
-                    return await fetch_any(node.host, providers, digest, 1 << 34, 120)
+                    return await fetch_any(node.host, providers, digest, checkpoint.state_size_limit(manifest), 120)
                 except FetchError as exc:
                     log.warning("state fetch failed: %s", exc)
             await trio.sleep(1.0)

@@ -312,11 +312,12 @@ class Trainer:
                     if step <= self.local.step:
                         return
                     try:
-                        data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60)
-                    except FetchError as exc:
-                        log.warning("catch-up fetch failed: %s", exc)
-                    else:
+                        data = await fetch_any(self.node.host, providers, digest,
+                                               checkpoint.state_size_limit(self.manifest), 60)
                         await trio.to_thread.run_sync(self.local.load_state_at, data)
+                    except (FetchError, checkpoint.CheckpointError) as exc:
+                        log.warning("catch-up failed: %s", exc)
+                    else:
                         self.events.emit("caught_up", step=self.local.step)
                         return
                 await trio.sleep(1.0)
