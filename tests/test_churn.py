@@ -12,9 +12,9 @@ pytestmark = pytest.mark.integration
 
 
 def test_churn_commits_and_groups_never_diverge(tmp_path):
-    s = ChurnSettings(peers=5, period=12.0, duration=40.0, warmup_steps=2, inner_steps=4, join_window=4.0)
+    s = ChurnSettings(peers=5, period=10.0, duration=30.0, warmup_steps=2, inner_steps=4, join_window=4.0)
     res = run_churn(tmp_path, s, say=lambda m: None)
-    assert res.kills == 3
+    assert res.kills == 2
     assert res.mismatches == [], res.mismatches
     # The run makes progress under churn (bounds generous: 2 noisy shared cores).
     assert res.run_steps_churn >= 2, res
