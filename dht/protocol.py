@@ -32,6 +32,8 @@ def frame(obj: object) -> bytes:
 
 
 def check_length(header: bytes, max_frame: int) -> int:
+    if len(header) != HEADER.size:
+        raise FrameError("truncated", f"{len(header)}-byte frame header")
     (n,) = HEADER.unpack(header)
     if n > max_frame:
         raise FrameError("oversize", f"frame of {n} bytes > limit {max_frame}")

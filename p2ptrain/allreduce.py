@@ -29,6 +29,7 @@ import msgpack
 import numpy as np
 import trio
 from libp2p.custom_types import TProtocol
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from p2ptrain.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret, session_tag
@@ -111,15 +112,34 @@ def _pack(obj) -> bytes:
     return len(body).to_bytes(4, "big") + body
 
 
-async def _read_msg(stream) -> dict:
-    n = int.from_bytes(await read_exactly(stream, 4), "big")
+class ControlError(ValueError):
+    """A session-setup or vote message that must be dropped (oversize, malformed)."""
+
+
+def check_control_length(header: bytes) -> int:
+    n = int.from_bytes(header, "big")
     if n > MAX_CONTROL_MSG:
-        raise ValueError(f"control message of {n} bytes > {MAX_CONTROL_MSG}")
-    obj = msgpack.unpackb(await read_exactly(stream, n), raw=False, max_bin_len=MAX_CONTROL_MSG,
-                          max_str_len=MAX_CONTROL_MSG, max_array_len=64, max_map_len=16)
+        raise ControlError(f"oversize: control message of {n} bytes > {MAX_CONTROL_MSG}")
+    return n
+
+
+def decode_control(body: bytes) -> dict:
+    """A control message body (pure; the length was checked before it was read)."""
+    if len(body) > MAX_CONTROL_MSG:
+        raise ControlError(f"oversize: control message of {len(body)} bytes > {MAX_CONTROL_MSG}")
+    try:
+        obj = msgpack.unpackb(body, raw=False, max_bin_len=MAX_CONTROL_MSG, max_str_len=MAX_CONTROL_MSG,
+                              max_array_len=64, max_map_len=16, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise ControlError(f"malformed: {type(exc).__name__}") from None
     if not isinstance(obj, dict):
-        raise ValueError("control message is not a map")
+        raise ControlError("malformed: control message is not a map")
     return obj
+
+
+async def _read_msg(stream) -> dict:
+    n = check_control_length(await read_exactly(stream, 4))
+    return decode_control(await read_exactly(stream, n))
 
 
 class StreamIO:
@@ -358,6 +378,10 @@ class AllReduceService:
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None
+        except (ControlError, EOFError, OSError, BaseLibp2pError) as exc:
+            # A successor that died or answered garbage during setup fails the round, never the node.
+            await self._vote(ids, tag, False, "")
+            raise RoundFailed(f"bulk session setup failed: {exc!r}"[:300]) from None
         except RoundFailed as exc:
             if not voted:
                 await self._vote(ids, tag, False, "")

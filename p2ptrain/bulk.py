@@ -144,8 +144,9 @@ class FrameChannel:
         while True:
             self.io.recv_into(memoryview(hdr))
             magic, version, kind, tag, step, chunk, length = HEADER.unpack(hdr)
-            if magic != MAGIC or version != VERSION or length > MAX_FRAME:
-                # Framing itself is broken: nothing after this can be trusted.
+            if magic != MAGIC or version != VERSION or length > min(MAX_FRAME, len(out)):
+                # Framing itself is broken (or a frame longer than any this round sends):
+                # nothing after this can be trusted, and nothing is allocated for it.
                 raise RingError(f"frame from {self.peer}: malformed header")
             # One ciphertext buffer per channel, reused: frames arrive one at a time.
             if len(self._body) < length + TAG:

@@ -57,23 +57,52 @@ def decode(data: bytes | memoryview, max_bytes: int = 1 << 34) -> tuple[dict[str
     if hlen > MAX_HEADER or 8 + hlen > len(data):
         raise CheckpointError("checkpoint header is too large or truncated")
     try:
-        header = msgpack.unpackb(data[8:8 + hlen], raw=False, max_array_len=100_000, max_map_len=1024)
+        header = msgpack.unpackb(data[8:8 + hlen], raw=False, max_array_len=100_000, max_map_len=1024,
+                                 max_str_len=hlen, max_bin_len=hlen, max_ext_len=0)
         meta, entries = header["meta"], header["arrays"]
     except Exception:
         raise CheckpointError("checkpoint header is malformed") from None
+    if not isinstance(meta, dict) or not isinstance(entries, list) or not all(isinstance(k, str) for k in meta):
+        raise CheckpointError("checkpoint header is malformed: meta must be a map, arrays a list")
     body = data[8 + hlen:]
     arrays: dict[str, np.ndarray] = {}
     for entry in entries:
-        try:
-            name, dtype, shape, off, nbytes = entry
-            dt = np.dtype(dtype)
-            count = int(np.prod(shape)) if shape else 1
-        except Exception:
-            raise CheckpointError("checkpoint array entry is malformed") from None
-        if dtype not in DTYPES or off < 0 or nbytes != count * dt.itemsize or off + nbytes > len(body):
-            raise CheckpointError(f"checkpoint array {name!r} is out of bounds or of a bad dtype")
+        name, dt, shape, off, count = _check_entry(entry, len(body))
+        if name in arrays:
+            raise CheckpointError(f"checkpoint array {name!r} appears twice")
         arrays[name] = np.frombuffer(body, dtype=dt, count=count, offset=off).reshape(shape)
     return arrays, meta
+
+
+def _check_entry(entry: object, body_len: int) -> tuple[str, np.dtype, tuple[int, ...], int, int]:
+    """One array entry, checked field by field: entries come from untrusted peers, so a
+    negative dimension, an overflowing shape or a non-integer offset must be a rejection,
+    not an exception from numpy (or a silent read of the whole buffer, as count=-1 does)."""
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise CheckpointError("checkpoint array entry is malformed")
+    name, dtype, shape, off, nbytes = entry
+    if not (isinstance(name, str) and isinstance(dtype, str) and dtype in DTYPES and isinstance(shape, list)
+            and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+            and type(off) is int and type(nbytes) is int and off >= 0 and nbytes >= 0):
+        raise CheckpointError(f"checkpoint array entry {str(name)[:40]!r} has bad fields")
+    dt = np.dtype(dtype)
+    count = 1
+    for d in shape:  # Python ints: no int64 overflow for hostile shapes
+        count *= d
+    if nbytes != count * dt.itemsize or off + nbytes > body_len:
+        raise CheckpointError(f"checkpoint array {name!r} is out of bounds")
+    return name, dt, tuple(shape), off, count
+
+
+def state_size_limit(manifest: dict) -> int:
+    """Most bytes a state checkpoint of this run may have: fetches stop before reading more.
+
+    States hold the same arrays as genesis (whose size the signed manifest records) plus
+    a few metadata fields, so twice that and a MiB of slack is generous."""
+    try:
+        return 2 * int(manifest["genesis"]["bytes"]) + (1 << 20)
+    except (KeyError, TypeError, ValueError):
+        return 1 << 32
 
 
 def sha256(data: bytes | memoryview) -> str:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from p2ptrain import chunks, providers
+from p2ptrain import checkpoint, chunks, providers
 from p2ptrain.fetch import BlobServer, FetchError, request
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 
@@ -291,7 +291,7 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
         events.emit("donor_excluded", remote=donor, reason=reason)
 
     data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
-                               on_exclude=excluded)
+                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest))
     events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
                 attesters=len(choice.attesters), **rep.summary())
     return choice.step, data

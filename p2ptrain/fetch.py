@@ -30,6 +30,9 @@ PROTOCOL = TProtocol("/p2ptrain/fetch/1.0.0")
 SLICE = 256 << 10
 
 
+MAX_REQUEST = 256
+
+
 class FetchError(Exception):
     pass
 
@@ -70,6 +73,21 @@ class TokenBucket:
             await trio.sleep(self.next_free - now)
 
 
+def decode_request(body: bytes) -> str:
+    """The hex digest a fetcher asks for (pure); raises FetchError for anything else."""
+    if len(body) > MAX_REQUEST:
+        raise FetchError("oversize request")
+    try:
+        req = msgpack.unpackb(body, raw=False, max_str_len=128, max_bin_len=0, max_array_len=4,
+                              max_map_len=4, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FetchError(f"malformed request: {type(exc).__name__}") from None
+    digest = req.get("sha256") if isinstance(req, dict) else None
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise FetchError("malformed request: no sha256")
+    return digest
+
+
 class BlobServer:
     def __init__(self, host, max_concurrent: int = 4, config: ServeConfig | None = None, tamper=None) -> None:
         self.host = host
@@ -100,10 +118,9 @@ class BlobServer:
             async with self.limiter:
                 with trio.fail_after(60):
                     n = int.from_bytes(await read_exactly(stream, 2), "big")
-                    if n > 256:
-                        raise ValueError("request too large")
-                    req = msgpack.unpackb(await read_exactly(stream, n), raw=False, max_str_len=128)
-                    blob = self.blobs.get(req.get("sha256")) if isinstance(req, dict) else None
+                    if n > MAX_REQUEST:
+                        raise FetchError("oversize request")
+                    blob = self.blobs.get(decode_request(await read_exactly(stream, n)))
                     size = len(blob) if blob is not None else -1
                     await stream.write(size.to_bytes(8, "big", signed=True))
                     if blob is not None:

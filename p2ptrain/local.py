@@ -44,9 +44,14 @@ def genesis_state(manifest_body: dict) -> bytes:
 def decode_state(data: bytes) -> tuple[dict, int]:
     """(OuterOptimizer state dict, outer step) from checkpoint bytes (see `encode_state`)."""
     arrays, meta = checkpoint.decode(data)
+    step = meta.get("outer_step", 0)
+    if type(step) is not int or not 0 <= step < 1 << 40:
+        raise checkpoint.CheckpointError("checkpoint outer_step is not a small non-negative integer")
+    if not {"outer", "momentum"} <= set(arrays):
+        raise checkpoint.CheckpointError("checkpoint holds no outer state (outer, momentum)")
     sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
     sd.update({k: v for k, v in meta.items() if k != "outer_step"})
-    return sd, int(meta.get("outer_step", 0))
+    return sd, step
 
 
 def encode_state(outer: OuterOptimizer, step: int) -> bytes:
@@ -81,8 +86,13 @@ class LocalModel:
         self.n_params = int(sum(p.numel() for p in self.model.parameters()))
 
     def load_state(self, data: bytes) -> int:
+        """Raises CheckpointError for bytes that are not a state of this run's model: a
+        peer can publish any bytes under a matching hash, so nothing here may crash."""
         sd, step = decode_state(data)
-        self.outer.load_state_dict(sd)
+        try:
+            self.outer.load_state_dict(sd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise checkpoint.CheckpointError(f"checkpoint does not fit this run's model: {exc}") from None
         return step
 
     def state_bytes(self) -> bytes:

@@ -22,6 +22,8 @@ import msgpack
 from p2ptrain.identity import Identity, peer_id_bytes_from_public, peer_id_to_str, verify
 
 MAX_MANIFEST_BYTES = 32 * 1024
+MAX_DEPTH = 6
+"""A manifest is sections of scalars and short lists: 3 levels; 6 leaves room to grow."""
 _DOMAIN = b"p2ptrain-manifest-v1"
 
 
@@ -92,7 +94,26 @@ def decode(data: bytes) -> dict:
         raise ManifestError("manifest is not valid msgpack") from None
     if not isinstance(obj, dict):
         raise ManifestError("manifest is not a map")
+    if _depth(obj) > MAX_DEPTH:
+        # msgpack nests ~1000 deep within the size limit, and hashing a manifest recurses
+        # (`_sorted`): without this a signed, deeply nested manifest raised RecursionError.
+        raise ManifestError(f"manifest nests deeper than {MAX_DEPTH} levels")
     return obj
+
+
+def _depth(obj: Any) -> int:
+    """Nesting depth, iteratively (a recursive walk is what the limit protects)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            break
+        if isinstance(o, dict):
+            stack.extend((v, d + 1) for v in o.values())
+        elif isinstance(o, list):
+            stack.extend((v, d + 1) for v in o)
+    return deepest
 
 
 # -- TOML -------------------------------------------------------------------------------

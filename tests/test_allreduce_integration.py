@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import signal
 import time
 
@@ -78,7 +77,7 @@ async def _intrude(members, bulk_ports, tag: bytes, seconds: float) -> dict:
     import trio
 
     from p2ptrain.allreduce import BULK_PROTOCOL, _pack
-    from p2ptrain.identity import Identity, peer_id_from_str
+    from p2ptrain.identity import Identity
     from p2ptrain.node import NodeConfig, build_host, parse_peer_maddr
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo

@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 
-from p2ptrain.bulk import FrameChannel, SocketIO, derive_key, session_tag
+from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
 from p2ptrain.ring import FrameId, RingConfig, RingError, allreduce, layout, wire_bytes
 
 

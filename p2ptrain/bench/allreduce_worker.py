@@ -20,7 +20,6 @@ import json
 import logging
 import resource
 import sys
-import time
 
 import numpy as np
 import trio

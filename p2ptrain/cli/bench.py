@@ -11,6 +11,7 @@ BENCHES = {
     "allreduce": "p2ptrain.bench.allreduce",
     "diloco": "p2ptrain.bench.diloco",
     "checkpoint": "p2ptrain.bench.checkpoint",
+    "churn": "p2ptrain.bench.churn",
 }
 
 

@@ -1,0 +1,342 @@
+"""Fuzzing every decoder of network input (issue 7): random bytes, mutated valid messages
+and oversize inputs. Each decoder must either return or raise its documented rejection
+(an exception type with a reason), never anything else, and must not allocate much more
+than its size limit (tracemalloc peak). Hypothesis runs derandomized with fixed example
+counts, so CI sees the same inputs on every run; the whole file takes ~20 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tracemalloc
+
+import msgpack
+import numpy as np
+import pytest
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from p2ptrain import allreduce, bulk, checkpoint, contribution, fetch, manifest
+from p2ptrain.dht import protocol, record
+from p2ptrain.dht.node import DHTNode
+from p2ptrain.dht.transport import MemoryNetwork, RpcError
+from p2ptrain.identity import Identity
+from p2ptrain.local import decode_state  # imports torch: never under tracemalloc (slow)
+from p2ptrain.ring import FrameId, RingError
+
+FUZZ = settings(max_examples=100, derandomize=True, deadline=None, database=None,
+                suppress_health_check=list(HealthCheck))
+FEW = settings(FUZZ, max_examples=40)
+
+ID_A = Identity.from_seed(b"\x01" * 32)
+ID_B = Identity.from_seed(b"\x02" * 32)
+NOW = 1_800_000_000.0
+SLACK = 512 * 1024
+
+
+def rejects(fn, data, errors, limit_bytes: int):
+    """Run one decoder on `data`: it returns or raises one of `errors`; its allocation peak
+    stays below `limit_bytes`. Returns the result or the exception."""
+    for _ in range(2):  # measured on the second call: the first fills one-off caches
+        tracemalloc.start()  # only around the decoder: tracing hypothesis itself is slow
+        try:
+            out = fn(data)
+        except errors as exc:
+            out = exc
+        finally:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    # Slack for fixed allocations: msgpack.packb (signatures are over msgpack) starts with a
+    # 256 KiB buffer whatever it packs; frames and exception objects are small.
+    assert peak < limit_bytes + SLACK, f"{fn.__name__} allocated {peak} bytes on a {len(data)}-byte input"
+    return out
+
+
+@st.composite
+def mutated(draw, valid: bytes):
+    """A valid message with a few byte flips, truncations, insertions or splices."""
+    data = bytearray(valid)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "truncate", "insert", "dup"]))
+        pos = draw(st.integers(0, max(0, len(data) - 1)))
+        if kind == "flip" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif kind == "truncate":
+            del data[pos:]
+        elif kind == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+        else:
+            data[pos:pos] = data[pos:pos + draw(st.integers(1, 64))]
+    return bytes(data)
+
+
+def inputs(valid: bytes):
+    return st.one_of(st.binary(max_size=2048), mutated(valid))
+
+
+# -- DHT frames and records --------------------------------------------------------------
+VALID_REQ = protocol.frame([7, "store", {"records": [b"x" * 40], "srv": True, "addrs": ["/ip4/1.2.3.4"]}])
+VALID_REC = record.make_record(ID_A, "/p2ptrain/run/state", b"value" * 10, NOW + 60).encode()
+
+
+@FUZZ
+@given(inputs(VALID_REQ[4:]))
+def test_dht_frame_bodies(body):
+    for fn in (lambda b: protocol.decode_request(b, protocol.DEFAULT_MAX_FRAME),
+               lambda b: protocol.decode_reply(b, protocol.DEFAULT_MAX_FRAME)):
+        rejects(fn, body, protocol.FrameError, 64 * 1024 + 8 * len(body))
+    try:  # peer lists inside a reply: whatever the structure, only well-formed entries come out
+        obj = protocol._unpack(body, protocol.DEFAULT_MAX_FRAME)
+    except protocol.FrameError:
+        return
+    for item in (obj, [obj], obj.get("peers") if isinstance(obj, dict) else None):
+        peers = rejects(protocol.decode_peers, item, (), 64 * 1024 + 8 * len(body))
+        assert all(isinstance(p, bytes) and all(isinstance(a, str) for a in addrs) for p, addrs in peers)
+
+
+@FEW
+@given(st.integers(0, 2**32 - 1))
+def test_dht_frame_length_checked_before_body(n):
+    header = protocol.HEADER.pack(n)
+    out = rejects(lambda h: protocol.check_length(h, protocol.DEFAULT_MAX_FRAME), header, protocol.FrameError, 4096)
+    assert (out == n) if n <= protocol.DEFAULT_MAX_FRAME else out.reason == "oversize"
+
+
+@FUZZ
+@given(inputs(VALID_REC))
+def test_dht_records(data):
+    out = rejects(lambda d: record.decode_and_validate(d, NOW, 3600.0, 60.0), data, record.RecordError,
+                  32 * 1024 + 4 * len(data))
+    if isinstance(out, record.Record):  # anything accepted is exactly the signed record
+        assert out.encode() == VALID_REC
+
+
+def test_dht_record_oversize_rejected_before_parsing():
+    big = msgpack.packb([1, "/p2ptrain/k", b"s", b"v" * (1 << 20), NOW, b"k", b"s"])
+    out = rejects(lambda d: record.decode(d), big, record.RecordError, 64 * 1024)
+    assert out.reason == "oversize"
+
+
+def _dht_node():
+    net = MemoryNetwork()
+    node = DHTNode(ID_A, net.transport(ID_A.peer_id))
+    return node, net.nodes[ID_A.peer_id]
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=2048), mutated(VALID_REQ),
+                 st.builds(lambda b: protocol.HEADER.pack(len(b)) + b, mutated(VALID_REQ[4:]))))
+def test_dht_server_survives_any_request(payload):
+    """The whole serving path (framing, decoding, handler, record validation) of a real
+    DHTNode: every input gets a reply frame or is dropped (RpcError), nothing else."""
+    node, transport = _dht_node()
+
+    async def serve(p):
+        return await transport.receive(ID_B.peer_id, p)
+
+    out = rejects(lambda p: trio.run(serve, p), payload, RpcError, 2 << 20)
+    if isinstance(out, bytes):
+        n = protocol.check_length(out[:4], protocol.DEFAULT_MAX_FRAME)
+        protocol.decode_reply(out[4:4 + n], protocol.DEFAULT_MAX_FRAME)
+    assert len(node.store_) <= 1
+
+
+# -- contribution headers ----------------------------------------------------------------
+H = contribution.Header("r" * 64, 3, 0, "h" * 64, ID_A.peer_id_str, (1.0, 2.0, 0.5),
+                        ("a" * 64, "b" * 64), 2.3, 10, 4096)
+VALID_HDR = contribution.sign_header(H, ID_A)
+
+
+@FUZZ
+@given(inputs(VALID_HDR))
+def test_contribution_headers(data):
+    out = rejects(contribution.decode_header, data, contribution.BadContribution, 64 * 1024 + 8 * len(data))
+    if isinstance(out, contribution.Header):
+        assert out == H
+    ok, bad = rejects(lambda d: contribution.verify_headers(
+        {ID_A.peer_id_str: d, ID_B.peer_id_str: None}, H.run, H.step, H.attempt, H.roster,
+        [ID_A.peer_id_str, ID_B.peer_id_str], {}), data, (), 64 * 1024 + 8 * len(data))
+    assert set(ok) | set(bad) == {ID_A.peer_id_str, ID_B.peer_id_str}
+
+
+def test_contribution_oversize():
+    out = rejects(contribution.decode_header, b"\x00" * (1 << 20), contribution.BadContribution, 16 * 1024)
+    assert out.reason == "oversize header"
+
+
+# -- all-reduce control messages ---------------------------------------------------------
+VALID_VOTE = msgpack.packb({"tag": b"t" * 8, "ok": True, "digest": "d" * 64, "blame": "", "reason": ""},
+                           use_bin_type=True)
+
+
+@FUZZ
+@given(inputs(VALID_VOTE))
+def test_control_messages(body):
+    out = rejects(allreduce.decode_control, body, allreduce.ControlError, 32 * 1024)
+    assert isinstance(out, (dict, allreduce.ControlError))
+
+
+@FEW
+@given(st.integers(0, 2**32 - 1))
+def test_control_length(n):
+    out = rejects(allreduce.check_control_length, n.to_bytes(4, "big"), allreduce.ControlError, 4096)
+    assert (out == n) if n <= allreduce.MAX_CONTROL_MSG else isinstance(out, allreduce.ControlError)
+
+
+# -- bulk frames -------------------------------------------------------------------------
+class BytesIO:
+    """The bytes a peer sent, as a channel's IO (recv_into/sendall/close)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = memoryview(data), 0
+
+    def recv_into(self, view: memoryview) -> None:
+        if self.pos + len(view) > len(self.data):
+            raise RingError("peer closed the connection")
+        view[:] = self.data[self.pos:self.pos + len(view)]
+        self.pos += len(view)
+
+    def sendall(self, parts) -> None:
+        self.data = memoryview(b"".join(bytes(p) for p in parts))
+
+    def close(self) -> None:
+        pass
+
+
+KEY, TAG = b"k" * 32, b"t" * 8
+FID = FrameId(1, 2)
+PAYLOAD = bytes(range(256)) * 4
+
+
+def _valid_frame() -> bytes:
+    io = BytesIO(b"")
+    bulk.FrameChannel(io, KEY, TAG, "peer").send(FID, memoryview(PAYLOAD))
+    return bytes(io.data)
+
+
+VALID_FRAME = _valid_frame()
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=4096), mutated(VALID_FRAME)))
+def test_bulk_frames(data):
+    out = bytearray(len(PAYLOAD))
+
+    def recv(d):
+        return bulk.FrameChannel(BytesIO(d), KEY, TAG, "peer", max_bad_frames=2).recv(FID, memoryview(out))
+
+    got = rejects(recv, data, RingError, 64 * 1024)
+    if got == len(PAYLOAD):  # only an intact, authenticated frame is accepted
+        assert bytes(out) == PAYLOAD
+
+
+def test_bulk_frame_claiming_a_huge_length_allocates_nothing():
+    hdr = bulk.HEADER.pack(bulk.MAGIC, bulk.VERSION, bulk.KIND_DATA, TAG, FID.step, FID.chunk, bulk.MAX_FRAME)
+    out = bytearray(len(PAYLOAD))
+    chan = bulk.FrameChannel(BytesIO(hdr + b"\x00" * 100), KEY, TAG, "peer")
+    got = rejects(lambda d: chan.recv(FID, memoryview(out)), b"", RingError, 64 * 1024)
+    assert "malformed header" in str(got)
+
+
+# -- run manifests -----------------------------------------------------------------------
+MANIFEST = manifest.sign({"version": 1, "name": "fuzz", "model": {"d_model": 64, "n_layers": 2},
+                          "train": {"seed": 1, "outer_lr": 0.7, "allreduce": "int8"},
+                          "timeouts": {"join_window": 30.0}}, ID_A)
+VALID_MANIFEST = manifest.encode(MANIFEST)
+RID = manifest.run_id(MANIFEST)
+
+
+def _manifest(data: bytes) -> str:
+    return manifest.verify_manifest(manifest.decode(data), RID)
+
+
+@FUZZ
+@given(inputs(VALID_MANIFEST))
+def test_manifests(data):
+    out = rejects(_manifest, data, manifest.ManifestError, 256 * 1024)
+    assert out == RID or isinstance(out, manifest.ManifestError)
+
+
+def test_manifest_deeply_nested_is_rejected_not_recursion_error():
+    # A validly signed manifest could nest ~1000 levels within the size limit; hashing it
+    # then raised RecursionError (a crash of the joining peer), now a ManifestError.
+    deep = b"\x81\xa1a" * 1000 + b"\xc0"
+    out = rejects(manifest.decode, deep, manifest.ManifestError, 1 << 20)
+    assert "deeper" in str(out)
+    out = rejects(manifest.decode, b"\x00" * (1 << 20), manifest.ManifestError, 64 * 1024)
+    assert "over" in str(out)
+
+
+# -- checkpoints -------------------------------------------------------------------------
+ARRAYS = {"outer": np.arange(64, dtype=np.float32), "momentum": np.zeros(64, np.float32)}
+VALID_CKPT = checkpoint.encode(ARRAYS, {"outer_step": 5, "steps": 5, "skipped": 0})
+
+
+def _state(data: bytes):
+    return decode_state(data)
+
+
+@FUZZ
+@given(st.one_of(st.binary(max_size=2048), mutated(VALID_CKPT)))
+def test_checkpoints(data):
+    out = rejects(checkpoint.decode, data, checkpoint.CheckpointError, 64 * 1024 + 4 * len(data))
+    if not isinstance(out, Exception):
+        arrays, meta = out
+        assert all(a.nbytes <= len(data) for a in arrays.values()) and isinstance(meta, dict)
+    rejects(_state, data, checkpoint.CheckpointError, 256 * 1024 + 8 * len(data))
+
+
+def _ckpt_with(entries: list, meta=None) -> bytes:
+    header = msgpack.packb({"meta": {} if meta is None else meta, "arrays": entries}, use_bin_type=True)
+    return checkpoint.MAGIC + len(header).to_bytes(4, "big") + header + b"\x00" * 64
+
+
+@pytest.mark.parametrize("entries,meta", [
+    ([["a", "float32", [-1], 0, -4]], None),             # count -1 read the whole buffer before
+    ([["a", "float32", [2**40, 2**40], 0, 0]], None),     # int64 overflow of the element count
+    ([["a", "float32", [4], "0", 16]], None),             # non-integer offset: TypeError before
+    ([["a", "object", [1], 0, 8]], None),                 # not a plain numeric dtype
+    ([[["a"], "float32", [1], 0, 4]], None),              # unhashable name
+    ([["a", "float32", [1], 0, 4], ["a", "float32", [1], 0, 4]], None),  # duplicate
+    (7, None),                                            # arrays not a list: TypeError before
+    ([], [1, 2]),                                         # meta not a map
+])
+def test_checkpoint_hostile_entries_rejected(entries, meta):
+    out = rejects(checkpoint.decode, _ckpt_with(entries, meta), checkpoint.CheckpointError, 64 * 1024)
+    assert isinstance(out, checkpoint.CheckpointError), out
+
+
+def test_state_of_wrong_shape_is_a_checkpoint_error():
+    for meta in ({"outer_step": -1}, {"outer_step": 1.5}, {"outer_step": 2**62}):
+        with pytest.raises(checkpoint.CheckpointError):
+            decode_state(checkpoint.encode(ARRAYS, meta))
+    with pytest.raises(checkpoint.CheckpointError):
+        decode_state(checkpoint.encode({"x": ARRAYS["outer"]}, {"outer_step": 1}))
+    assert checkpoint.state_size_limit({"genesis": {"bytes": 1000}}) == 2000 + (1 << 20)
+
+
+# -- blob fetch requests -----------------------------------------------------------------
+VALID_FETCH = msgpack.packb({"sha256": hashlib.sha256(b"x").hexdigest()})
+
+
+@FUZZ
+@given(inputs(VALID_FETCH))
+def test_fetch_requests(body):
+    out = rejects(fetch.decode_request, body, fetch.FetchError, 16 * 1024)
+    assert isinstance(out, fetch.FetchError) or (isinstance(out, str) and len(out) == 64)
+
+
+def test_msgpack_limits_hold_for_declared_huge_containers():
+    """A 5-byte msgpack header may declare a 4-billion-element array or a 4 GiB string:
+    every decoder above must refuse it by its max_*_len options, not try to allocate."""
+    for blob in (b"\xdd\xff\xff\xff\xff", b"\xdf\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
+                 b"\xc6\xff\xff\xff\xff"):
+        rejects(lambda b: protocol.decode_request(b, protocol.DEFAULT_MAX_FRAME), blob, protocol.FrameError, 1 << 20)
+        rejects(record.decode, blob, record.RecordError, 1 << 20)
+        rejects(contribution.decode_header, blob, contribution.BadContribution, 1 << 20)
+        rejects(allreduce.decode_control, blob, allreduce.ControlError, 1 << 20)
+        rejects(manifest.decode, blob, manifest.ManifestError, 1 << 20)
+        rejects(fetch.decode_request, blob, fetch.FetchError, 1 << 20)
+        rejects(checkpoint.decode, checkpoint.MAGIC + len(blob).to_bytes(4, "big") + blob,
+                checkpoint.CheckpointError, 1 << 20)
