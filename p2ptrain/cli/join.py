@@ -45,6 +45,9 @@ def run(args) -> int:
             manifest, run_id = mf.read(Path(args.manifest))
         except mf.ManifestError as exc:
             raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
+    from p2ptrain.nat import NatConfig
+
+    nat_cfg = section(NatConfig, toml, "nat")
     namespace = run_id or args.run or "lobby"
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
@@ -57,7 +60,7 @@ def run(args) -> int:
     async def main() -> None:
         import trio
 
-        node = Node(identity, cfg, events)
+        node = Node(identity, cfg, events, nat=nat_cfg)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)

@@ -1,0 +1,142 @@
+"""NAT traversal through real NATs built in network namespaces (tests/netlab.py).
+
+(a) two peers behind port-preserving NATs meet through the DHT, connect via the relay, are
+    upgraded by DCUtR, and a 64 MiB push then puts at most 1 % of its bytes on the relay;
+(b) behind a fully-random NAT punching fails and the push completes over the relay;
+(c) a public and a NATed peer end up directly connected whichever side dials.
+The relay's byte counts come from the bootstrap's `relay_bytes` events and are printed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from netlab import LabUnavailable, nat_lab
+from p2ptrain.identity import load_or_create
+from p2ptrain.procs import ProcessGroup
+
+pytestmark = [pytest.mark.integration, pytest.mark.netns]
+MIB = 1 << 20
+PORT = 4001
+
+
+@pytest.fixture
+def lab():
+    try:
+        with nat_lab() as built:
+            yield built
+    except LabUnavailable as exc:
+        print(f"NAT tests skipped: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def group(tmp_path):
+    with ProcessGroup(tmp_path / "procs") as g:
+        yield g
+
+
+def start_boot(group: ProcessGroup, lab):
+    key = group.log_dir / "boot.key"
+    boot = group.start(["bootstrap", "--listen", f"/ip4/{lab.boot_ip}/tcp/{PORT}", "--key", str(key), "--json"],
+                       "boot", prefix=lab.prefix(lab.boot_ns))
+    return boot, boot.first_line(60)
+
+
+def start_probe(group: ProcessGroup, lab, ns: str, ip: str, baddr: str, name: str, port: int = PORT):
+    key = group.log_dir / f"{name}.key"
+    pid = load_or_create(key).peer_id_str
+    p = group.start(["--bootstrap", baddr, "--listen", f"/ip4/{ip}/tcp/{port}", "--key", str(key), "--json"],
+                    name, module="p2ptrain.natprobe", stdin=True, prefix=lab.prefix(ns),
+                    env={"P2PTRAIN_DEBUG": "1"} if os.environ.get("NAT_DEBUG") else None)
+    return p, pid
+
+
+def ready(p, timeout=60) -> dict:
+    return p.wait_event(lambda e: e["event"] == "probe_ready", timeout)
+
+
+def send(p, to: str, nbytes: int, wait_direct: float, timeout: float = 180) -> dict:
+    p.send({"send_to": to, "bytes": nbytes, "wait_direct": wait_direct})
+    ev = p.wait_event(lambda e: e["event"] in ("probe_sent", "probe_failed"), timeout)
+    assert ev["event"] == "probe_sent", ev
+    assert ev["sha_ok"], ev
+    return ev
+
+
+def relayed_between(boot, a: str, b: str, settle: float = 2.5) -> int:
+    """Bytes the relay carried between peers a and b (both directions), from its last report."""
+    import time
+
+    time.sleep(settle)  # the relay reports once a second
+    reports = [e for e in boot.all_events if e["event"] == "relay_bytes"]
+    if not reports:
+        return 0
+    last = reports[-1]
+    return sum(c["bytes"] for c in last["circuits"] if {c["src"], c["dst"]} == {a, b})
+
+
+def test_a_hole_punch_then_bulk_bypasses_relay(lab, group):
+    boot, baddr = start_boot(group, lab)
+    s1, s2 = lab.sites["s1"], lab.sites["s2"]
+    p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
+    p2, id2 = start_probe(group, lab, s2.host, s2.lan_ip, baddr, "h2")
+    r1, r2 = ready(p1), ready(p2)
+    assert r1["reachability"] == r2["reachability"] == "private", (r1, r2)
+    assert any("/p2p-circuit" in a for a in r2["addrs"]), r2
+    size = 64 * MIB
+    ev = send(p1, id2, size, wait_direct=30)
+    upgraded = [e for e in p1.all_events + p2.all_events if e["event"] == "connection_upgraded"]
+    relayed = relayed_between(boot, id1, id2)
+    print(f"\n(a) first connection {ev['first_kind']}, upgraded {upgraded[:1]}, transfer over {ev['kind']}: "
+          f"{size} B in {ev['seconds']} s ({ev['mb_per_s']} MB/s); relay carried {relayed} B between the pair "
+          f"({100 * relayed / size:.3f} % of the transfer)")
+    assert ev["first_kind"] == "relayed", ev
+    assert upgraded and upgraded[0]["method"] == "hole-punch", upgraded
+    assert ev["kind"] == "direct" and ev["peer_kind"] == "hole-punched", ev
+    assert relayed <= size // 100, relayed
+
+
+def test_b_fully_random_nat_falls_back_to_relay(lab, group):
+    boot, baddr = start_boot(group, lab)
+    s1, s3 = lab.sites["s1"], lab.sites["s3"]
+    p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
+    p3, id3 = start_probe(group, lab, s3.host, s3.lan_ip, baddr, "h3")
+    ready(p1), ready(p3)
+    size = 64 * MIB
+    # Give DCUtR time for a first round; the push runs while it keeps failing.
+    ev = send(p3, id1, size, wait_direct=8)
+    relayed = relayed_between(boot, id1, id3)
+    print(f"\n(b) fully-random NAT: transfer over {ev['kind']}: {size} B in {ev['seconds']} s "
+          f"({ev['mb_per_s']} MB/s); relay carried {relayed} B between the pair")
+    assert ev["first_kind"] == "relayed" and ev["kind"] == "relayed", ev
+    assert relayed >= size, relayed
+    assert not [e for e in p1.all_events + p3.all_events if e["event"] == "connection_upgraded"]
+
+
+def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
+    boot, baddr = start_boot(group, lab)
+    s1 = lab.sites["s1"]
+    po, ido = start_probe(group, lab, lab.open_ns, lab.open_ip, baddr, "open")
+    p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
+    ro, r1 = ready(po), ready(p1)
+    assert ro["reachability"] == "public" and r1["reachability"] == "private", (ro, r1)
+    size = 4 * MIB
+    natted_dials = send(p1, ido, size, wait_direct=0)
+    assert natted_dials["first_kind"] == "direct" and natted_dials["kind"] == "direct", natted_dials
+    # The other direction with fresh processes: the public peer can only reach the NATed one
+    # through its relay address; DCUtR then reverses the connection into a direct one.
+    for p in (po, p1):
+        p.stop()
+    po, ido = start_probe(group, lab, lab.open_ns, lab.open_ip, baddr, "open2", PORT + 1)
+    p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1b", PORT + 1)
+    ready(po), ready(p1)
+    public_dials = send(po, id1, size, wait_direct=30)
+    relayed = relayed_between(boot, ido, id1)
+    print(f"\n(c) NATed->public: {natted_dials['kind']} from the start; public->NATed: first "
+          f"{public_dials['first_kind']}, then {public_dials['peer_kind']}; relay carried {relayed} B "
+          f"for the second pair ({size} B pushed)")
+    assert public_dials["kind"] == "direct", public_dials
+    assert relayed <= size // 100, relayed
