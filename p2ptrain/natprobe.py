@@ -156,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--key", required=True)
     p.add_argument("--namespace", default="lobby")
     p.add_argument("--reachability", default="auto", choices=["auto", "public", "private"])
+    p.add_argument("--dht-client", action="store_true",
+                   help="do not serve the DHT, so no peer dials this node before it dials them")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     identity = load_or_create(args.key)
     events = EventSink(identity.peer_id_str, args.json)
     node = Node(identity, NodeConfig(listen=args.listen, bootstrap=args.bootstrap), events,
-                nat=NatConfig(reachability=args.reachability))
+                dht_server=not args.dht_client, nat=NatConfig(reachability=args.reachability))
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:

@@ -45,10 +45,11 @@ def start_boot(group: ProcessGroup, lab):
     return boot, boot.first_line(60)
 
 
-def start_probe(group: ProcessGroup, lab, ns: str, ip: str, baddr: str, name: str, port: int = PORT):
+def start_probe(group: ProcessGroup, lab, ns: str, ip: str, baddr: str, name: str, port: int = PORT,
+                *extra: str):
     key = group.log_dir / f"{name}.key"
     pid = load_or_create(key).peer_id_str
-    p = group.start(["--bootstrap", baddr, "--listen", f"/ip4/{ip}/tcp/{port}", "--key", str(key), "--json"],
+    p = group.start(["--bootstrap", baddr, "--listen", f"/ip4/{ip}/tcp/{port}", "--key", str(key), "--json", *extra],
                     name, module="p2ptrain.natprobe", stdin=True, prefix=lab.prefix(ns),
                     env={"P2PTRAIN_DEBUG": "1"} if os.environ.get("NAT_DEBUG") else None)
     return p, pid
@@ -130,13 +131,18 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
     # through its relay address; DCUtR then reverses the connection into a direct one.
     for p in (po, p1):
         p.stop()
-    po, ido = start_probe(group, lab, lab.open_ns, lab.open_ip, baddr, "open2", PORT + 1)
+    # The public peer is a DHT client here, so the NATed one has no reason to dial it first.
     p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1b", PORT + 1)
-    ready(po), ready(p1)
+    ready(p1)
+    po, ido = start_probe(group, lab, lab.open_ns, lab.open_ip, baddr, "open2", PORT + 1, "--dht-client")
+    ready(po)
     public_dials = send(po, id1, size, wait_direct=30)
     relayed = relayed_between(boot, ido, id1)
     print(f"\n(c) NATed->public: {natted_dials['kind']} from the start; public->NATed: first "
           f"{public_dials['first_kind']}, then {public_dials['peer_kind']}; relay carried {relayed} B "
           f"for the second pair ({size} B pushed)")
+    assert public_dials["first_kind"] == "relayed", public_dials
     assert public_dials["kind"] == "direct", public_dials
+    reversed_ = [e for e in po.all_events if e["event"] == "connection_upgraded"]
+    assert reversed_, po.all_events
     assert relayed <= size // 100, relayed
