@@ -28,8 +28,10 @@ class RelayConfig:
     """Peers that may hold a relay slot at once."""
     max_circuits: int = 8
     """Concurrent relayed connections per peer."""
-    max_circuit_seconds: int = 120
-    """Lifetime of one relayed connection; long enough for DCUtR to upgrade it."""
+    max_circuit_seconds: int = 1800
+    """Lifetime of one relayed connection. Peers that cannot hole-punch run whole all-reduce
+    rounds over it, so a short cap (go-libp2p's 2 min) would cut rounds in half; when it
+    expires, peers re-dial through the relay."""
     max_circuit_bytes: int = 128 * 1024 * 1024
     """Bytes one relayed connection may carry; bulk traffic belongs on direct links."""
     reservation_ttl: int = 3600

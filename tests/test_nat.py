@@ -146,3 +146,39 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
     reversed_ = [e for e in po.all_events if e["event"] == "connection_upgraded"]
     assert reversed_, po.all_events
     assert relayed <= size // 100, relayed
+
+
+def test_training_run_through_nats(lab, group, tmp_path):
+    """A bootstrap and 3 NATed trainers (one behind the fully-random NAT) commit 2 outer steps."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "init.key"),
+         "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--warmup", "2", "--planned-outer-steps", "4",
+         "--join-window", "20", "--group-size", "3", "--seed", "5"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    rid = out.stdout.strip().splitlines()[-1]
+    boot, baddr = start_boot(group, lab)
+    peers = []
+    for i, site in enumerate(("s1", "s2", "s3")):
+        s = lab.sites[site]
+        work = group.log_dir / f"t{i}"
+        work.mkdir(parents=True, exist_ok=True)
+        which = ["--manifest", str(tmp_path / "run" / "run.toml")] if i == 0 else ["--run", rid]
+        peers.append(group.start(["join", "--bootstrap", baddr, "--listen", f"/ip4/{s.lan_ip}/tcp/{PORT}",
+                                  "--workdir", str(work), *which, "--max-outer-steps", "2", "--min-peers", "3",
+                                  "--threads", "1", "--json"], f"t{i}", prefix=lab.prefix(s.host)))
+    commits = [[p.wait_event(lambda e, st=st: e["event"] == "outer_step_committed" and e["step"] == st, 300)
+                for p in peers] for st in (1, 2)]
+    for evs in commits:
+        assert len({e["params_sha256"] for e in evs}) == 1, evs
+    kinds = {}
+    for p in peers:
+        for e in p.all_events:
+            if e["event"] == "peer_connection":
+                kinds[(p.name, e["remote"][-6:])] = e["kind"]
+    reports = [e for e in boot.all_events if e["event"] == "relay_bytes"]
+    print(f"\ntraining through NATs: 2 outer steps committed by 3 NATed peers; connection kinds {kinds}; "
+          f"relay total {reports[-1]['total'] if reports else 0} B")
