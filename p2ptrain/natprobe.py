@@ -146,7 +146,7 @@ async def _commands(node, events) -> None:
 def main(argv: list[str] | None = None) -> int:
     from p2ptrain.events import EventSink
     from p2ptrain.identity import load_or_create
-    from p2ptrain.nat import NatConfig
+    from p2ptrain.nat import NatConfig, connection_kinds
     from p2ptrain.node import Node, NodeConfig
     from p2ptrain.presence import Presence, PresenceConfig
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             await nursery.start(node.run)
             _serve(node.host, events)
             presence = Presence(node.dht, node.rpc.local_addrs(), events, PresenceConfig(namespace=args.namespace),
-                                role="probe")
+                                role="probe", conns=lambda: connection_kinds(node.host))
             await nursery.start(presence.run)
             events.emit("probe_ready", addrs=node.rpc.local_addrs(), reachability=node.nat.reachability)
             await _commands(node, events)

@@ -98,6 +98,30 @@ def test_a_hole_punch_then_bulk_bypasses_relay(lab, group):
     assert upgraded and upgraded[0]["method"] == "hole-punch", upgraded
     assert ev["kind"] == "direct" and ev["peer_kind"] == "hole-punched", ev
     assert relayed <= size // 100, relayed
+    # `p2ptrain status` (run on the public segment) shows how each peer reaches the other.
+    shown = status_conns(group, lab, baddr, id1, id2)
+    print(f"(a) status: {shown}")
+    assert shown == "hole-punched", shown
+
+
+def status_conns(group: ProcessGroup, lab, baddr: str, peer: str, neighbour: str, timeout: float = 60) -> str | None:
+    """Kind of `peer`'s connection to `neighbour` as `p2ptrain status --json` reports it."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    deadline, kind = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        out = subprocess.run([*lab.prefix(lab.open_ns), sys.executable, "-m", "p2ptrain", "status", "--bootstrap", baddr,
+                              "--listen", f"/ip4/{lab.open_ip}/tcp/0", "--json"],
+                             capture_output=True, text=True, timeout=60, cwd=group.log_dir)
+        rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]} if out.stdout else {}
+        kind = rows.get(peer, {}).get("conns", {}).get(neighbour)
+        if kind == "hole-punched":
+            return kind
+        time.sleep(1)
+    return kind
 
 
 def test_b_fully_random_nat_falls_back_to_relay(lab, group):

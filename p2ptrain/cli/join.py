@@ -60,20 +60,24 @@ def run(args) -> int:
     async def main() -> None:
         import trio
 
+        from p2ptrain.nat import connection_kinds
+
         node = Node(identity, cfg, events, nat=nat_cfg)
+        conns = lambda: connection_kinds(node.host)  # noqa: E731 - shown by `status`
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
                 if args.run or manifest:
                     from p2ptrain.runner import run_training
 
-                    presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer")
+                    presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer",
+                                        conns=conns)
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
                                        trainer_cfg)
                     nursery.cancel_scope.cancel()
                     return
-                presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg)
+                presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
                 await nursery.start(presence.run)
                 await trio.sleep_forever()
         finally:
