@@ -44,8 +44,9 @@ async def read_frame(stream, max_frame: int) -> bytes:
 
 class Libp2pRpc:
     def __init__(self, host, max_frame: int = protocol.DEFAULT_MAX_FRAME,
-                 protocol_id: TProtocol = PROTOCOL_ID) -> None:
+                 protocol_id: TProtocol = PROTOCOL_ID, extra_addrs: list[str] | None = None) -> None:
         self.host = host
+        self.extra_addrs = extra_addrs if extra_addrs is not None else []
         self.local_peer = host.get_id().to_bytes()
         self.max_frame = max_frame
         self.protocol_id = protocol_id
@@ -125,7 +126,9 @@ class Libp2pRpc:
             return []
 
     def local_addrs(self) -> list[str]:
-        return [str(a).split("/p2p/")[0] for a in self.host.get_addrs()]
+        # The host cannot advertise relay (/p2p-circuit) addresses: it strips their /p2p/ part,
+        # so NAT traversal hands them in through `extra_addrs` (a list it updates in place).
+        return [str(a).split("/p2p/")[0] for a in self.host.get_addrs()] + list(self.extra_addrs)
 
     async def connect(self, peer: bytes, addrs: list[str], timeout: float) -> None:
         info = PeerInfo(ID(peer), [multiaddr.Multiaddr(a) for a in addrs])

@@ -7,6 +7,11 @@ test that shows the bug (tests/test_upstream_bugs.py); drop it when upstream fix
    connections between them. We probe each fixed port with a plain socket first (which
    fails against any holder, with or without SO_REUSEPORT) and check after start-up that
    a listener exists.
+
+2. The swarm never dials `/p2p-circuit` addresses ("this node has no relay transport"), even
+   when a CircuitV2Transport exists, so `new_stream`/`connect` to a peer that is reachable
+   only through a relay fails. `enable_circuit_dials` wraps the swarm's `dial_peer`: when
+   every direct address fails, it dials the peer's relay addresses with the circuit transport.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import errno
 import socket
 
 import multiaddr
+import trio
 
 
 class ListenError(Exception):
@@ -47,3 +53,67 @@ def check_listening(host) -> None:
     """Raise ListenError if the host ended up with no listener (listen failed silently)."""
     if not host.get_network().listeners:
         raise ListenError("libp2p started without any listener")
+
+
+def enable_circuit_dials(host, transport, timeout: float, relay_delay: float = 1.0) -> None:
+    """Let the swarm reach peers through their /p2p-circuit addresses (workaround 2).
+
+    A direct dial to an address behind a NAT can take ~30 s to fail (the swarm retries with
+    backoff), so the relayed dial starts `relay_delay` seconds after the direct one, or as soon
+    as it fails; whichever connects first wins (DCUtR upgrades a relayed connection later)."""
+    from libp2p.network.exceptions import SwarmException
+
+    swarm = host.get_network()
+    if getattr(swarm, "_p2ptrain_circuit_dials", False):
+        return
+    direct_dial = swarm.dial_peer
+
+    def circuit_addrs(peer_id) -> list:
+        try:
+            known = list(swarm.peerstore.addrs(peer_id))
+        except Exception:  # noqa: BLE001 - unknown peer: nothing to relay through
+            return []
+        out = []
+        for addr in known:
+            text = str(addr)
+            if "/p2p-circuit" in text and "/ip4/" in text.split("/p2p-circuit")[0]:
+                out.append(addr if text.endswith(f"/p2p/{peer_id}") else multiaddr.Multiaddr(f"{text}/p2p/{peer_id}"))
+        return out
+
+    async def dial_peer(peer_id):
+        circuits = circuit_addrs(peer_id)
+        if not circuits or swarm.get_connections(peer_id):
+            return await direct_dial(peer_id)
+        won: list = []
+        errors: list[str] = []
+        direct_failed = trio.Event()
+
+        async def direct(scope) -> None:
+            try:
+                won.append(await direct_dial(peer_id))
+                scope.cancel()
+            except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - the relay may still work
+                errors.append(f"direct: {type(exc).__name__} {str(exc)[:120]}")
+                direct_failed.set()
+
+        async def relayed(scope) -> None:
+            with trio.move_on_after(relay_delay):
+                await direct_failed.wait()
+            for target in circuits:
+                try:
+                    with trio.fail_after(timeout):
+                        won.append([await transport.dial(target)])
+                    scope.cancel()
+                    return
+                except (Exception, trio.TooSlowError) as exc:  # noqa: BLE001 - try the next relay
+                    errors.append(f"{target}: {type(exc).__name__} {str(exc)[:120]}")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(direct, nursery.cancel_scope)
+            nursery.start_soon(relayed, nursery.cancel_scope)
+        if won:
+            return won[0]
+        raise SwarmException(f"direct and relayed dials to {peer_id} failed: {'; '.join(errors)}")
+
+    swarm.dial_peer = dial_peer
+    swarm._p2ptrain_circuit_dials = True

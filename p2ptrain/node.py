@@ -124,7 +124,7 @@ class Node:
     """A running libp2p host with our DHT. Use `await nursery.start(node.run)`."""
 
     def __init__(self, identity: Identity, config: NodeConfig, events: EventSink,
-                 dht_config: DHTConfig | None = None, dht_server: bool = True) -> None:
+                 dht_config: DHTConfig | None = None, dht_server: bool = True, nat=None) -> None:
         self.identity = identity
         self.config = config
         self.events = events
@@ -133,6 +133,9 @@ class Node:
         self.host = None
         self.rpc: Libp2pRpc | None = None
         self.dht: DHTNode | None = None
+        self.nat_config = nat  # p2ptrain.nat.NatConfig; None: no NAT traversal (bootstraps, clients)
+        self.nat = None
+        self.extra_addrs: list[str] = []
 
     @property
     def peer_id(self) -> str:
@@ -157,11 +160,17 @@ class Node:
                 except ListenError as exc:
                     raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: {exc}",
                                     _PORT_ADVICE) from None
-                self.rpc = Libp2pRpc(self.host)
+                self.rpc = Libp2pRpc(self.host, extra_addrs=self.extra_addrs)
                 self.dht = DHTNode(self.identity, self.rpc, self.dht_config, server=self.dht_server)
                 self.events.emit("listening", addrs=self.full_addrs())
                 async with trio.open_nursery() as nursery:
                     await self._meet_bootstraps()
+                    if self.nat_config is not None and self.nat_config.enabled and self.config.bootstrap:
+                        from p2ptrain.nat import NatService
+
+                        self.nat = NatService(self.host, self.events, self.nat_config,
+                                              [parse_peer_maddr(b) for b in self.config.bootstrap], self.extra_addrs)
+                        await nursery.start(self.nat.run)
                     if self.dht_server:
                         await nursery.start(self.dht.run)
                     self.events.emit("dht_ready", routing_table=len(self.dht.routing))

@@ -21,7 +21,7 @@ class NodeProcess:
     """A `p2ptrain ...` child whose stdout JSON events are collected by a reader thread."""
 
     def __init__(self, args: list[str], name: str, log_dir: Path, env: dict | None = None,
-                 module: str = "p2ptrain", stdin: bool = False) -> None:
+                 module: str = "p2ptrain", stdin: bool = False, prefix: list[str] | None = None) -> None:
         self.name = name
         self.stderr_path = Path(log_dir) / f"{name}.stderr"
         self.events: "queue.Queue[dict]" = queue.Queue()
@@ -30,7 +30,7 @@ class NodeProcess:
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self._stderr = open(self.stderr_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
+            [*(prefix or []), sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -121,8 +121,9 @@ class ProcessGroup:
         self.procs: list[NodeProcess] = []
 
     def start(self, args: list[str], name: str, env: dict | None = None, module: str = "p2ptrain",
-              stdin: bool = False) -> NodeProcess:
-        p = NodeProcess(args, name, self.log_dir, env, module, stdin)
+              stdin: bool = False, prefix: list[str] | None = None) -> NodeProcess:
+        """`prefix` wraps the command, e.g. ["ip", "netns", "exec", ns] to run inside a namespace."""
+        p = NodeProcess(args, name, self.log_dir, env, module, stdin, prefix)
         self.procs.append(p)
         return p
 

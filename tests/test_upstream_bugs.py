@@ -42,3 +42,23 @@ def test_bug1_listen_on_taken_port_fails_silently():
         plain.close()
     assert n1 == 0, "upstream now reports a taken port: drop probe_tcp_ports/check_listening"
     assert n23 == 2, "upstream no longer lets two nodes share a port via SO_REUSEPORT"
+
+
+def test_bug2_swarm_never_dials_circuit_addresses():
+    """A peer known only by a relay address: the swarm refuses to dial it at all."""
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.peer.id import ID
+
+    async def main() -> str:
+        host = build_host(Identity.generate(), NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        relay, target = Identity.generate().peer_id_str, Identity.generate()
+        circuit = multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/9/p2p/{relay}/p2p-circuit")
+        async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            host.get_peerstore().add_addrs(ID(target.peer_id), [circuit], 60)
+            try:
+                await host.get_network().dial_peer(ID(target.peer_id))
+            except SwarmException as exc:
+                return str(exc)
+        return "dialed"
+
+    assert "relay-only" in trio.run(main)

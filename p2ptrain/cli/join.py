@@ -45,6 +45,9 @@ def run(args) -> int:
             manifest, run_id = mf.read(Path(args.manifest))
         except mf.ManifestError as exc:
             raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
+    from p2ptrain.nat import NatConfig
+
+    nat_cfg = section(NatConfig, toml, "nat")
     namespace = run_id or args.run or "lobby"
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
@@ -57,20 +60,24 @@ def run(args) -> int:
     async def main() -> None:
         import trio
 
-        node = Node(identity, cfg, events)
+        from p2ptrain.nat import connection_kinds
+
+        node = Node(identity, cfg, events, nat=nat_cfg)
+        conns = lambda: connection_kinds(node.host)  # noqa: E731 - shown by `status`
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
                 if args.run or manifest:
                     from p2ptrain.runner import run_training
 
-                    presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer")
+                    presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer",
+                                        conns=conns)
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
                                        trainer_cfg)
                     nursery.cancel_scope.cancel()
                     return
-                presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg)
+                presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
                 await nursery.start(presence.run)
                 await trio.sleep_forever()
         finally:

@@ -60,6 +60,7 @@ def run(args) -> int:
         print(f"{len(peers)} peer(s) in '{args.namespace}':")
         for p, info in sorted(peers.items()):
             print(f"  {p}  {info['role']:<6} {' '.join(info['addrs'])}")
+            _print_conns(info.get("conns", {}))
     sys.stdout.flush()
     return 0
 
@@ -72,7 +73,8 @@ def _print_run(args, identity, peers: dict, states: dict) -> int:
         st = states.get(pid, {})
         rows.append({"remote": pid, "online": pid in peers, "step": st.get("step"), "loss": st.get("loss"),
                      "val_loss": st.get("val_loss"), "params_sha256": st.get("params"),
-                     "addrs": (peers.get(pid) or st).get("addrs", [])})
+                     "addrs": (peers.get(pid) or st).get("addrs", []),
+                     "conns": (peers.get(pid) or {}).get("conns", {})})
     if args.json:
         print(json.dumps({"event": "status", "t": round(time.time(), 3), "peer": identity.peer_id_str,
                           "run": args.run, "peers": rows}))
@@ -83,4 +85,11 @@ def _print_run(args, identity, peers: dict, states: dict) -> int:
         fmt = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) else "-"
         print(f"  {r['remote']:<54}{(r['step'] if r['step'] is not None else '-'):>6}{fmt(r['loss']):>9}"
               f"{fmt(r['val_loss']):>9}  {(r['params_sha256'] or '-')[:12]}")
+        _print_conns(r["conns"])
     return 0
+
+
+def _print_conns(conns: dict) -> None:
+    """How this peer reaches each neighbour: direct, hole-punched or relayed."""
+    if conns:
+        print("      " + ", ".join(f"{p[-8:]} {kind}" for p, kind in sorted(conns.items())))
