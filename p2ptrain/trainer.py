@@ -69,6 +69,7 @@ class TrainerConfig:
 @dataclass
 class StepStats:
     bytes_sent: int = 0
+    bytes_recv: int = 0
     members: list[str] = field(default_factory=list)
 
 
@@ -171,8 +172,8 @@ class Trainer:
         await self.publish_state(None if joining else loss, val)
         self.events.emit("outer_step_committed", step=self.local.step,
                          loss=None if joining else round(loss, 5), val_loss=round(val, 5),
-                         params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
-                         seconds_comm=round(seconds_comm, 3), members=stats.members)
+                         params_sha256=sha, bytes_sent=stats.bytes_sent, bytes_recv=stats.bytes_recv,
+                         seconds_inner=round(sec_inner, 3), seconds_comm=round(seconds_comm, 3), members=stats.members)
         return False
 
     def _progress(self, t: int):
@@ -278,6 +279,9 @@ class Trainer:
                     self.reject(t, peer, reason)
                 continue
             stats.bytes_sent += res.sent_bytes
+            # What the ring schedule delivered to us (the ring counts only what it sends).
+            stats.bytes_recv += sum(ring.wire_bytes(lay[c][j][1] - lay[c][j][0], cfg)
+                                    for _, c, j in ring.schedule(rank, world, lay)[1])
             for peer, h in ok.items():
                 self.history.setdefault(peer, set()).add(h.own_digests)
             return res.result, stats
