@@ -190,8 +190,6 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen, err: list[str
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
                     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
 def test_dashboard_in_chromium_during_demo(tmp_path):
-    from selenium.webdriver.common.by import By
-
     work = tmp_path / "demo"
     err: list[str] = []
     proc = subprocess.Popen(
@@ -220,19 +218,24 @@ def test_dashboard_in_chromium_during_demo(tmp_path):
 
         peers = _wait(ids, 120, "every peer listening", proc, err)
 
-        def shown() -> set[str]:
-            rows = driver.find_elements(By.CSS_SELECTOR, "#peers tbody tr[data-peer]")
-            return {r.get_attribute("data-peer") for r in rows}
+        # Read the DOM in one script call: the page re-renders on every update, so element
+        # handles held across calls go stale.
+        def page() -> dict:
+            return driver.execute_script("""
+            const q = (sel) => Array.from(document.querySelectorAll(sel));
+            return {peers: q("#peers tbody tr[data-peer]").map((r) => r.dataset.peer),
+                    steps: Number(document.getElementById("loss-chart").dataset.steps),
+                    circles: q("#loss-chart circle").length,
+                    live: document.getElementById("live").textContent,
+                    table: document.getElementById("peers").innerText};""")
 
-        _wait(lambda: peers <= shown(), 120, f"all {PEERS} peers in the peer list", proc, err)
-        chart = lambda: int(driver.find_element(By.ID, "loss-chart").get_attribute("data-steps"))  # noqa: E731
-        first = _wait(chart, 180, "a first committed step on the chart", proc, err)
-        points = len(driver.find_elements(By.CSS_SELECTOR, "#loss-chart circle"))
-        _wait(lambda: chart() > first, 120, "the chart gaining a point", proc, err)
-        assert len(driver.find_elements(By.CSS_SELECTOR, "#loss-chart circle")) > points
-        assert driver.find_element(By.ID, "live").text == "live"
-        text = driver.find_element(By.ID, "peers").text
-        assert "direct" in text and "self" in text
+        _wait(lambda: peers <= set(page()["peers"]), 120, f"all {PEERS} peers in the peer list", proc, err)
+        first = _wait(lambda: page()["steps"], 180, "a first committed step on the chart", proc, err)
+        points = page()["circles"]
+        later = _wait(lambda: (p := page())["steps"] > first and p, 120, "the chart gaining a point", proc, err)
+        assert later["circles"] > points > 0
+        assert later["live"] == "live"
+        assert "direct" in later["table"] and "self" in later["table"]
         shot = tmp_path / "dashboard.png"
         driver.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -242,7 +245,7 @@ def test_dashboard_in_chromium_during_demo(tmp_path):
         print(f"dashboard screenshot: {keep / 'dashboard.png'} (and {shot})")
         _, _, metrics = _get(url + "metrics")
         assert b"p2ptrain_committed_steps_total" in metrics
-        assert proc.wait(300) == 0, "".join(err[-30:])
+        # The rest of the demo is test_demo's business; stop it here to save CI time.
     finally:
         if driver is not None:
             driver.quit()

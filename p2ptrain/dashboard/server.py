@@ -33,7 +33,7 @@ class DashboardConfig:
     """HOST:PORT to serve on; port 0 picks a free port. Keep it on 127.0.0.1 unless the
     machine's network is trusted: the page shows peer ids and addresses."""
     poll_interval: float = 2.0
-    """Seconds between polls of the node's connections; DHT records every third poll."""
+    """Seconds between polls of the node's connections; DHT records every second poll."""
     heartbeat: float = 15.0
     """Seconds between SSE keep-alive comments on an idle stream."""
 
@@ -220,7 +220,7 @@ class Dashboard:
             node = self.node
             if node is not None and node.host is not None:
                 self.hub.set_network(connections=connection_kinds(node.host))
-                if node.dht is not None and self.namespace and tick % 3 == 0:
+                if node.dht is not None and self.namespace and tick % 2 == 0:
                     try:
                         presence = await read_peers(node.dht, self.namespace)
                         states = await run_states(node.dht, self.run_id) if self.run_id else {}

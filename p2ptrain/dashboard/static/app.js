@@ -27,7 +27,7 @@ function lossChart(steps) {
   const svg = $("loss-chart");
   svg.replaceChildren();
   svg.dataset.steps = String(steps.length);
-  const W = 720, H = 260, L = 50, R = 12, T = 10, B = 28;
+  const W = 720, H = 220, L = 50, R = 12, T = 10, B = 22;
   const pts = steps.flatMap((s) => [s.loss, s.val_loss]).filter((v) => v !== null);
   if (!steps.length || !pts.length) {
     svg.appendChild(el("text", { x: W / 2, y: H / 2, "text-anchor": "middle" }, "waiting for the first committed step"));
@@ -49,7 +49,6 @@ function lossChart(steps) {
     const s = steps[Math.round(i * (steps.length - 1) / Math.max(1, ticks - 1))].step;
     svg.appendChild(el("text", { x: X(s), y: H - 8, "text-anchor": "middle" }, String(s)));
   }
-  svg.appendChild(el("text", { x: W - R, y: H - 8, "text-anchor": "end" }, "outer step"));
   for (const key of ["loss", "val_loss"]) {
     const cls = key === "loss" ? "train" : "val";
     const s = steps.filter((p) => p[key] !== null);
@@ -65,7 +64,7 @@ function timeChart(steps) {
   const W = 720, H = 120, L = 50, B = 18;
   const recent = steps.slice(-60);
   const hi = Math.max(1e-3, ...recent.map((s) => s.seconds_inner + s.seconds_comm));
-  const bw = (W - L) / Math.max(recent.length, 1);
+  const bw = Math.min(40, (W - L) / Math.max(recent.length, 1));
   svg.appendChild(el("text", { x: L - 6, y: 12, "text-anchor": "end" }, hi.toFixed(1) + " s"));
   recent.forEach((s, i) => {
     const hInner = s.seconds_inner / hi * (H - B - 4), hComm = s.seconds_comm / hi * (H - B - 4);
