@@ -32,6 +32,7 @@ import trio
 from p2ptrain import checkpoint, election, ring
 from p2ptrain.allreduce import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
+from p2ptrain.connkinds import kind_counts, parse_counts
 from p2ptrain.contribution import FrameChecker, Header, sign_header, verify_headers
 from p2ptrain.events import EventSink
 from p2ptrain.fetch import BlobServer, FetchError, fetch_any
@@ -297,7 +298,8 @@ class Trainer:
         await trio.to_thread.run_sync(self._write_checkpoint, data)
         value = msgpack.packb({"step": self.local.step, "params": self.local.outer.params_sha256(),
                                "ckpt": digest, "addrs": self.node.rpc.local_addrs(),
-                               "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss)})
+                               "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss),
+                               "conns": kind_counts(self.node.host)})
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
 
     def _write_checkpoint(self, data: bytes) -> None:
@@ -340,7 +342,8 @@ async def _state_records(dht, run_id: str) -> list[tuple[bytes, dict]]:
             v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
             addrs = [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]
             out.append((sub, {"step": int(v["step"]), "params": str(v["params"])[:64], "ckpt": str(v["ckpt"]),
-                              "loss": v.get("loss"), "val_loss": v.get("val_loss"), "addrs": addrs}))
+                              "loss": v.get("loss"), "val_loss": v.get("val_loss"), "addrs": addrs,
+                              "conns": parse_counts(v.get("conns"))}))
         except Exception:
             continue
         dht.transport.learn_addrs(sub, addrs)

@@ -19,7 +19,8 @@ import pytest
 import trio
 
 from p2ptrain.dashboard.server import Dashboard, DashboardConfig, parse_listen
-from p2ptrain.dashboard.state import DashboardState, connection_kind
+from p2ptrain.connkinds import connection_kind, parse_counts
+from p2ptrain.dashboard.state import DashboardState
 from p2ptrain.events import EventSink
 from p2ptrain.node import NodeError
 
@@ -77,6 +78,12 @@ def test_state_survives_hostile_fields():
     assert len(snap["peers"]) <= 512
     json.dumps(snap, allow_nan=False)
     st.prometheus()
+
+
+def test_published_connection_counts_are_checked():
+    assert parse_counts({"direct": 3, "relayed": 1}) == {"direct": 3, "relayed": 1}
+    assert parse_counts({"direct": -1, "weird": 2, "relayed": True, "hole-punched": "x"}) == {}
+    assert parse_counts(["direct"]) == {}
 
 
 def test_parse_listen():
@@ -193,7 +200,7 @@ def test_dashboard_in_chromium_during_demo(tmp_path):
     work = tmp_path / "demo"
     err: list[str] = []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain", "demo", "--peers", str(PEERS), "--outer-steps", "6", "--inner-steps", "4",
+        [sys.executable, "-m", "p2ptrain", "demo", "--peers", str(PEERS), "--outer-steps", "6", "--inner-steps", "2",
          "--no-baseline", "--dashboard", "127.0.0.1:0", "--workdir", str(work), "--json"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
@@ -245,7 +252,21 @@ def test_dashboard_in_chromium_during_demo(tmp_path):
         print(f"dashboard screenshot: {keep / 'dashboard.png'} (and {shot})")
         _, _, metrics = _get(url + "metrics")
         assert b"p2ptrain_committed_steps_total" in metrics
-        # The rest of the demo is test_demo's business; stop it here to save CI time.
+        # `status --run` shows the same run as the DHT has it, with each peer's published
+        # connection kinds. (The rest of the demo is test_demo's business: it is stopped.)
+        baddr = next(line.split(" at ", 1)[1].strip() for line in err if "demo: bootstrap at" in line)
+        rid = next(json.loads(line)["run"] for line in (work / "logs" / "peer0.stdout").read_text().splitlines()
+                   if '"run_joined"' in line)
+        status = [sys.executable, "-m", "p2ptrain", "status", "--bootstrap", baddr, "--run", rid]
+        out = subprocess.run(status + ["--json"], capture_output=True, text=True, timeout=90, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
+        for pid in peers:
+            assert rows[pid]["online"] and rows[pid]["step"] >= 1 and rows[pid]["val_loss"] is not None, rows[pid]
+            assert rows[pid]["connections"].get("direct", 0) >= 1, rows[pid]
+        out = subprocess.run(status, capture_output=True, text=True, timeout=90, cwd=tmp_path)
+        assert out.returncode == 0 and all(pid in out.stdout for pid in peers) and " direct" in out.stdout
+        print(out.stdout)
     finally:
         if driver is not None:
             driver.quit()

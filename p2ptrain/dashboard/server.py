@@ -17,7 +17,8 @@ from importlib import resources
 
 import trio
 
-from p2ptrain.dashboard.state import DashboardState, connection_kind
+from p2ptrain.connkinds import connection_kinds
+from p2ptrain.dashboard.state import DashboardState
 from p2ptrain.events import EventSink
 from p2ptrain.node import NodeError
 
@@ -48,26 +49,6 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"dashboard address {text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
     return host.strip("[]"), int(port)
-
-
-def connection_kinds(host) -> dict[str, str]:
-    """peer id -> how this node is connected to it, for every open libp2p connection."""
-    out: dict[str, str] = {}
-    try:
-        conns = host.get_network().get_connections_map()
-    except Exception as exc:  # the host is not up yet, or is closing
-        log.debug("no connections to show: %s", exc)
-        return out
-    for pid, lst in conns.items():
-        kinds = []
-        for conn in lst:
-            try:
-                kinds.append(connection_kind([str(a) for a in conn.get_transport_addresses()]))
-            except Exception:
-                continue
-        if kinds:  # one direct connection makes the peer directly reachable
-            out[str(pid)] = "direct" if "direct" in kinds else kinds[0]
-    return out
 
 
 class Hub:

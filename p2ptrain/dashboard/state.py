@@ -16,16 +16,6 @@ MAX_REJECTED = 200
 MAX_PEERS = 512  # a hostile DHT cannot grow the page without bound
 
 
-def connection_kind(addrs: list[str]) -> str:
-    """How a libp2p connection reaches its peer, from its transport multiaddrs: a circuit
-    relay address means relayed, anything else is a direct connection. (Hole-punched
-    connections are direct ones that DCUtR opened; telling them apart needs the NAT
-    traversal code's own record.)"""
-    if any("/p2p-circuit" in a for a in addrs):
-        return "relayed"
-    return "direct"
-
-
 def _num(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
