@@ -64,8 +64,9 @@ class BlobServer:
                 await stream.reset()
 
 
-async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
-    """The blob with `digest` from `peer`, verified; raises FetchError."""
+async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float, progress=None) -> bytes:
+    """The blob with `digest` from `peer`, verified; raises FetchError.
+    `progress(done, total)` is called as bytes arrive."""
     try:
         with trio.fail_after(timeout):
             stream = await host.new_stream(ID(peer), [PROTOCOL])
@@ -76,7 +77,8 @@ async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) 
                 raise FetchError("provider does not have it")
             if size > max_bytes:
                 raise FetchError(f"provider offers {size} bytes, over the limit {max_bytes}")
-            data = await read_exactly(stream, size)
+            data = await read_exactly(stream, size) if progress is None else \
+                await _read_reporting(stream, size, progress)
             await stream.close()
     except FetchError:
         raise
@@ -87,12 +89,22 @@ async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) 
     return data
 
 
-async def fetch_any(host, providers: list[bytes], digest: str, max_bytes: int, timeout: float) -> bytes:
+async def _read_reporting(stream, size: int, progress, chunk: int = 1 << 20) -> bytes:
+    buf = bytearray()
+    progress(0, size)
+    while len(buf) < size:
+        buf += await read_exactly(stream, min(chunk, size - len(buf)))
+        progress(len(buf), size)
+    return bytes(buf)
+
+
+async def fetch_any(host, providers: list[bytes], digest: str, max_bytes: int, timeout: float,
+                    progress=None) -> bytes:
     """Try providers in turn until one delivers verified bytes."""
     errors = []
     for peer in providers:
         try:
-            return await fetch(host, peer, digest, max_bytes, timeout)
+            return await fetch(host, peer, digest, max_bytes, timeout, progress)
         except FetchError as exc:
             log.warning("fetch of %s from %s failed: %s", digest[:12], ID(peer), exc)
             errors.append(str(exc))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from p2ptrain import checkpoint, manifest as mf
+from p2ptrain import checkpoint, manifest as mf, progress
 from p2ptrain.allreduce import AllReduceConfig, AllReduceService
 from p2ptrain.fetch import BlobServer, FetchError, fetch_any
 from p2ptrain.node import NodeError
@@ -68,7 +68,9 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
             digest, providers = (best[1], best[2]) if best else (genesis, [])
             if providers:
                 try:
-                    return await fetch_any(node.host, providers, digest, 1 << 34, 120)
+                    return await fetch_any(node.host, providers, digest, 1 << 34, 120,
+                                           progress.download(f"state of step {best[0] if best else 0}",
+                                                             node.events.json_mode))
                 except FetchError as exc:
                     log.warning("state fetch failed: %s", exc)
             await trio.sleep(1.0)

@@ -21,7 +21,6 @@ import hashlib
 import logging
 import math
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import msgpack
 import numpy as np
 import trio
 
-from p2ptrain import checkpoint, election, ring
+from p2ptrain import checkpoint, election, progress, ring
 from p2ptrain.allreduce import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
 from p2ptrain.connkinds import kind_counts, parse_counts
@@ -178,18 +177,8 @@ class Trainer:
         return False
 
     def _progress(self, t: int):
-        """An inner-step progress bar on stderr when a person is watching (a terminal and
-        no --json); plain logs otherwise."""
-        if self.events.json_mode or not sys.stderr.isatty():
-            return None
-
-        def show(i: int, n: int) -> None:
-            bar = "#" * (30 * i // n)
-            end = "\n" if i == n else ""
-            sys.stderr.write(f"\router step {t}: [{bar:<30}] {i}/{n} inner steps{end}")
-            sys.stderr.flush()
-
-        return show
+        """Inner-step progress: a bar on a terminal, plain log lines otherwise."""
+        return progress.make(f"outer step {t}", self.events.json_mode, "inner steps")
 
     # -- election --------------------------------------------------------------------
     async def read_ready(self, t: int) -> list[election.Ready]:
@@ -318,7 +307,8 @@ class Trainer:
                     if step <= self.local.step:
                         return
                     try:
-                        data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60)
+                        data = await fetch_any(self.node.host, providers, digest, 1 << 32, 60,
+                                               progress.download(f"checkpoint of step {step}", self.events.json_mode))
                     except FetchError as exc:
                         log.warning("catch-up fetch failed: %s", exc)
                     else:
