@@ -48,7 +48,10 @@ def test_state_follows_events_and_metrics_agree():
     assert not st.apply({"event": "something_else"})
     st.set_network(connections={B: "direct", C: connection_kind(["/ip4/1.2.3.4/tcp/1/p2p/R/p2p-circuit"])},
                    presence={B: {"role": "trainer", "addrs": []}},
-                   states={B: {"step": 2, "loss": 3.9, "val_loss": 3.0}})
+                   states={B: {"step": 2, "loss": 3.9, "val_loss": 3.0, "conns": {"direct": 2}}})
+    v = st.version
+    st.set_network(connections={B: "direct", C: "relayed"})
+    assert st.version == v  # nothing new: live pages are not redrawn
     snap = json.loads(json.dumps(st.snapshot()))  # what the page gets is plain JSON
     assert snap["me"] == A and snap["step"] == 2 and snap["committed"] == 2 and snap["group"] == [A, B]
     assert [s["loss"] for s in snap["steps"]] == [4.0, None]
@@ -56,6 +59,7 @@ def test_state_follows_events_and_metrics_agree():
     assert snap["utilization"] == pytest.approx(4 / 6)
     kinds = {p["peer"]: p["kind"] for p in snap["peers"]}
     assert kinds == {A: "self", B: "direct", C: "relayed"}
+    assert [p["links"] for p in snap["peers"] if p["peer"] == B] == [{"direct": 2}]
     assert snap["rejected"][0]["remote"] == C and snap["rejected_total"] == 1
     text = st.prometheus()
     samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

@@ -97,13 +97,15 @@ class DashboardState:
     def set_network(self, connections: dict[str, str] | None = None, presence: dict[str, dict] | None = None,
                     states: dict[str, dict] | None = None) -> None:
         """What the node polled: connected peer -> kind, presence records, run state records."""
+        before = (self.connections, self.presence, self.states)
         if connections is not None:
             self.connections = dict(list(connections.items())[:MAX_PEERS])
         if presence is not None:
             self.presence = dict(list(presence.items())[:MAX_PEERS])
         if states is not None:
             self.states = dict(list(states.items())[:MAX_PEERS])
-        self.version += 1
+        if (self.connections, self.presence, self.states) != before:  # live pages redraw only on news
+            self.version += 1
 
     # -- outputs ---------------------------------------------------------------------
     def utilization(self) -> float | None:
@@ -121,7 +123,8 @@ class DashboardState:
                         "kind": "self" if pid == self.me else self.connections.get(pid, "not connected"),
                         "role": role, "in_run": bool(st or pr),
                         "in_group": pid in self.group, "step": st.get("step"),
-                        "loss": _num(st.get("loss")), "val_loss": _num(st.get("val_loss"))})
+                        "loss": _num(st.get("loss")), "val_loss": _num(st.get("val_loss")),
+                        "links": st.get("conns") or {}})
         return out[:MAX_PEERS]
 
     def snapshot(self) -> dict:

@@ -89,6 +89,7 @@ function peers(list) {
     cell(tr, (p.role || "-") + (p.in_group ? " · in group" : ""));
     cell(tr, p.step === null ? "-" : String(p.step));
     cell(tr, fmt(p.loss)); cell(tr, fmt(p.val_loss));
+    cell(tr, Object.entries(p.links).map(([k, n]) => n + " " + k).join(", ") || "-");
     body.appendChild(tr);
   }
   $("peer-count").textContent = "(" + list.length + ")";
