@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from p2ptrain import checkpoint, chunks, providers
+from p2ptrain import checkpoint, chunks, progress, providers
 from p2ptrain.fetch import BlobServer, FetchError, request
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 
@@ -118,8 +118,9 @@ async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
 
 async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
                    config: DownloadConfig | None = None, exclude: set[str] | None = None,
-                   on_exclude=None) -> tuple[bytes, DownloadReport]:
-    """The checkpoint `choice` names, every chunk verified; raises FetchError."""
+                   on_exclude=None, progress=None) -> tuple[bytes, DownloadReport]:
+    """The checkpoint `choice` names, every chunk verified; raises FetchError.
+    `progress(done_bytes, total_bytes)` is called as verified chunks arrive."""
     config = config or DownloadConfig()
     t0 = time.perf_counter()
     donors = [p for p in choice.providers if p not in (exclude or set())]
@@ -144,7 +145,8 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
         raise FetchError(f"no provider served the chunk manifest {choice.manifest[:12]}...")
     if manifest.sha256 != choice.sha256:
         raise FetchError("chunk manifest names another checkpoint than the attested one")
-    fetcher = _Download(host, manifest, [d for d in donors if d not in report.excluded], config, on_exclude)
+    fetcher = _Download(host, manifest, [d for d in donors if d not in report.excluded], config, on_exclude,
+                        progress)
     fetcher.report.excluded.update(report.excluded)
     await fetcher.run()
     data = await trio.to_thread.run_sync(fetcher.asm.result)
@@ -162,8 +164,10 @@ def _exclude(report: DownloadReport, donor: str, reason: str, on_exclude) -> Non
 
 class _Download:
     def __init__(self, host, manifest: chunks.ChunkManifest, donors: list[str], config: DownloadConfig,
-                 on_exclude) -> None:
+                 on_exclude, progress=None) -> None:
         self.host = host
+        self.progress = progress
+        self.done_bytes = 0
         self.manifest = manifest
         self.donors = donors
         self.config = config
@@ -246,6 +250,9 @@ class _Download:
                 elif self.asm.put(i, data):
                     self.report.per_donor[donor] = self.report.per_donor.get(donor, 0) + 1
                     self.times.append(trio.current_time() - t0)
+                    self.done_bytes += end - start
+                    if self.progress is not None:
+                        self.progress(self.done_bytes, self.manifest.size)
                     for other in requesters.values():
                         other.cancel()  # someone else's duplicate of a chunk we now have
                     self.inflight.pop(i, None)
@@ -291,7 +298,9 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
         events.emit("donor_excluded", remote=donor, reason=reason)
 
     data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
-                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest))
+                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
+                               progress=progress.download(f"checkpoint of step {choice.step}",
+                                                          getattr(events, "json_mode", True)))
     events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
                 attesters=len(choice.attesters), **rep.summary())
     return choice.step, data

@@ -10,7 +10,7 @@ import json
 import logging
 import sys
 import time
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 log = logging.getLogger("p2ptrain")
 
@@ -21,12 +21,19 @@ class EventSink:
         self.json_mode = json_mode
         self.out = out or sys.stdout
         self.history: list[dict[str, Any]] = []
+        # In-process listeners (the dashboard), called with every record as it is emitted.
+        self.subscribers: list[Callable[[dict[str, Any]], None]] = []
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"event": event, "t": round(time.time(), 3), "peer": self.peer, **fields}
         self.history.append(record)
         if len(self.history) > 1000:
             del self.history[:500]
+        for fn in list(self.subscribers):
+            try:
+                fn(record)
+            except Exception:  # a listener's bug must not stop the node
+                log.exception("event subscriber failed on %s", event)
         if self.json_mode:
             self.out.write(json.dumps(record, default=str) + "\n")
             self.out.flush()

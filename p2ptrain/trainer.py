@@ -21,7 +21,6 @@ import hashlib
 import logging
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,9 +29,10 @@ import msgpack
 import numpy as np
 import trio
 
-from p2ptrain import checkpoint, election, ring
+from p2ptrain import checkpoint, election, progress, ring
 from p2ptrain.allreduce import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
+from p2ptrain.connkinds import kind_counts, parse_counts
 from p2ptrain.contribution import FrameChecker, Header, sign_header, verify_headers
 from p2ptrain.download import CheckpointServer, fetch_checkpoint
 from p2ptrain.events import EventSink
@@ -71,6 +71,7 @@ class TrainerConfig:
 @dataclass
 class StepStats:
     bytes_sent: int = 0
+    bytes_recv: int = 0
     members: list[str] = field(default_factory=list)
 
 
@@ -179,23 +180,13 @@ class Trainer:
         await self.publish_state(None if joining else loss, val)
         self.events.emit("outer_step_committed", step=self.local.step,
                          loss=None if joining else round(loss, 5), val_loss=round(val, 5),
-                         params_sha256=sha, bytes_sent=stats.bytes_sent, seconds_inner=round(sec_inner, 3),
-                         seconds_comm=round(seconds_comm, 3), members=stats.members)
+                         params_sha256=sha, bytes_sent=stats.bytes_sent, bytes_recv=stats.bytes_recv,
+                         seconds_inner=round(sec_inner, 3), seconds_comm=round(seconds_comm, 3), members=stats.members)
         return False
 
     def _progress(self, t: int):
-        """An inner-step progress bar on stderr when a person is watching (a terminal and
-        no --json); plain logs otherwise."""
-        if self.events.json_mode or not sys.stderr.isatty():
-            return None
-
-        def show(i: int, n: int) -> None:
-            bar = "#" * (30 * i // n)
-            end = "\n" if i == n else ""
-            sys.stderr.write(f"\router step {t}: [{bar:<30}] {i}/{n} inner steps{end}")
-            sys.stderr.flush()
-
-        return show
+        """Inner-step progress: a bar on a terminal, plain log lines otherwise."""
+        return progress.make(f"outer step {t}", self.events.json_mode, "inner steps")
 
     # -- election --------------------------------------------------------------------
     async def read_ready(self, t: int) -> list[election.Ready]:
@@ -286,6 +277,9 @@ class Trainer:
                     self.reject(t, peer, reason)
                 continue
             stats.bytes_sent += res.sent_bytes
+            # What the ring schedule delivered to us (the ring counts only what it sends).
+            stats.bytes_recv += sum(ring.wire_bytes(lay[c][j][1] - lay[c][j][0], cfg)
+                                    for _, c, j in ring.schedule(rank, world, lay)[1])
             for peer, h in ok.items():
                 self.history.setdefault(peer, set()).add(h.own_digests)
             return res.result, stats
@@ -306,7 +300,8 @@ class Trainer:
         params = self.local.outer.params_sha256()
         value = msgpack.packb({"step": self.local.step, "params": params,
                                "ckpt": digest, "addrs": self.node.rpc.local_addrs(),
-                               "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss)})
+                               "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss),
+                               "conns": kind_counts(self.node.host)})
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
         await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
                                        sorted(self.last_roster) if self.local.step else [],
@@ -348,7 +343,8 @@ async def _state_records(dht, run_id: str) -> list[tuple[bytes, dict]]:
             v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
             addrs = [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]
             out.append((sub, {"step": int(v["step"]), "params": str(v["params"])[:64], "ckpt": str(v["ckpt"]),
-                              "loss": v.get("loss"), "val_loss": v.get("val_loss"), "addrs": addrs}))
+                              "loss": v.get("loss"), "val_loss": v.get("val_loss"), "addrs": addrs,
+                              "conns": parse_counts(v.get("conns"))}))
         except Exception:
             continue
         dht.transport.learn_addrs(sub, addrs)

@@ -32,6 +32,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", help="where the run, logs and plot go (default: a temporary directory)")
     p.add_argument("--no-baseline", action="store_true", help="skip the single-worker baseline")
     p.add_argument("--json", action="store_true", help="forward every peer's JSON events on stdout")
+    p.add_argument("--dashboard", metavar="HOST:PORT", default="127.0.0.1:8080",
+                   help="where the first peer serves the live dashboard (default 127.0.0.1:8080; "
+                        "a free port if that one is taken)")
+    p.add_argument("--no-dashboard", action="store_true", help="do not serve the dashboard")
     p.set_defaults(func=run)
 
 
@@ -59,6 +63,7 @@ def run(args) -> int:
     if init.returncode != 0:
         raise CLIError(f"init failed: {init.stderr.strip().splitlines()[-1] if init.stderr.strip() else init.returncode}")
     rid = init.stdout.strip().splitlines()[-1]
+    dash = None if args.no_dashboard else _dashboard_addr(args.dashboard, say)
     say(f"demo: run {rid[:16]}... initiated (tiny Llama-style model, Python stdlib as training text)")
     committed: dict[str, list[dict]] = {}
     with ProcessGroup(work / "logs") as group:
@@ -69,10 +74,15 @@ def run(args) -> int:
         peers = []
         for i in range(args.peers):
             which = ["--manifest", str(work / "run" / "run.toml")] if i == 0 else ["--run", rid]
+            if i == 0 and dash:
+                which += ["--dashboard", dash]
             peers.append(group.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0",
                                       "--workdir", str(work / f"peer{i}"), *which, "--min-peers", str(args.peers),
                                       "--max-outer-steps", str(args.outer_steps), "--threads", "1", "--json"],
                                      f"peer{i}"))
+        if dash:  # the first peer serves it before its node starts listening
+            url = peers[0].wait_event(lambda e: e["event"] == "dashboard_listening", 120)["url"]
+            say(f"demo: live dashboard at {url} (open it in a browser while the demo runs)")
         ids = [p.wait_event(lambda e: e["event"] == "listening", 120)["peer"] for p in peers]
         committed = {pid: [] for pid in ids}
         deadline = time.monotonic() + 120 + 60 * args.outer_steps
@@ -144,6 +154,27 @@ def report(args, work: Path, rid: str, ids: list[str], committed: dict[str, list
     say(f"demo finished in {seconds:.0f}s; all processes stopped")
     ok = identical and all(steps_done[p] >= 1 for p in ids)
     return 0 if ok else 1
+
+
+def _dashboard_addr(addr: str, say) -> str:
+    """`addr`, or the same host with a free port when something already listens there."""
+    import socket
+
+    from p2ptrain.dashboard.server import parse_listen
+
+    try:
+        host, port = parse_listen(addr)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if port == 0:
+        return addr
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            say(f"demo: {addr} is taken; the dashboard gets a free port instead")
+            return f"{host}:0"
+    return addr
 
 
 def _n_params(work: Path) -> int:

@@ -19,6 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-outer-steps", type=int, default=None, help="leave after N committed outer steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
     p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
+    p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live web dashboard here (e.g. 127.0.0.1:8080)")
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -57,6 +58,12 @@ def run(args) -> int:
             "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers,
             "adversary": os.environ.get("P2PTRAIN_ADVERSARY", "")})
 
+    dashboard_cfg = None
+    if args.dashboard:
+        from p2ptrain.dashboard.server import DashboardConfig
+
+        dashboard_cfg = section(DashboardConfig, toml, "dashboard", {"listen": args.dashboard})
+
     async def main() -> None:
         import trio
 
@@ -66,6 +73,10 @@ def run(args) -> int:
         conns = lambda: connection_kinds(node.host)  # noqa: E731 - shown by `status`
         try:
             async with trio.open_nursery() as nursery:
+                if dashboard_cfg is not None:
+                    from p2ptrain.dashboard.server import Dashboard
+
+                    await nursery.start(Dashboard(dashboard_cfg, events, node, namespace, run_id or args.run or "").run)
                 await nursery.start(node.run)
                 if args.run or manifest:
                     from p2ptrain.runner import run_training

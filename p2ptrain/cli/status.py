@@ -12,7 +12,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the peers the network knows about")
     p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point (repeatable)")
     p.add_argument("--namespace", default="lobby", help="presence namespace (a run id, or 'lobby')")
-    p.add_argument("--run", metavar="RUN_ID", help="show this training run: peers, last committed step, loss")
+    p.add_argument("--run", metavar="RUN_ID",
+                   help="show this training run: peers, last committed step, loss, connection kinds")
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -73,6 +74,7 @@ def _print_run(args, identity, peers: dict, states: dict) -> int:
         st = states.get(pid, {})
         rows.append({"remote": pid, "online": pid in peers, "step": st.get("step"), "loss": st.get("loss"),
                      "val_loss": st.get("val_loss"), "params_sha256": st.get("params"),
+                     "connections": st.get("conns", {}),
                      "addrs": (peers.get(pid) or st).get("addrs", []),
                      "conns": (peers.get(pid) or {}).get("conns", {})})
     if args.json:
@@ -80,11 +82,13 @@ def _print_run(args, identity, peers: dict, states: dict) -> int:
                           "run": args.run, "peers": rows}))
         return 0
     print(f"run {args.run}: {len(rows)} peer(s)")
-    print(f"  {'peer':<54}{'step':>6}{'loss':>9}{'val':>9}  params")
+    print(f"  {'peer':<54}{'online':>7}{'step':>6}{'loss':>9}{'val':>9}  {'params':<13} connections")
     for r in rows:
         fmt = lambda x: f"{x:.4f}" if isinstance(x, (int, float)) else "-"
-        print(f"  {r['remote']:<54}{(r['step'] if r['step'] is not None else '-'):>6}{fmt(r['loss']):>9}"
-              f"{fmt(r['val_loss']):>9}  {(r['params_sha256'] or '-')[:12]}")
+        conns = ", ".join(f"{n} {k}" for k, n in sorted(r["connections"].items())) or "-"
+        print(f"  {r['remote']:<54}{'yes' if r['online'] else 'no':>7}"
+              f"{(r['step'] if r['step'] is not None else '-'):>6}{fmt(r['loss']):>9}"
+              f"{fmt(r['val_loss']):>9}  {(r['params_sha256'] or '-')[:12]:<13} {conns}")
         _print_conns(r["conns"])
     return 0
 
