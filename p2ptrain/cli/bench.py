@@ -10,6 +10,7 @@ BENCHES = {
     "kernels": "p2ptrain.bench.kernels",
     "allreduce": "p2ptrain.bench.allreduce",
     "diloco": "p2ptrain.bench.diloco",
+    "robust": "p2ptrain.bench.robust",
 }
 
 
