@@ -9,6 +9,7 @@ copy of that chunk and combines them with one of these rules instead of the mean
       that start, so it scales with the honest spread and needs no tuning per model: with
       fewer than half of the members hostile, the median distance is an honest one, and a
       member can move the result by at most tau / n per iteration however large it is.
+      Then (our addition, see `centered_clip`) the mean of the members within 2 tau of v.
   trimmed_mean
       coordinate-wise: drop the `trim` largest and `trim` smallest values, average the rest.
 
@@ -73,8 +74,16 @@ def _norms(d: np.ndarray) -> np.ndarray:
     return np.sqrt(np.einsum("ij,ij->i", d64, d64))
 
 
-def centered_clip(chunks, iters: int = 20) -> tuple[np.ndarray, np.ndarray]:
-    """(combined fp32 vector, per-member score). `chunks`: one equal-length vector per member."""
+def centered_clip(chunks, iters: int = 20, refine: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(combined fp32 vector, per-member score). `chunks`: one equal-length vector per member.
+
+    `refine`: return the plain mean of the members that ended within 2 tau of the clipped
+    centre (when they are a majority) instead of the centre itself. Plain CenteredClip keeps
+    a bias of about (attackers x tau) / honest members toward the attackers, since each of them
+    still pulls with force tau at the fixed point: measured 9 % (spread 0.3) to 41 % (spread
+    1.0) relative error against the honest mean for 2 sign-flippers of 6 (test_robust.py).
+    Refined, a far outlier has no weight at all, and one inside 2 tau moves the result by at
+    most 2 tau / (members kept)."""
     x = _stack(chunks)
     n = x.shape[0]
     v = np.median(x, axis=0).astype(np.float32)
@@ -87,6 +96,10 @@ def centered_clip(chunks, iters: int = 20) -> tuple[np.ndarray, np.ndarray]:
         w = np.minimum(1.0, tau / np.maximum(dist, 1e-300))
         step = np.einsum("i,ij->j", (w / n).astype(np.float32), x - v)
         v = (v + step).astype(np.float32)
+    if refine:
+        keep = 1.0 - w <= SUSPECT_SCORE  # within 2 tau of the clipped centre
+        if 2 * int(keep.sum()) > n:
+            v = (x[keep].astype(np.float64).sum(axis=0) / int(keep.sum())).astype(np.float32)
     return v, 1.0 - w
 
 

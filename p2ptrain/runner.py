@@ -81,6 +81,10 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
+    try:
+        mf.aggregation(manifest)
+    except mf.ManifestError as exc:
+        raise NodeError(str(exc), "upgrade p2ptrain to join this run") from None
     blobs = BlobServer(node.host)
     blobs.add(mf.encode(manifest))
     await node.dht.store(run_key(run_id, "manifest"), mf.encode(manifest), ttl=3600)

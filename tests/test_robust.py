@@ -51,7 +51,7 @@ def test_two_of_six_attackers_move_the_result_little(rule, attack):
     out, scores = robust.combine(xs, robust.RobustConfig(rule))
     plain = np.mean(xs, axis=0)
     err = np.linalg.norm(out - good) / np.linalg.norm(good)
-    assert err < 0.25, err
+    assert err < (1e-5 if rule == "centered_clip" else 0.25), err  # refined CenteredClip: the honest mean
     assert err < 0.1 * np.linalg.norm(plain - good) / np.linalg.norm(good)
     assert sorted(robust.suspects(scores, rule)) == [4, 5], scores
 
@@ -170,3 +170,67 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     assert all(isinstance(e, RingError) for e in errors), errors  # nobody commits a partial result
     with pytest.raises(BadContribution):
         checks[0](2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))
+
+
+# ----------------------------------------------------------------------------- reputation
+def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
+    from p2ptrain import reputation
+
+    assert reputation.excluded({"a": {"x": 3}}) == {}
+    assert reputation.excluded({"a": {"x": 3}, "b": {"x": 4}, "x": {"a": 4}}) == {"x": ["a", "b"]}
+    # x and y (reported by honest a, b, c) try to get a excluded: their votes do not count
+    reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "c": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
+    assert set(reputation.excluded(reports)) == {"x", "y"}
+    # two against two cannot be told apart by counting: nobody is excluded (conservative)
+    reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
+    assert reputation.excluded(reports) == {}
+    assert reputation.excluded({"a": {"a": 1}, "b": {"b": 1}}) == {}  # nobody reports itself
+
+
+def test_reputation_report_decoding_is_bounded():
+    from p2ptrain import reputation
+
+    flagged = {f"peer{i}": i for i in range(100)}
+    data = reputation.encode_report(flagged)
+    got = reputation.decode_report(data)
+    assert len(got) == reputation.MAX_FLAGGED and got["peer99"] == 99  # newest kept
+    for bad in (b"\x00" * (reputation.MAX_REPORT_BYTES + 1), b"\xc1", b"\x80",
+                __import__("msgpack").packb({"flagged": {"p": "s"}})):
+        with pytest.raises(ValueError):
+            reputation.decode_report(bad)
+
+
+def test_outliers_spare_declared_zero_contributions():
+    from p2ptrain import reputation
+
+    class H:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    rows = [[0, 0, 0, 0.9]] * 4
+    assert reputation.outliers(list("abcd"), {p: H(100) for p in "abcd"}, rows) == ["d"]
+    assert reputation.outliers(list("abcd"), {**{p: H(100) for p in "abc"}, "d": H(0)}, rows) == []
+
+
+def test_reputation_records_travel_through_the_dht():
+    """Protocol logic over the in-memory DHT tier; the real processes are in
+    test_training_integration.py."""
+    import trio
+
+    from conftest import trio_test
+    from p2ptrain import reputation
+    from test_dht_memory import join_all, make_swarm
+
+    @trio_test()
+    async def scenario():
+        net, nodes = make_swarm(8)
+        await join_all(nodes)
+        accused = nodes[7].identity.peer_id_str
+        for n in nodes[:2]:
+            assert await reputation.publish(n, "run", {accused: 3}) >= 1
+        reports = await reputation.read(nodes[5], "run")
+        assert set(reports) == {nodes[0].identity.peer_id_str, nodes[1].identity.peer_id_str}
+        assert list(reputation.excluded(reports)) == [accused]
+        await trio.sleep(0)
+
+    scenario()

@@ -37,7 +37,7 @@ RULES = ("mean", "robust")
 
 def default_settings() -> Settings:
     # bench diloco's 123k-parameter model and warm start, shortened to fit a few minutes.
-    return Settings(workers=6, steps=200, batch=8, warm_start=300, warmup=20, eval_batches=8)
+    return Settings(workers=6, steps=100, batch=8, warm_start=300, warmup=20, eval_batches=8)
 
 
 def _init_worker(threads: int) -> None:
@@ -123,7 +123,7 @@ def plan(args) -> list[tuple[str, str, int, int]]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--steps", type=int, default=None, help="inner steps per worker (default 200)")
+    p.add_argument("--steps", type=int, default=None, help="inner steps per worker (default 100)")
     p.add_argument("--H", type=int, default=10, help="inner steps per outer step (default 10)")
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--seeds", type=int, default=1)
