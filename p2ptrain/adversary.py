@@ -11,6 +11,10 @@ Modes:
   replay  re-sends the header it would have signed for the previous step
   chunk   trains honestly but serves every blob (checkpoint chunks, chunk manifests) with
           one byte flipped
+  signflip  sends -10 x its pseudo-gradient (header true to the bytes it sends)
+  noise     sends Gaussian noise with 10 x its pseudo-gradient's norm
+  zeros     free-rides: sends zeros
+The last three are what robust aggregation is for (bench robust runs the same attacks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import numpy as np
 
 from p2ptrain.identity import Identity
 
-MODES = ("forge", "nan", "norm", "replay", "chunk")
+MODES = ("forge", "nan", "norm", "replay", "chunk", "signflip", "noise", "zeros")
 
 
 def flip_one_byte(data: bytes) -> bytes:
@@ -55,6 +59,13 @@ class Adversary(Honest):
             return bad
         if self.mode == "norm":
             return delta * np.float32(1000.0)
+        if self.mode == "signflip":
+            return delta * np.float32(-10.0)
+        if self.mode == "noise":
+            z = np.random.default_rng(0).standard_normal(delta.size)
+            return (z * (10 * np.linalg.norm(delta) / max(np.linalg.norm(z), 1e-30))).astype(np.float32)
+        if self.mode == "zeros":
+            return np.zeros_like(delta)
         return delta
 
     def header(self, header, identity: Identity, sign) -> bytes:
@@ -63,6 +74,11 @@ class Adversary(Honest):
         if self.mode == "norm":  # honest about its own (huge) norms
             scaled = dataclasses.replace(header, chunk_norms=tuple(1000 * x for x in header.chunk_norms),
                                          norm=1000 * header.norm)
+            return sign(scaled, identity)
+        if self.mode in ("signflip", "noise", "zeros"):  # honest about the bytes it sends
+            f = 0.0 if self.mode == "zeros" else 10.0
+            scaled = dataclasses.replace(header, chunk_norms=tuple(f * x for x in header.chunk_norms),
+                                         norm=f * header.norm)
             return sign(scaled, identity)
         if self.mode == "replay":
             return sign(dataclasses.replace(header, step=header.step - 1), identity)

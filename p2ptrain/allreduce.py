@@ -32,6 +32,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
+from p2ptrain import butterfly
 from p2ptrain.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret, session_tag
 from p2ptrain.dht.libp2p_rpc import read_exactly
 from p2ptrain.identity import peer_id_from_str
@@ -92,6 +93,8 @@ class RoundResult:
     """'direct' or 'libp2p' for our outgoing bulk session."""
     phases: dict = field(default_factory=dict)
     """Seconds spent in setup, data plane and commit votes (for benches)."""
+    scores: list | None = None
+    """Robust rounds: each owner's per-member scores (identical on every member)."""
 
 
 @dataclass
@@ -321,10 +324,12 @@ class AllReduceService:
 
     # -- rounds ----------------------------------------------------------------------
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
-                        own: list | None = None, check=None) -> RoundResult:
+                        own: list | None = None, check=None, robust=None) -> RoundResult:
         """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
 
-        `own` and `check` are passed to the data plane (see `p2ptrain.ring.allreduce`)."""
+        `own` and `check` are passed to the data plane (see `p2ptrain.ring.allreduce`).
+        With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
+        with that rule instead (`p2ptrain.butterfly.allreduce`; `own`, `check` as it defines)."""
         me = self.identity.peer_id
         ids = [peer_id_from_str(m) for m in members]
         if me not in ids or len(set(ids)) != len(ids):
@@ -333,27 +338,41 @@ class AllReduceService:
         tag = session_tag(run_id, round_id)
         if tag in self._rounds:
             raise RoundFailed(f"round {round_id} already running")
-        pending = _Pending(prev=ids[(rank - 1) % world], tag=tag)
+        # A robust round's sessions live under per-sender tags (_open_mesh): none under this one.
+        pending = _Pending(prev=ids[(rank - 1) % world] if robust is None else b"", tag=tag)
         pending.votes.update(self._early_votes.pop(tag, {}))
         self._rounds[tag] = pending
         t0 = trio.current_time()
         send_ch = None
+        mesh = _Mesh()
+        channels = mesh.channels  # every channel of this round, closed on abort and at the end
         path = "none"
         voted = False
+        scores = None
         try:
             if world > 1:
                 with trio.fail_after(self.config.setup_timeout):
-                    send_ch, path = await self._open_session(ids[(rank + 1) % world], tag)
-                    await pending.ready.wait()
+                    if robust is None:
+                        send_ch, path = await self._open_session(ids[(rank + 1) % world], tag)
+                        channels.append(send_ch)
+                        await pending.ready.wait()
+                        channels.append(pending.channel)
+                    else:
+                        path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
             t_setup = trio.current_time()
             cfg = RingConfig(self.config.mode, sub_chunk_bytes=self.config.sub_chunk_bytes)
             failure: RingError | None = None
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._abort_on_vote, pending, send_ch)
+                nursery.start_soon(self._abort_on_vote, pending, channels)
                 try:
-                    result, sent, digest = await trio.to_thread.run_sync(
-                        ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg, self.config.frame_timeout,
-                        own, check)
+                    if robust is None:
+                        result, sent, digest = await trio.to_thread.run_sync(
+                            ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg,
+                            self.config.frame_timeout, own, check)
+                    else:
+                        result, sent, digest, scores = await trio.to_thread.run_sync(
+                            butterfly.allreduce, vec, rank, world, mesh.sends, mesh.recvs, cfg, robust,
+                            self.config.frame_timeout, own, check)
                 except RingError as exc:
                     failure = exc
                 nursery.cancel_scope.cancel()
@@ -374,7 +393,7 @@ class AllReduceService:
             t_end = trio.current_time()
             return RoundResult(result, digest, sent, t_end - t0, path,
                                {"setup": round(t_setup - t0, 4), "data": round(t_data - t_setup, 4),
-                                "commit": round(t_end - t_data, 4)})
+                                "commit": round(t_end - t_data, 4)}, scores)
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None
@@ -388,24 +407,55 @@ class AllReduceService:
             exc.blamed.update(self._blamed(pending))
             raise
         finally:
-            for ch in (send_ch, pending.channel):
+            late = [self._rounds[t].channel for t in mesh.tags if t in self._rounds]  # set after a timeout
+            for ch in [*channels, pending.channel, *late]:
                 if ch is not None:
                     await trio.to_thread.run_sync(ch.close)
             self._rounds.pop(tag, None)
+            for sub in mesh.tags:
+                self._rounds.pop(sub, None)
 
     @staticmethod
     def _blamed(pending: _Pending) -> dict[str, str]:
         return {v["blame"]: v["reason"] for v in pending.votes.values() if not v["ok"] and v["blame"]}
 
-    async def _abort_on_vote(self, pending: _Pending, send_ch) -> None:
+    async def _abort_on_vote(self, pending: _Pending, channels: list) -> None:
         """An abort vote from anyone closes our channels, so our data plane fails now
         rather than after frame_timeout."""
         while not any(not v["ok"] for v in pending.votes.values()):
             pending.vote_event = trio.Event()
             await pending.vote_event.wait()
-        for ch in (send_ch, pending.channel):
+        for ch in list(channels):
             if ch is not None:
                 await trio.to_thread.run_sync(ch.close)
+
+    async def _open_mesh(self, mesh: "_Mesh", ids: list[bytes], rank: int, run_id: str, round_id: str) -> str:
+        """Butterfly sessions: one to and one from every other member. Each direction is an
+        ordinary ring session under its own tag (round, sender), so the session handlers
+        above serve it unchanged and a frame for one pair opens nowhere else."""
+        me = self.identity.peer_id
+        inbound = {}
+        for i, peer in enumerate(ids):
+            if i != rank:
+                sub = session_tag(run_id, f"{round_id}/from/{ID(peer).to_base58()}")
+                inbound[i] = self._rounds[sub] = _Pending(prev=peer, tag=sub)
+                mesh.tags.append(sub)
+        paths = set()
+
+        async def out(i: int) -> None:
+            ch, p = await self._open_session(ids[i], session_tag(run_id, f"{round_id}/from/{ID(me).to_base58()}"))
+            mesh.sends[i] = ch
+            mesh.channels.append(ch)
+            paths.add(p)
+
+        async with trio.open_nursery() as nursery:
+            for i in inbound:
+                nursery.start_soon(out, i)
+        for i, pend in inbound.items():
+            await pend.ready.wait()
+            mesh.recvs[i] = pend.channel
+            mesh.channels.append(pend.channel)
+        return paths.pop() if len(paths) == 1 else "mixed"
 
     async def _open_session(self, nxt: bytes, tag: bytes) -> tuple[FrameChannel, str]:
         stream = await self.host.new_stream(ID(nxt), [BULK_PROTOCOL])
@@ -486,6 +536,16 @@ class AllReduceService:
                 await pending.vote_event.wait()
         missing = [ID(p).to_base58() for p in others if p not in pending.votes]
         raise RoundFailed(f"no vote from {', '.join(missing)} within {self.config.commit_timeout:.0f}s")
+
+
+@dataclass
+class _Mesh:
+    """A butterfly round's channels by member index, and the session tags it registered."""
+
+    sends: dict = field(default_factory=dict)
+    recvs: dict = field(default_factory=dict)
+    channels: list = field(default_factory=list)
+    tags: list = field(default_factory=list)
 
 
 def _warm_kernels() -> None:

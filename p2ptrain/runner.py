@@ -85,6 +85,10 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
     try:
+        mf.aggregation(manifest)
+    except mf.ManifestError as exc:
+        raise NodeError(str(exc), "upgrade p2ptrain to join this run") from None
+    try:
         serve_cfg = resolve(ServeConfig, section="serve")
     except ConfigError as exc:
         raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None

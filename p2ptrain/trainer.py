@@ -29,7 +29,8 @@ import msgpack
 import numpy as np
 import trio
 
-from p2ptrain import checkpoint, election, progress, ring
+from p2ptrain import butterfly, checkpoint, election, progress, reputation, ring
+from p2ptrain import manifest as mf
 from p2ptrain.allreduce import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
 from p2ptrain.connkinds import kind_counts, parse_counts
@@ -38,6 +39,7 @@ from p2ptrain.download import CheckpointServer, fetch_checkpoint
 from p2ptrain.events import EventSink
 from p2ptrain.fetch import BlobServer, FetchError
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
+from p2ptrain.robust import RobustConfig
 
 log = logging.getLogger("p2ptrain.trainer")
 MAX_ATTEMPTS = 4
@@ -94,6 +96,9 @@ class Trainer:
         self.exchange_timeout = float(tm["exchange"])
         self.group_size = int(manifest["train"]["group_size"])
         self.mode = manifest["train"]["allreduce"]
+        # robust runs: butterfly + CenteredClip instead of the ring's mean (p2ptrain/butterfly.py)
+        self.robust = RobustConfig() if mf.aggregation(manifest) == "robust" else None
+        self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.committed = 0
@@ -208,6 +213,8 @@ class Trainer:
         costs one full window, once)."""
         margin = 0.5  # records stored just before the deadline need a moment to replicate
         give_up = trio.current_time() + MAX_WAIT_FOR_TRAINERS
+        if self.robust is not None:
+            await self.apply_reputation(t)
         while True:
             recs = [r for r in await self.read_ready(t) if r.peer not in self.ignored]
             d = election.deadline(recs, self.window)
@@ -254,23 +261,31 @@ class Trainer:
                 continue
             rank, world = roster.index(self.me), len(roster)
             send = self.adversary.corrupt(delta)
-            own = ring.own_payloads(send, rank, world, cfg)
+            if self.robust is None:
+                own = ring.own_payloads(send, rank, world, cfg)
+                digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
+            else:  # a copy of every chunk, each signed: every owner checks what it receives
+                own = butterfly.own_payloads(send, world, cfg)
+                digests = butterfly.flat_digests(own)
             lay = ring.layout(delta.size, world, cfg)
             norms = tuple(float(np.linalg.norm(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
-            header = Header(self.run_id, t, attempt, rh, self.me, norms,
-                            tuple(hashlib.sha256(p).hexdigest() for p in own),
+            header = Header(self.run_id, t, attempt, rh, self.me, norms, digests,
                             float(np.linalg.norm(delta)), self.local.H, tokens)
             signed = self.adversary.header(header, self.node.identity, sign_header)
             raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.exchange_timeout)
-            ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.history)
+            # Robust runs bound every member's influence whatever its norm: no norm filter.
+            ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.history,
+                                     norm_factor=10.0 if self.robust is None else math.inf)
             if bad:
                 for peer, reason in bad.items():
                     self.reject(t, peer, reason)
                 roster = [p for p in roster if p not in bad]
                 continue
-            checker = FrameChecker(roster, ok, rank, [len(s) for s in lay])
+            checker = (FrameChecker(roster, ok, rank, [len(s) for s in lay]) if self.robust is None
+                       else butterfly.Checker(roster, ok, [len(s) for s in lay]))
             try:
-                res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker.check)
+                res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker.check,
+                                               robust=self.robust)
             except RoundFailed as exc:
                 log.info("step %d attempt %d failed: %s", t, attempt, exc)
                 for peer, reason in exc.blamed.items():
@@ -282,8 +297,28 @@ class Trainer:
                                     for _, c, j in ring.schedule(rank, world, lay)[1])
             for peer, h in ok.items():
                 self.history.setdefault(peer, set()).add(h.own_digests)
+            if res.scores is not None:
+                await self.note_outliers(t, roster, ok, res.scores)
             return res.result, stats
         return None, stats
+
+    async def note_outliers(self, t: int, roster: list[str], headers: dict, scores: list) -> None:
+        """Members the robust rule threw away far more than the others, by the committed scores
+        (the same on every member): ignored from now on and reported in our DHT record."""
+        out = [p for p in reputation.outliers(roster, headers, scores) if p != self.me]
+        for peer in out:
+            self.reject(t, peer, "robust-outlier")
+            self.flagged[peer] = t
+        if out:
+            acked = await reputation.publish(self.dht, self.run_id, self.flagged)
+            self.events.emit("reputation_published", step=t, flagged=sorted(self.flagged), replicas=acked)
+
+    async def apply_reputation(self, t: int) -> None:
+        """Leave out of our groups the peers that enough others reported (p2ptrain/reputation.py)."""
+        for peer, reporters in reputation.excluded(await reputation.read(self.dht, self.run_id)).items():
+            if peer != self.me and peer not in self.ignored:
+                self.ignored.add(peer)
+                self.events.emit("peer_excluded", step=t, remote=peer, reason="reputation", reporters=reporters)
 
     # -- state -----------------------------------------------------------------------
     async def publish_state(self, loss: float | None = None, val_loss: float | None = None) -> None:

@@ -122,3 +122,44 @@ def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys
     rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
     for ev in nxt:
         assert rows[ev["peer"]]["step"] >= 2 and rows[ev["peer"]]["val_loss"] is not None
+
+
+# -- robust aggregation (issue 7) ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def robust_run(tmp_path_factory):
+    """run_dir's run (same model, data, seed) with robust aggregation (issue 7)."""
+    d = tmp_path_factory.mktemp("robust-run")
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3",
+         "--aggregation", "robust"],
+        capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    assert 'aggregation = "robust"' in (d / "run" / "run.toml").read_text()
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+def test_robust_run_signflip_attacker_is_clipped_flagged_and_left_out(procs, tmp_path, run_dir, robust_run, keys):
+    baseline(procs, run_dir, keys)  # the same 3 honest peers, plain mean: the reference
+    ref = [evs[0]["val_loss"] for evs in _baseline["events"]]
+    with type(procs)(tmp_path / "robust") as group:
+        boot, baddr = start_bootstrap(group)
+        peers = start_trainers(group, baddr, robust_run, keys, 4, 2, adversary="signflip")
+        honest, evil = peers[:3], peers[3]
+        evil_id = evil.wait_event(lambda e: e["event"] == "run_joined", 120)["peer"]
+        first = [committed(p, 1) for p in honest]
+        assert len({e["params_sha256"] for e in first}) == 1, first  # bit-identical on every member
+        assert all(evil_id in e["members"] for e in first)  # its bytes were valid: the rule handled them
+        # Bounded influence: the same 3 honest peers averaged without the attacker reach the
+        # same loss to within 1 %; a plain mean with a x10 sign flip would move ~1.75x backwards.
+        assert abs(first[0]["val_loss"] - ref[0]) <= 0.01 * ref[0], (first[0]["val_loss"], ref[0])
+        second = [committed(p, 2) for p in honest]
+        assert len({e["params_sha256"] for e in second}) == 1, second
+        assert all(evil_id not in e["members"] for e in second)
+        assert abs(second[0]["val_loss"] - ref[1]) <= 0.01 * ref[1], (second[0]["val_loss"], ref[1])
+        for p in honest:
+            rej = [e for e in p.all_events if e["event"] == "contribution_rejected"]
+            assert [(e["remote"], e["reason"]) for e in rej] == [(evil_id, "robust-outlier")], rej
+            pub = [e for e in p.all_events if e["event"] == "reputation_published"]
+            assert pub and pub[0]["flagged"] == [evil_id] and pub[0]["replicas"] >= 1, pub

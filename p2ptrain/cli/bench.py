@@ -12,6 +12,7 @@ BENCHES = {
     "diloco": "p2ptrain.bench.diloco",
     "checkpoint": "p2ptrain.bench.checkpoint",
     "churn": "p2ptrain.bench.churn",
+    "robust": "p2ptrain.bench.robust",
 }
 
 

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--planned-outer-steps", type=int, default=10, help="horizon of the inner LR schedule")
     p.add_argument("--allreduce", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--aggregation", default="mean", choices=["mean", "robust"],
+                   help="'robust': each chunk's owner combines every member's copy with CenteredClip "
+                        "(Byzantine-robust, costs W-1 connections per member)")
     p.add_argument("--join-window", type=float, default=30.0,
                    help="longest wait, after the first peer is ready, for the others (a step closes "
                         "earlier once every peer training it is ready)")
@@ -55,7 +58,7 @@ def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -
                   "warmup": args.warmup, "weight_decay": args.weight_decay, "batch_size": args.batch_size,
                   "seq_len": args.seq_len, "schedule": "cosine", "planned_outer_steps": args.planned_outer_steps,
                   "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
-                  "group_size": args.group_size, "allreduce": args.allreduce},
+                  "group_size": args.group_size, "allreduce": args.allreduce, "aggregation": args.aggregation},
         "timeouts": {"join_window": args.join_window, "exchange": 5.0},
         "genesis": {"sha256": genesis_sha, "bytes": genesis_bytes},
     }

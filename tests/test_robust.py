@@ -1,0 +1,236 @@
+"""Robust aggregation: the rules (pure logic) and the butterfly data plane over real sockets
+and real AES-GCM frames, one thread per member (fast tier). The process-level test with a
+hostile peer is in test_training_integration.py."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2ptrain import butterfly, robust
+from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
+from p2ptrain.contribution import BadContribution
+from p2ptrain.ring import RingConfig, RingError
+from test_ring import tcp_pair
+
+
+def honest(n_members: int, n: int, seed: int = 0, spread: float = 0.3) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(n).astype(np.float32)
+    return [(base + spread * rng.standard_normal(n)).astype(np.float32) for _ in range(n_members)]
+
+
+# ----------------------------------------------------------------------------- rules
+@pytest.mark.parametrize("rule", robust.RULES)
+def test_honest_members_get_about_the_mean(rule):
+    xs = honest(6, 4096)
+    mean = np.mean(xs, axis=0)
+    out, scores = robust.combine(xs, robust.RobustConfig(rule))
+    assert np.linalg.norm(out - mean) / np.linalg.norm(mean) < 0.1
+    assert robust.suspects(scores, rule) == []
+
+
+@pytest.mark.parametrize("rule", robust.RULES)
+@pytest.mark.parametrize("attack", ["signflip", "noise", "huge"])
+def test_two_of_six_attackers_move_the_result_little(rule, attack):
+    xs = honest(6, 4096, seed=1)
+    good = np.mean(xs[:4], axis=0)
+    rng = np.random.default_rng(2)
+    for i in (4, 5):
+        if attack == "signflip":
+            xs[i] = -10 * xs[i]
+        elif attack == "noise":
+            xs[i] = (rng.standard_normal(4096) * 10 * np.linalg.norm(xs[i]) / 64).astype(np.float32)
+        else:
+            xs[i] = xs[i] * np.float32(1e6)
+    out, scores = robust.combine(xs, robust.RobustConfig(rule))
+    plain = np.mean(xs, axis=0)
+    err = np.linalg.norm(out - good) / np.linalg.norm(good)
+    assert err < (1e-5 if rule == "centered_clip" else 0.25), err  # refined CenteredClip: the honest mean
+    assert err < 0.1 * np.linalg.norm(plain - good) / np.linalg.norm(good)
+    assert sorted(robust.suspects(scores, rule)) == [4, 5], scores
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 300), st.integers(0, 2**31), st.floats(1e-3, 1e3),
+       st.sampled_from(robust.RULES))
+def test_rules_are_deterministic_finite_and_bounded(members, n, seed, scale, rule):
+    rng = np.random.default_rng(seed)
+    xs = [(rng.standard_normal(n) * scale).astype(np.float32) for _ in range(members)]
+    cfg = robust.RobustConfig(rule)
+    out, scores = robust.combine(xs, cfg)
+    again, scores2 = robust.combine([x.copy() for x in xs], cfg)
+    assert out.dtype == np.float32 and out.shape == (n,)
+    assert out.tobytes() == again.tobytes() and np.array_equal(scores, scores2)
+    assert np.isfinite(out).all() and ((scores >= 0) & (scores <= 1)).all()
+    lo, hi = np.min(xs, axis=0), np.max(xs, axis=0)
+    if rule == "trimmed_mean":  # an average of surviving values: inside their range
+        assert (out >= lo - 1e-5 * scale).all() and (out <= hi + 1e-5 * scale).all()
+    else:  # within the members' hull radius of the median start
+        assert np.linalg.norm(out - np.median(xs, axis=0)) <= max(np.linalg.norm(x - np.median(xs, axis=0))
+                                                                    for x in xs) * 1.0001 + 1e-6
+
+
+def test_identical_members_and_non_finite_input():
+    x = np.arange(100, dtype=np.float32)
+    out, scores = robust.centered_clip([x, x, x])
+    assert np.array_equal(out, x) and not scores.any()
+    bad = x.copy()
+    bad[3] = np.nan
+    with pytest.raises(ValueError):
+        robust.combine([x, bad, x])
+
+
+def test_flagging_needs_a_majority_of_other_owners():
+    clean = [0.1, 0.1, 0.1, 0.1]
+    rows = [[0.1, 0.1, 0.1, 0.9], [0.1, 0.1, 0.1, 0.9], [0.1, 0.1, 0.1, 0.9], [0.9, 0.1, 0.1, 0.1]]
+    assert robust.flagged(rows) == [3]  # the hostile owner 3 alone cannot frame member 0
+    assert robust.flagged([clean] * 4) == []
+    assert robust.flagged([[0.0, 0.9]] * 2) == []  # two members: nobody to compare with
+
+
+# ----------------------------------------------------------------------------- butterfly
+def make_mesh(world: int, tag: bytes = b"b" * 8, timeout: float = 10.0):
+    sends = [dict() for _ in range(world)]
+    recvs = [dict() for _ in range(world)]
+    for i in range(world):
+        for j in range(world):
+            if i != j:
+                a, b = tcp_pair()
+                key = derive_key(b"s" * 32, bytes([i]), bytes([j]), tag)
+                sends[i][j] = FrameChannel(SocketIO(a, timeout), key, tag, f"to{j}")
+                recvs[j][i] = FrameChannel(SocketIO(b, timeout), key, tag, f"from{i}")
+    return sends, recvs
+
+
+def run_mesh(vecs, cfg, rcfg, sends, recvs, timeout=10.0, own=None, check=None):
+    world = len(vecs)
+    out, errors = [None] * world, [None] * world
+
+    def member(i):
+        try:
+            out[i] = butterfly.allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, rcfg, timeout,
+                                         own[i] if own else None, check[i] if check else None)
+        except Exception as exc:
+            errors[i] = exc
+            for ch in (*sends[i].values(), *recvs[i].values()):
+                ch.close()
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out, errors
+
+
+@pytest.mark.parametrize("world,mode", [(2, "int8"), (4, "int8"), (5, "fp32")])
+def test_butterfly_bit_identical_and_equal_to_the_simulation(world, mode):
+    n = 70_001
+    vecs = honest(world, n, seed=world)
+    vecs[-1] = -10 * vecs[-1]
+    cfg = RingConfig(mode=mode, sub_chunk_bytes=16 * 1024)
+    rcfg = robust.RobustConfig()
+    originals = [v.copy() for v in vecs]
+    out, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world))
+    assert errors == [None] * world
+    assert len({hashlib.sha256(o[0].tobytes()).hexdigest() for o in out}) == 1
+    assert len({o[2] for o in out}) == 1  # the digests they would vote with
+    assert all(np.array_equal(v, o) for v, o in zip(vecs, originals))
+    sim, rows = butterfly.simulate(vecs, cfg, rcfg)
+    assert np.array_equal(out[0][0], sim)
+    assert all(np.array_equal(a, b) for a, b in zip(out[0][3], rows))
+    if world >= 4:
+        assert robust.flagged(rows) == [world - 1]
+
+
+def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
+    world, n = 4, 20_000
+    vecs = honest(world, n, seed=9)
+    cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
+    own = [butterfly.own_payloads(v, world, cfg) for v in vecs]
+    signed = [butterfly.flat_digests(o) for o in own]
+    own[2][1][0][5] ^= 1  # member 2 alters what it sends to owner 1 after signing
+
+    class H:
+        def __init__(self, d):
+            self.own_digests = d
+
+    members = [f"m{i}" for i in range(world)]
+    headers = {m: H(signed[i]) for i, m in enumerate(members)}
+    subs = [len(s) for s in own[0]]
+    checks = [butterfly.Checker(members, headers, subs).check for _ in range(world)]
+    out, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world, timeout=3.0), timeout=3.0, own=own, check=checks)
+    assert isinstance(errors[1], RingError) and errors[1].blame == "m2", errors
+    assert all(isinstance(e, RingError) for e in errors), errors  # nobody commits a partial result
+    with pytest.raises(BadContribution):
+        checks[0](2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))
+
+
+# ----------------------------------------------------------------------------- reputation
+def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
+    from p2ptrain import reputation
+
+    assert reputation.excluded({"a": {"x": 3}}) == {}
+    assert reputation.excluded({"a": {"x": 3}, "b": {"x": 4}, "x": {"a": 4}}) == {"x": ["a", "b"]}
+    # x and y (reported by honest a, b, c) try to get a excluded: their votes do not count
+    reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "c": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
+    assert set(reputation.excluded(reports)) == {"x", "y"}
+    # two against two cannot be told apart by counting: nobody is excluded (conservative)
+    reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
+    assert reputation.excluded(reports) == {}
+    assert reputation.excluded({"a": {"a": 1}, "b": {"b": 1}}) == {}  # nobody reports itself
+
+
+def test_reputation_report_decoding_is_bounded():
+    from p2ptrain import reputation
+
+    flagged = {f"peer{i}": i for i in range(100)}
+    data = reputation.encode_report(flagged)
+    got = reputation.decode_report(data)
+    assert len(got) == reputation.MAX_FLAGGED and got["peer99"] == 99  # newest kept
+    for bad in (b"\x00" * (reputation.MAX_REPORT_BYTES + 1), b"\xc1", b"\x80",
+                __import__("msgpack").packb({"flagged": {"p": "s"}})):
+        with pytest.raises(ValueError):
+            reputation.decode_report(bad)
+
+
+def test_outliers_spare_declared_zero_contributions():
+    from p2ptrain import reputation
+
+    class H:
+        def __init__(self, tokens):
+            self.tokens = tokens
+
+    rows = [[0, 0, 0, 0.9]] * 4
+    assert reputation.outliers(list("abcd"), {p: H(100) for p in "abcd"}, rows) == ["d"]
+    assert reputation.outliers(list("abcd"), {**{p: H(100) for p in "abc"}, "d": H(0)}, rows) == []
+
+
+def test_reputation_records_travel_through_the_dht():
+    """Protocol logic over the in-memory DHT tier; the real processes are in
+    test_training_integration.py."""
+    import trio
+
+    from conftest import trio_test
+    from p2ptrain import reputation
+    from test_dht_memory import join_all, make_swarm
+
+    @trio_test()
+    async def scenario():
+        net, nodes = make_swarm(8)
+        await join_all(nodes)
+        accused = nodes[7].identity.peer_id_str
+        for n in nodes[:2]:
+            assert await reputation.publish(n, "run", {accused: 3}) >= 1
+        reports = await reputation.read(nodes[5], "run")
+        assert set(reports) == {nodes[0].identity.peer_id_str, nodes[1].identity.peer_id_str}
+        assert list(reputation.excluded(reports)) == [accused]
+        await trio.sleep(0)
+
+    scenario()
