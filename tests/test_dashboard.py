@@ -149,6 +149,20 @@ def test_server_routes_on_a_real_socket():
     assert events.subscribers == []  # unsubscribed when it stopped
 
 
+def test_demo_takes_a_free_port_when_its_default_is_taken():
+    from p2ptrain.cli.common import CLIError
+    from p2ptrain.cli.demo import _dashboard_addr
+
+    said: list[str] = []
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = f"127.0.0.1:{s.getsockname()[1]}"
+        assert _dashboard_addr(taken, said.append) == "127.0.0.1:0" and "taken" in said[0]
+    with pytest.raises(CLIError):
+        _dashboard_addr("127.0.0.1:99999", said.append)
+
+
 def test_dashboard_port_taken_is_a_clear_error():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -48,9 +48,10 @@ def run(args) -> int:
         raise CLIError(f"--peers {args.peers} is out of range", "use 1 to 16 peers on one machine")
     if args.outer_steps < 1 or args.inner_steps < 1:
         raise CLIError("--outer-steps and --inner-steps must be >= 1")
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    dash = None if args.no_dashboard else _dashboard_addr(args.dashboard, say)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-demo-")).expanduser()
     work.mkdir(parents=True, exist_ok=True)
-    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
     tty = sys.stderr.isatty() and not args.json
     say(f"demo: run, logs and plot in {work}")
     t0 = time.monotonic()
@@ -63,7 +64,6 @@ def run(args) -> int:
     if init.returncode != 0:
         raise CLIError(f"init failed: {init.stderr.strip().splitlines()[-1] if init.stderr.strip() else init.returncode}")
     rid = init.stdout.strip().splitlines()[-1]
-    dash = None if args.no_dashboard else _dashboard_addr(args.dashboard, say)
     say(f"demo: run {rid[:16]}... initiated (tiny Llama-style model, Python stdlib as training text)")
     committed: dict[str, list[dict]] = {}
     with ProcessGroup(work / "logs") as group:
