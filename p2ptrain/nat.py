@@ -52,6 +52,9 @@ class NatConfig:
     """Seconds between reservation renewals; must stay below the relay's reservation TTL."""
     circuit_dial_timeout: float = 15.0
     """Seconds one dial through a relay may take."""
+    punch_dial_timeout: float = 4.0
+    """Seconds one DCUtR dial may take. Its first step dials the peer's advertised (often
+    private, unreachable) addresses, and the swarm retries those until this expires."""
     track_interval: float = 0.5
     """Seconds between looks at the connection table (connection kinds, upgrade events)."""
 
@@ -59,7 +62,7 @@ class NatConfig:
         if self.reachability not in ("auto", "public", "private"):
             raise ValueError("nat.reachability must be auto, public or private")
         for name in ("autonat_timeout", "reservation_timeout", "renew_interval", "circuit_dial_timeout",
-                     "track_interval"):
+                     "punch_dial_timeout", "track_interval"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"nat.{name} must be > 0")
 
@@ -68,9 +71,17 @@ class _TrackingDCUtR(DCUtRProtocol):
     """DCUtR that remembers which peers it started a hole punch with, so an upgrade can be
     told apart from a plain direct dial (DCUtR's step 0, connection reversal)."""
 
-    def __init__(self, host) -> None:
-        super().__init__(host)
+    def __init__(self, host, dial_timeout: float) -> None:
+        super().__init__(host, dial_timeout=dial_timeout)
         self.punching: set = set()
+
+    async def initiate_hole_punch(self, peer_id) -> bool:
+        # Both ends auto-drive DCUtR every 2 s; two concurrent sessions dial the same TCP
+        # 4-tuple twice (EADDRNOTAVAIL) and mix up handshake roles, so punches took 18-70 s
+        # in the NAT lab. One side drives (the smaller peer id); the other only answers.
+        if self.host.get_id().to_bytes() > peer_id.to_bytes():
+            return False
+        return await super().initiate_hole_punch(peer_id)
 
     async def _perform_hole_punch(self, peer_id, addrs, as_responder: bool = False) -> bool:
         self.punching.add(peer_id)
@@ -133,7 +144,7 @@ class NatService:
         relay = CircuitV2Protocol(self.host, allow_hop=False)  # STOP side: accept relayed connections
         transport = CircuitV2Transport(self.host, relay, Libp2pRelayConfig(roles=RelayRole.STOP | RelayRole.CLIENT))
         enable_circuit_dials(self.host, transport, self.config.circuit_dial_timeout)
-        self.dcutr = _TrackingDCUtR(self.host)
+        self.dcutr = _TrackingDCUtR(self.host, self.config.punch_dial_timeout)
         _punched[self.host] = self.dcutr.punching
         async with background_trio_service(relay), background_trio_service(self.dcutr):
             await self._learn_reachability()

@@ -130,7 +130,9 @@ def test_b_fully_random_nat_falls_back_to_relay(lab, group):
     p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
     p3, id3 = start_probe(group, lab, s3.host, s3.lan_ip, baddr, "h3")
     ready(p1), ready(p3)
-    size = 64 * MIB
+    # 16 MiB, not 64: through a Python relay on 2 loaded cores a relayed push runs at
+    # 1-2 MB/s, and this case only has to show the relayed path carries a bulk transfer.
+    size = 16 * MIB
     # The push starts at once and runs while DCUtR keeps failing.
     ev = send(p3, id1, size, wait_direct=0)
     relayed = relayed_between(boot, id1, id3)
