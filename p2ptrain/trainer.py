@@ -301,7 +301,7 @@ class Trainer:
         data = await trio.to_thread.run_sync(self.local.state_bytes)
         snapshot = time.perf_counter() - t0
         self.writer.submit(self.local.step, data)
-        digest = self.blobs.add(data)
+        digest = await trio.to_thread.run_sync(self.blobs.add, data)  # hashing: off the event loop
         if self._state_digest and self._state_digest != digest:
             self.blobs.remove(self._state_digest)
         self._state_digest = digest
