@@ -287,8 +287,9 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
     `have_step`; (step, bytes) otherwise. Raises FetchError when the download fails."""
-    choice = await find(node.dht, run_id, run_manifest["genesis"]["sha256"], min_step,
-                        int(run_manifest["train"]["group_size"]))
+    # The library API's runs have no genesis hash (everyone starts from the same model).
+    genesis = run_manifest.get("genesis", {}).get("sha256", "")
+    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]))
     if choice is None:
         return None
     if choice.step <= have_step:

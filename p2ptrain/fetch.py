@@ -41,9 +41,10 @@ class FetchError(Exception):
 class ServeConfig:
     max_concurrent: int = 4
     """Blob/chunk requests served at once; more wait their turn."""
-    upload_mbps: float = 0.0
-    """Upload cap in MB/s shared by all requests served (0 = uncapped)."""
-    burst_mb: float = 1.0
+    upload_mbps: float = 25.0
+    """Upload cap in MB/s shared by all requests served (0 = uncapped): the share of the
+    uplink a peer gives newcomers; its own rounds keep the rest."""
+    burst_mb: float = 4.0
     """Bytes (MB) the bucket may send at once after being idle."""
     chunk_kib: int = 4096
     """Checkpoints are served as chunks of this many KiB (p2ptrain.chunks)."""

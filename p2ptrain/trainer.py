@@ -172,7 +172,7 @@ class Trainer:
             await self.catch_up(t + 1)
             return True
         self.events.emit("group_formed", step=t, members=group)
-        avg, stats = await self.reduce(t, delta, group, tokens)
+        avg, stats = await self.reduce(t, delta, group, tokens, joining)
         if avg is None:
             self.events.emit("outer_step_skipped", step=t, reason="no round committed")
             await self.catch_up(t + 1)
@@ -241,7 +241,7 @@ class Trainer:
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
         self.events.emit("contribution_rejected", step=t, remote=peer, reason=reason)
 
-    async def reduce(self, t: int, delta: np.ndarray, group: list[str], tokens: int):
+    async def reduce(self, t: int, delta: np.ndarray, group: list[str], tokens: int, joining: bool = False):
         roster = list(group)
         stats = StepStats()
         cfg = ring.RingConfig(self.mode)
@@ -249,7 +249,9 @@ class Trainer:
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
             if roster == [self.me]:
-                return delta.copy(), stats
+                # A newcomer that missed its group's round must not commit alone: its zero
+                # step would move its params (momentum) away from the group's.
+                return (None, stats) if joining else (delta.copy(), stats)
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             got = await self.svc.exchange(self.run_id, rid + "/roster", roster, rh.encode(), self.exchange_timeout)
@@ -328,7 +330,7 @@ class Trainer:
         data = await trio.to_thread.run_sync(self.local.state_bytes)
         snapshot = time.perf_counter() - t0
         self.writer.submit(self.local.step, data)
-        digest = self.blobs.add(data)
+        digest = await trio.to_thread.run_sync(self.blobs.add, data)  # hashing: off the event loop
         if self._state_digest and self._state_digest != digest:
             self.blobs.remove(self._state_digest)
         self._state_digest = digest
@@ -361,7 +363,7 @@ class Trainer:
                     await trio.to_thread.run_sync(self.local.load_state_at, data)
                     self.events.emit("caught_up", step=self.local.step)
                     return
-                await trio.sleep(1.0)
+                await trio.sleep(0.5)
 
 
 def _finite_or_none(x: float | None) -> float | None:

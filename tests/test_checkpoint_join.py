@@ -26,7 +26,7 @@ def run(tmp_path_factory) -> tuple[Path, str, list[Path]]:
     d = tmp_path_factory.mktemp("ckrun")
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
-         "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--inner-steps", "12", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "12", "--join-window", "20", "--group-size", "4", "--seed", "5"],
         capture_output=True, text=True, timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
