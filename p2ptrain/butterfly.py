@@ -32,8 +32,17 @@ import numpy as np
 
 from p2ptrain import kernels as K
 from p2ptrain import robust
-from p2ptrain.ring import Channel, FrameId, RingConfig, RingError, _Pump, _set_kernel_threads, encode_payload
-from p2ptrain.ring import layout, wire_bytes
+from p2ptrain.ring import (
+    Channel,
+    FrameId,
+    RingConfig,
+    RingError,
+    _Pump,
+    _set_kernel_threads,
+    encode_payload,
+    layout,
+    wire_bytes,
+)
 
 SCORES = 2
 
@@ -68,10 +77,11 @@ def owner_reduce(copies: list[np.ndarray], subs: list[tuple[int, int]], cfg: Rin
     return payloads, result, scores.astype(np.float32)
 
 
-def simulate(tensors, cfg: RingConfig = RingConfig(), rcfg: robust.RobustConfig = robust.RobustConfig()
+def simulate(tensors, cfg: RingConfig | None = None, rcfg: robust.RobustConfig | None = None
              ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The network's robust all-reduce in one process: (the result every member decodes,
     each owner's scores). Same functions, same bytes as `allreduce` below."""
+    cfg, rcfg = cfg or RingConfig(), rcfg or robust.RobustConfig()
     xs = [np.ascontiguousarray(t, dtype=np.float32).ravel() for t in tensors]
     world, n = len(xs), xs[0].size
     lay = layout(n, world, cfg)
@@ -124,7 +134,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, sends: dict[int, Channel],
     _set_kernel_threads(cfg.kernel_threads)
     own = own if own is not None else own_payloads(vec, world, cfg)
     others = [p for p in range(world) if p != rank]
-    inq: "queue.Queue" = queue.Queue()
+    inq: queue.Queue = queue.Queue()
     outqs = {p: queue.Queue() for p in others}
     stop = threading.Event()
     sent = 0
@@ -238,7 +248,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, sends: dict[int, Channel],
     return result, sent, digest, [rows[c] for c in range(world)]
 
 
-def _get(inq: "queue.Queue", timeout: float, pumps: list[_Pump]):
+def _get(inq: queue.Queue, timeout: float, pumps: list[_Pump]):
     waited = 0.0
     while True:
         try:
