@@ -247,3 +247,12 @@ def test_bench_summary_reports_the_goal_and_the_mean_damage():
     assert "diverged" in _table(rows)
     rows, summary = summarize(results[:4])
     assert summary["goal_robust_2_attackers_within_3pct"] is True
+
+
+def test_manifest_aggregation_defaults_to_mean_for_old_manifests():
+    from p2ptrain import manifest as mf
+
+    assert mf.aggregation({"train": {"allreduce": "int8"}}) == "mean"
+    assert mf.aggregation({"train": {"aggregation": "robust"}}) == "robust"
+    with pytest.raises(mf.ManifestError):
+        mf.aggregation({"train": {"aggregation": "median"}})
