@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,9 +54,16 @@ def own_payloads(vec: np.ndarray, world: int, cfg: RingConfig) -> list[list[byte
     return [[encode_payload(vec[lo:hi], cfg) for lo, hi in subs] for subs in layout(vec.size, world, cfg)]
 
 
-def flat_digests(payloads: list[list[bytearray]]) -> tuple[str, ...]:
-    """The header's `own_digests` in robust mode: every (chunk, sub) payload, in order."""
-    return tuple(hashlib.sha256(p).hexdigest() for subs in payloads for p in subs)
+def chunk_digest(sub_digests) -> str:
+    """One chunk's digest: SHA-256 over the SHA-256 of each of its sub-chunk payloads."""
+    return hashlib.sha256(b"".join(sub_digests)).hexdigest()
+
+
+def chunk_digests(payloads: list[list[bytearray]]) -> tuple[str, ...]:
+    """The header's `own_digests` in robust mode: one per chunk, so a header stays W digests
+    long whatever the model size (per sub-chunk, 16 KiB headers would cap models at ~60M
+    parameters)."""
+    return tuple(chunk_digest(hashlib.sha256(p).digest() for p in subs) for subs in payloads)
 
 
 def decode(payload, m: int, cfg: RingConfig) -> np.ndarray:
@@ -97,12 +104,15 @@ def simulate(tensors, cfg: RingConfig | None = None, rcfg: robust.RobustConfig |
 
 @dataclass
 class Checker:
-    """Holds each step-0 frame to its sender's signed header (digest of exactly those bytes,
-    finite values). `headers[peer].own_digests` are `flat_digests` of the sender's payloads."""
+    """Holds each step-0 frame to its sender's signed header: finite values, and once a
+    sender's copy of the chunk is complete, its `chunk_digest` equal to the signed one
+    (`headers[peer].own_digests` = `chunk_digests` of its payloads). The owner combines only
+    after every copy is complete, so nothing unverified is ever used."""
 
     members: list[str]
     headers: dict
     sub_counts: list[int]
+    _seen: dict = field(default_factory=dict)
 
     def check(self, sender: int, chunk: int, sub: int, payload, values: np.ndarray) -> None:
         from p2ptrain.contribution import BadContribution
@@ -110,9 +120,13 @@ class Checker:
         peer = self.members[sender]
         if not np.isfinite(values).all():
             raise BadContribution(peer, "non-finite values")
-        idx = sum(self.sub_counts[:chunk]) + sub
+        subs = self._seen.setdefault((sender, chunk), {})
+        subs[sub] = hashlib.sha256(payload).digest()
+        if len(subs) < self.sub_counts[chunk]:
+            return
         own = self.headers[peer].own_digests
-        if idx >= len(own) or own[idx] != hashlib.sha256(payload).hexdigest():
+        got = chunk_digest(subs[j] for j in range(self.sub_counts[chunk]))
+        if chunk >= len(own) or own[chunk] != got:
             raise BadContribution(peer, "payload does not match its signed digest")
 
 

@@ -158,7 +158,7 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     vecs = honest(world, n, seed=9)
     cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
     own = [butterfly.own_payloads(v, world, cfg) for v in vecs]
-    signed = [butterfly.flat_digests(o) for o in own]
+    signed = [butterfly.chunk_digests(o) for o in own]
     own[2][1][0][5] ^= 1  # member 2 alters what it sends to owner 1 after signing
 
     members = [f"m{i}" for i in range(world)]
@@ -168,8 +168,13 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     _, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world, timeout=3.0), timeout=3.0, own=own, check=checks)
     assert isinstance(errors[1], RingError) and errors[1].blame == "m2", errors
     assert all(isinstance(e, RingError) for e in errors), errors  # nobody commits a partial result
-    with pytest.raises(BadContribution):
-        checks[0](2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))
+    fresh = butterfly.Checker(members, headers, subs)
+    assert subs[1] == 2
+    fresh.check(2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))  # verdict once the chunk is complete
+    with pytest.raises(BadContribution, match="signed digest"):
+        fresh.check(2, 1, 1, bytes(own[2][1][1]), np.zeros(3, np.float32))
+    with pytest.raises(BadContribution, match="non-finite"):
+        fresh.check(0, 1, 0, bytes(own[0][1][0]), np.array([np.nan], np.float32))
 
 
 # ----------------------------------------------------------------------------- reputation
