@@ -26,14 +26,23 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from p2ptrain import kernels as K
 from p2ptrain import robust
-from p2ptrain.ring import Channel, FrameId, RingConfig, RingError, _Pump, _set_kernel_threads, encode_payload
-from p2ptrain.ring import layout, wire_bytes
+from p2ptrain.ring import (
+    Channel,
+    FrameId,
+    RingConfig,
+    RingError,
+    _Pump,
+    _set_kernel_threads,
+    encode_payload,
+    layout,
+    wire_bytes,
+)
 
 SCORES = 2
 
@@ -45,9 +54,16 @@ def own_payloads(vec: np.ndarray, world: int, cfg: RingConfig) -> list[list[byte
     return [[encode_payload(vec[lo:hi], cfg) for lo, hi in subs] for subs in layout(vec.size, world, cfg)]
 
 
-def flat_digests(payloads: list[list[bytearray]]) -> tuple[str, ...]:
-    """The header's `own_digests` in robust mode: every (chunk, sub) payload, in order."""
-    return tuple(hashlib.sha256(p).hexdigest() for subs in payloads for p in subs)
+def chunk_digest(sub_digests) -> str:
+    """One chunk's digest: SHA-256 over the SHA-256 of each of its sub-chunk payloads."""
+    return hashlib.sha256(b"".join(sub_digests)).hexdigest()
+
+
+def chunk_digests(payloads: list[list[bytearray]]) -> tuple[str, ...]:
+    """The header's `own_digests` in robust mode: one per chunk, so a header stays W digests
+    long whatever the model size (per sub-chunk, 16 KiB headers would cap models at ~60M
+    parameters)."""
+    return tuple(chunk_digest(hashlib.sha256(p).digest() for p in subs) for subs in payloads)
 
 
 def decode(payload, m: int, cfg: RingConfig) -> np.ndarray:
@@ -68,10 +84,11 @@ def owner_reduce(copies: list[np.ndarray], subs: list[tuple[int, int]], cfg: Rin
     return payloads, result, scores.astype(np.float32)
 
 
-def simulate(tensors, cfg: RingConfig = RingConfig(), rcfg: robust.RobustConfig = robust.RobustConfig()
+def simulate(tensors, cfg: RingConfig | None = None, rcfg: robust.RobustConfig | None = None
              ) -> tuple[np.ndarray, list[np.ndarray]]:
     """The network's robust all-reduce in one process: (the result every member decodes,
     each owner's scores). Same functions, same bytes as `allreduce` below."""
+    cfg, rcfg = cfg or RingConfig(), rcfg or robust.RobustConfig()
     xs = [np.ascontiguousarray(t, dtype=np.float32).ravel() for t in tensors]
     world, n = len(xs), xs[0].size
     lay = layout(n, world, cfg)
@@ -87,12 +104,15 @@ def simulate(tensors, cfg: RingConfig = RingConfig(), rcfg: robust.RobustConfig 
 
 @dataclass
 class Checker:
-    """Holds each step-0 frame to its sender's signed header (digest of exactly those bytes,
-    finite values). `headers[peer].own_digests` are `flat_digests` of the sender's payloads."""
+    """Holds each step-0 frame to its sender's signed header: finite values, and once a
+    sender's copy of the chunk is complete, its `chunk_digest` equal to the signed one
+    (`headers[peer].own_digests` = `chunk_digests` of its payloads). The owner combines only
+    after every copy is complete, so nothing unverified is ever used."""
 
     members: list[str]
     headers: dict
     sub_counts: list[int]
+    _seen: dict = field(default_factory=dict)
 
     def check(self, sender: int, chunk: int, sub: int, payload, values: np.ndarray) -> None:
         from p2ptrain.contribution import BadContribution
@@ -100,9 +120,13 @@ class Checker:
         peer = self.members[sender]
         if not np.isfinite(values).all():
             raise BadContribution(peer, "non-finite values")
-        idx = sum(self.sub_counts[:chunk]) + sub
+        subs = self._seen.setdefault((sender, chunk), {})
+        subs[sub] = hashlib.sha256(payload).digest()
+        if len(subs) < self.sub_counts[chunk]:
+            return
         own = self.headers[peer].own_digests
-        if idx >= len(own) or own[idx] != hashlib.sha256(payload).hexdigest():
+        got = chunk_digest(subs[j] for j in range(self.sub_counts[chunk]))
+        if chunk >= len(own) or own[chunk] != got:
             raise BadContribution(peer, "payload does not match its signed digest")
 
 
@@ -124,7 +148,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, sends: dict[int, Channel],
     _set_kernel_threads(cfg.kernel_threads)
     own = own if own is not None else own_payloads(vec, world, cfg)
     others = [p for p in range(world) if p != rank]
-    inq: "queue.Queue" = queue.Queue()
+    inq: queue.Queue = queue.Queue()
     outqs = {p: queue.Queue() for p in others}
     stop = threading.Event()
     sent = 0
@@ -238,7 +262,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, sends: dict[int, Channel],
     return result, sent, digest, [rows[c] for c in range(world)]
 
 
-def _get(inq: "queue.Queue", timeout: float, pumps: list[_Pump]):
+def _get(inq: queue.Queue, timeout: float, pumps: list[_Pump]):
     waited = 0.0
     while True:
         try:

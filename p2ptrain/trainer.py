@@ -268,7 +268,7 @@ class Trainer:
                 digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
             else:  # a copy of every chunk, each signed: every owner checks what it receives
                 own = butterfly.own_payloads(send, world, cfg)
-                digests = butterfly.flat_digests(own)
+                digests = butterfly.chunk_digests(own)
             lay = ring.layout(delta.size, world, cfg)
             norms = tuple(float(np.linalg.norm(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
             header = Header(self.run_id, t, attempt, rh, self.me, norms, digests,

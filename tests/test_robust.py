@@ -11,12 +11,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_ring import tcp_pair
 
 from p2ptrain import butterfly, robust
 from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
-from p2ptrain.contribution import BadContribution
+from p2ptrain.contribution import BadContribution, Header
 from p2ptrain.ring import RingConfig, RingError
-from test_ring import tcp_pair
+
+
+def header(peer: str, digests=(), tokens: int = 100) -> Header:
+    return Header("run", 1, 0, "roster", peer, (1.0,), tuple(digests), 1.0, 10, tokens)
 
 
 def honest(n_members: int, n: int, seed: int = 0, spread: float = 0.3) -> list[np.ndarray]:
@@ -96,8 +100,8 @@ def test_flagging_needs_a_majority_of_other_owners():
 
 # ----------------------------------------------------------------------------- butterfly
 def make_mesh(world: int, tag: bytes = b"b" * 8, timeout: float = 10.0):
-    sends = [dict() for _ in range(world)]
-    recvs = [dict() for _ in range(world)]
+    sends = [{} for _ in range(world)]
+    recvs = [{} for _ in range(world)]
     for i in range(world):
         for j in range(world):
             if i != j:
@@ -154,22 +158,23 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     vecs = honest(world, n, seed=9)
     cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
     own = [butterfly.own_payloads(v, world, cfg) for v in vecs]
-    signed = [butterfly.flat_digests(o) for o in own]
+    signed = [butterfly.chunk_digests(o) for o in own]
     own[2][1][0][5] ^= 1  # member 2 alters what it sends to owner 1 after signing
 
-    class H:
-        def __init__(self, d):
-            self.own_digests = d
-
     members = [f"m{i}" for i in range(world)]
-    headers = {m: H(signed[i]) for i, m in enumerate(members)}
+    headers = {m: header(m, digests=signed[i]) for i, m in enumerate(members)}
     subs = [len(s) for s in own[0]]
     checks = [butterfly.Checker(members, headers, subs).check for _ in range(world)]
-    out, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world, timeout=3.0), timeout=3.0, own=own, check=checks)
+    _, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world, timeout=3.0), timeout=3.0, own=own, check=checks)
     assert isinstance(errors[1], RingError) and errors[1].blame == "m2", errors
     assert all(isinstance(e, RingError) for e in errors), errors  # nobody commits a partial result
-    with pytest.raises(BadContribution):
-        checks[0](2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))
+    fresh = butterfly.Checker(members, headers, subs)
+    assert subs[1] == 2
+    fresh.check(2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))  # verdict once the chunk is complete
+    with pytest.raises(BadContribution, match="signed digest"):
+        fresh.check(2, 1, 1, bytes(own[2][1][1]), np.zeros(3, np.float32))
+    with pytest.raises(BadContribution, match="non-finite"):
+        fresh.check(0, 1, 0, bytes(own[0][1][0]), np.array([np.nan], np.float32))
 
 
 # ----------------------------------------------------------------------------- reputation
@@ -203,27 +208,23 @@ def test_reputation_report_decoding_is_bounded():
 def test_outliers_spare_declared_zero_contributions():
     from p2ptrain import reputation
 
-    class H:
-        def __init__(self, tokens):
-            self.tokens = tokens
-
     rows = [[0, 0, 0, 0.9]] * 4
-    assert reputation.outliers(list("abcd"), {p: H(100) for p in "abcd"}, rows) == ["d"]
-    assert reputation.outliers(list("abcd"), {**{p: H(100) for p in "abc"}, "d": H(0)}, rows) == []
+    assert reputation.outliers(list("abcd"), {p: header(p) for p in "abcd"}, rows) == ["d"]
+    joining = {**{p: header(p) for p in "abc"}, "d": header("d", tokens=0)}
+    assert reputation.outliers(list("abcd"), joining, rows) == []
 
 
 def test_reputation_records_travel_through_the_dht():
     """Protocol logic over the in-memory DHT tier; the real processes are in
     test_training_integration.py."""
-    import trio
-
     from conftest import trio_test
-    from p2ptrain import reputation
     from test_dht_memory import join_all, make_swarm
+
+    from p2ptrain import reputation
 
     @trio_test()
     async def scenario():
-        net, nodes = make_swarm(8)
+        _, nodes = make_swarm(8)
         await join_all(nodes)
         accused = nodes[7].identity.peer_id_str
         for n in nodes[:2]:
@@ -231,6 +232,32 @@ def test_reputation_records_travel_through_the_dht():
         reports = await reputation.read(nodes[5], "run")
         assert set(reports) == {nodes[0].identity.peer_id_str, nodes[1].identity.peer_id_str}
         assert list(reputation.excluded(reports)) == [accused]
-        await trio.sleep(0)
 
     scenario()
+
+
+def test_bench_summary_reports_the_goal_and_the_mean_damage():
+    from p2ptrain.bench.robust import _table, summarize
+
+    def r(rule, attack, k, val, diverged=False):
+        return {"rule": rule, "attack": attack, "attackers": k, "seed": 0, "val_loss": val, "diverged": diverged,
+                "flags": {"attacker": k, "honest": 0}}
+
+    results = [r("mean", "none", 0, 2.0), r("robust", "none", 0, 2.0), r("mean", "signflip", 2, float("inf"), True),
+               r("robust", "signflip", 2, 2.04), r("mean", "zeros", 2, 2.1), r("robust", "zeros", 2, 2.07)]
+    rows, summary = summarize(results)
+    assert summary["goal_robust_2_attackers_within_3pct"] is False  # zeros: +3.5 %
+    assert summary["worst_robust_2_attackers_pct"] == 3.5
+    assert summary["worst_mean_2_attackers_pct"] == "diverged"
+    assert "diverged" in _table(rows)
+    rows, summary = summarize(results[:4])
+    assert summary["goal_robust_2_attackers_within_3pct"] is True
+
+
+def test_manifest_aggregation_defaults_to_mean_for_old_manifests():
+    from p2ptrain import manifest as mf
+
+    assert mf.aggregation({"train": {"allreduce": "int8"}}) == "mean"
+    assert mf.aggregation({"train": {"aggregation": "robust"}}) == "robust"
+    with pytest.raises(mf.ManifestError):
+        mf.aggregation({"train": {"aggregation": "median"}})

@@ -113,7 +113,7 @@ def run_config(st: Settings, H: int, rule: str, attack: str, n_bad: int, seed: i
 
 def plan(args) -> list[tuple[str, str, int, int]]:
     tasks = []
-    for s in range(args.seeds):
+    for s in range(args.first_seed, args.first_seed + args.seeds):
         for rule in RULES:
             tasks.append((rule, "none", 0, s))
             for attack in args.attacks:
@@ -127,6 +127,7 @@ def add_arguments(p) -> None:
     p.add_argument("--H", type=int, default=10, help="inner steps per outer step (default 10)")
     p.add_argument("--workers", type=int, default=6)
     p.add_argument("--seeds", type=int, default=1)
+    p.add_argument("--first-seed", type=int, default=0, help="seeds run: first-seed .. first-seed + seeds - 1")
     p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
     p.add_argument("--warm-start", type=int, default=None, help="shared single-worker pre-training steps")
     p.add_argument("--quick", action="store_true", help="smoke test (seconds; the figures mean nothing)")
@@ -206,7 +207,7 @@ def run(args) -> int:
     results = []
     with ProcessPoolExecutor(max(1, args.jobs), mp_context=mp.get_context("spawn"), initializer=_init_worker,
                              initargs=(1,)) as pool:
-        seeds = list(range(args.seeds))
+        seeds = sorted({t[3] for t in tasks})
         warm = dict(zip(seeds, pool.map(warm_start_state, [st] * len(seeds), seeds)))
         futs = {pool.submit(run_config, st, args.H, *t[:3], t[3], warm[t[3]]): t for t in tasks}
         for f in as_completed(futs):
