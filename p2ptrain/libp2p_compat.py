@@ -7,6 +7,11 @@ test that shows the bug (tests/test_upstream_bugs.py); drop it when upstream fix
    connections between them. We probe each fixed port with a plain socket first (which
    fails against any holder, with or without SO_REUSEPORT) and check after start-up that
    a listener exists.
+
+2. The ResourceManager's per-peer stream limits are never enforced (the swarm calls only
+   its node-wide `acquire_stream`), so one peer can hold up to 10,000 streams. That
+   workaround is a module of its own, `p2ptrain/peerguard.py` (per-peer limits from
+   `p2ptrain/limits.py`), installed by `p2ptrain.node.Node`.
 """
 
 from __future__ import annotations

@@ -243,11 +243,18 @@ class Trainer:
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
             if roster == [self.me]:
-                return delta.copy(), stats
+                # Alone by election, or because the others cheated: step alone. Alone because
+                # the others vanished or hold other params (churn): skip and catch up, since
+                # a solo step would fork this peer off its group's params.
+                alone_ok = all(p == self.me or p in self.ignored for p in group)
+                return (delta.copy() if alone_ok else None), stats
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
-            got = await self.svc.exchange(self.run_id, rid + "/roster", roster, rh.encode(), self.exchange_timeout)
-            agreeing = [p for p in roster if got.get(p) == rh.encode()]
+            # Members also confirm they start from the same params: a peer that forked (or
+            # caught up to another fork's state) is left out rather than averaged with.
+            mine = f"{rh}/{self.local.outer.params_sha256()}".encode()
+            got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.exchange_timeout)
+            agreeing = [p for p in roster if got.get(p) == mine]
             if agreeing != roster:
                 log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
                          sorted(set(roster) - set(agreeing)))
