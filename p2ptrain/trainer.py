@@ -243,11 +243,11 @@ class Trainer:
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
             if roster == [self.me]:
-                # Alone by election, or because the others cheated: step alone. Alone because
-                # the others vanished or hold other params (churn): skip and catch up, since
-                # a solo step would fork this peer off its group's params.
-                alone_ok = all(p == self.me or p in self.ignored for p in group)
-                return (delta.copy() if alone_ok else None), stats
+                # A joining peer (zero pseudo-gradient) left alone skips and catches up: its
+                # solo step would apply only momentum and fork it off the run's params.
+                if len(group) > 1 and not delta.any():
+                    return None, stats
+                return delta.copy(), stats
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             # Members also confirm they start from the same params: a peer that forked (or
