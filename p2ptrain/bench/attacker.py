@@ -84,16 +84,17 @@ async def dht_flood(bootstrap: str, writers: int, seconds: float) -> dict:
         await node.dht.refresh()
         targets = [p for p in node.dht.routing.closest(node.dht.routing.local_id, 64)]
         out["targets"] = len(targets)
+        # Signed once, sent over and over: the attacker spends its CPU on sending, so the
+        # victims' step times measure their defence, not a CPU-hungry neighbour.
+        pool = [make_record(ids[i % len(ids)], f"/p2ptrain/flood/{i}", b"x" * 512, wall_time() + 3600).encode()
+                for i in range(4096)]
         i = 0
 
         async def flood(peer: bytes) -> None:
             nonlocal i
             while True:
-                batch = []
-                for _ in range(16):
-                    i += 1
-                    w = ids[i % len(ids)]
-                    batch.append(make_record(w, f"/p2ptrain/flood/{i}", b"x" * 512, wall_time() + 3600).encode())
+                batch = [pool[(i + k) % len(pool)] for k in range(16)]
+                i += 16
                 out["sent"] += len(batch)
                 try:
                     reply = await node.dht._call(peer, "store", {"records": batch})
