@@ -239,6 +239,7 @@ class Trainer:
         roster = list(group)
         stats = StepStats()
         cfg = ring.RingConfig(self.mode)
+        base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         for attempt in range(MAX_ATTEMPTS):
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
@@ -252,7 +253,7 @@ class Trainer:
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             # Members also confirm they start from the same params: a peer that forked (or
             # caught up to another fork's state) is left out rather than averaged with.
-            mine = f"{rh}/{self.local.outer.params_sha256()}".encode()
+            mine = f"{rh}/{base}".encode()
             got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.exchange_timeout)
             agreeing = [p for p in roster if got.get(p) == mine]
             if agreeing != roster:
