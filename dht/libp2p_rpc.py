@@ -44,9 +44,12 @@ async def read_frame(stream, max_frame: int) -> bytes:
 
 class Libp2pRpc:
     def __init__(self, host, max_frame: int = protocol.DEFAULT_MAX_FRAME,
-                 protocol_id: TProtocol = PROTOCOL_ID, extra_addrs: list[str] | None = None) -> None:
+                 protocol_id: TProtocol = PROTOCOL_ID, extra_addrs: list[str] | None = None,
+                 guard=None) -> None:
         self.host = host
         self.extra_addrs = extra_addrs if extra_addrs is not None else []
+        # Per-peer limits (p2ptrain.peerguard.PeerGuard): bytes of a peer's frames in flight.
+        self.guard = guard
         self.local_peer = host.get_id().to_bytes()
         self.max_frame = max_frame
         self.protocol_id = protocol_id
@@ -65,10 +68,19 @@ class Libp2pRpc:
         try:
             while True:
                 try:
-                    payload = await read_frame(stream, self.max_frame)
+                    header = await read_exactly(stream, protocol.HEADER.size)
                 except EOFError:
                     return
-                reply = await serve_frame(self._handler, sender, payload, self.max_frame)
+                n = protocol.check_length(header, self.max_frame)
+                if self.guard is not None and not self.guard.reserve_bytes(sender, n):
+                    await _reset(stream)
+                    return
+                try:
+                    payload = header + await read_exactly(stream, n)
+                    reply = await serve_frame(self._handler, sender, payload, self.max_frame)
+                finally:
+                    if self.guard is not None:
+                        self.guard.release_bytes(sender, n)
                 await stream.write(reply)
         except protocol.FrameError as exc:
             log.warning("frame dropped: reason=%s from=%s", exc, ID(sender))

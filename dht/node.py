@@ -48,9 +48,12 @@ class DHTConfig:
     max_records: int = 100_000
     max_records_per_get: int = 256
     """Records per reply; keeps replies below the frame limit."""
+    max_records_per_writer: int = 1024
+    """Live records one writer may hold in our store, over all keys (flood bound)."""
 
     def __post_init__(self) -> None:
-        for name in ("bucket_size", "replication", "alpha", "max_records", "max_records_per_get"):
+        for name in ("bucket_size", "replication", "alpha", "max_records", "max_records_per_get",
+                     "max_records_per_writer"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DHTConfig.{name} must be >= 1")
         for name in ("rpc_timeout", "lookup_timeout", "max_ttl", "refresh_interval"):
@@ -70,13 +73,15 @@ class DHTStats:
 
 class DHTNode:
     def __init__(self, identity: Identity, transport: RpcTransport, config: DHTConfig | None = None,
-                 server: bool = True) -> None:
+                 server: bool = True, store_gate=None) -> None:
         self.identity = identity
         self.transport = transport
         self.config = config or DHTConfig()
         self.server = server
+        # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.peerguard).
+        self.store_gate = store_gate
         self.routing = RoutingTable(identity.peer_id, self.config.bucket_size)
-        self.store_ = RecordStore(self.config.max_records)
+        self.store_ = RecordStore(self.config.max_records, max_per_writer=self.config.max_records_per_writer)
         self.stats = DHTStats()
         # key -> (value, ttl, when to republish): own records outlive the nodes holding them.
         self._own: dict[str, tuple[bytes, float, float]] = {}
@@ -328,6 +333,9 @@ class DHTNode:
             raw = body.get("records")
             if not isinstance(raw, list) or len(raw) > 16:
                 raise RpcReject("bad-records")
+            if self.store_gate is not None and not self.store_gate(sender, len(raw)):
+                self.stats.reject("rate-limited")
+                raise RpcReject("rate-limited")
             results = []
             for item in raw:
                 try:

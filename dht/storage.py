@@ -13,11 +13,15 @@ __all__ = ["RecordStore"]
 
 
 class RecordStore:
-    def __init__(self, max_records: int = 100_000, max_subkeys_per_key: int = 4096) -> None:
+    def __init__(self, max_records: int = 100_000, max_subkeys_per_key: int = 4096,
+                 max_per_writer: int = 1024) -> None:
         self.max_records = max_records
         self.max_subkeys_per_key = max_subkeys_per_key
+        self.max_per_writer = max_per_writer
         self._data: dict[str, dict[bytes, Record]] = {}
         self._count = 0
+        # Live records per writer (subkey): one identity cannot fill the store by itself.
+        self._per_writer: dict[bytes, int] = {}
 
     def __len__(self) -> int:
         return self._count
@@ -39,11 +43,16 @@ class RecordStore:
             self.expire(now)
         if self._count >= self.max_records:
             raise RecordError("store-full", f"{self._count} records held")
+        if self._per_writer.get(rec.subkey, 0) >= self.max_per_writer:
+            self.expire(now)
+            if self._per_writer.get(rec.subkey, 0) >= self.max_per_writer:
+                raise RecordError("writer-full", f"writer holds {self.max_per_writer} live records")
         entries = self._data.setdefault(rec.key, {})
         if len(entries) >= self.max_subkeys_per_key:
             raise RecordError("store-full", f"{len(entries)} subkeys under {rec.key}")
         entries[rec.subkey] = rec
         self._count += 1
+        self._per_writer[rec.subkey] = self._per_writer.get(rec.subkey, 0) + 1
         return True
 
     def get(self, key: str, now: float) -> list[Record]:
@@ -59,6 +68,11 @@ class RecordStore:
             for sub in [s for s, r in entries.items() if r.expiry <= now]:
                 del entries[sub]
                 dropped += 1
+                left = self._per_writer.get(sub, 1) - 1
+                if left > 0:
+                    self._per_writer[sub] = left
+                else:
+                    self._per_writer.pop(sub, None)
             if not entries:
                 del self._data[key]
         self._count -= dropped

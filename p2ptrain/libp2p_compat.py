@@ -12,6 +12,10 @@ test that shows the bug (tests/test_upstream_bugs.py); drop it when upstream fix
    when a CircuitV2Transport exists, so `new_stream`/`connect` to a peer that is reachable
    only through a relay fails. `enable_circuit_dials` wraps the swarm's `dial_peer`: when
    every direct address fails, it dials the peer's relay addresses with the circuit transport.
+5. The ResourceManager's per-peer stream limits are never enforced (the swarm calls only
+   its node-wide `acquire_stream`), so one peer can hold up to 10,000 streams. That
+   workaround is a module of its own, `p2ptrain/peerguard.py` (per-peer limits from
+   `p2ptrain/limits.py`), installed by `p2ptrain.node.Node`.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from p2ptrain.dht.node import DHTConfig, DHTNode
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity, peer_id_from_str, peer_id_to_str
 from p2ptrain.libp2p_compat import ListenError, check_listening, probe_tcp_ports
+from p2ptrain.limits import LimitsConfig
+from p2ptrain.peerguard import PeerGuard
 
 log = logging.getLogger("p2ptrain.node")
 _PORT_ADVICE = "pick another port with --listen, or stop the process using it"
@@ -124,8 +126,10 @@ class Node:
     """A running libp2p host with our DHT. Use `await nursery.start(node.run)`."""
 
     def __init__(self, identity: Identity, config: NodeConfig, events: EventSink,
-                 dht_config: DHTConfig | None = None, dht_server: bool = True, nat=None) -> None:
+                 dht_config: DHTConfig | None = None, dht_server: bool = True, nat=None,
+                 limits: LimitsConfig | None = None) -> None:
         self.identity = identity
+        self.guard = PeerGuard(limits, events)
         self.config = config
         self.events = events
         self.dht_config = dht_config or DHTConfig()
@@ -160,10 +164,11 @@ class Node:
                 except ListenError as exc:
                     raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: {exc}",
                                     _PORT_ADVICE) from None
-                self.rpc = Libp2pRpc(self.host, extra_addrs=self.extra_addrs)
-                self.dht = DHTNode(self.identity, self.rpc, self.dht_config, server=self.dht_server)
+                 dht_config: DHTConfig | None = None, dht_server: bool = True, nat=None,
+                 limits: LimitsConfig | None = None) -> None:
                 self.events.emit("listening", addrs=self.full_addrs())
                 async with trio.open_nursery() as nursery:
+                    await nursery.start(self.guard.run, self.host)
                     await self._meet_bootstraps()
                     if self.nat_config is not None and self.nat_config.enabled and self.config.bootstrap:
                         from p2ptrain.nat import NatService

@@ -245,6 +245,7 @@ class Trainer:
         roster = list(group)
         stats = StepStats()
         cfg = ring.RingConfig(self.mode)
+        base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         for attempt in range(MAX_ATTEMPTS):
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
@@ -254,8 +255,11 @@ class Trainer:
                 return (None, stats) if joining else (delta.copy(), stats)
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
-            got = await self.svc.exchange(self.run_id, rid + "/roster", roster, rh.encode(), self.exchange_timeout)
-            agreeing = [p for p in roster if got.get(p) == rh.encode()]
+            # Members also confirm they start from the same params: a peer that forked (or
+            # caught up to another fork's state) is left out rather than averaged with.
+            mine = f"{rh}/{base}".encode()
+            got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.exchange_timeout)
+            agreeing = [p for p in roster if got.get(p) == mine]
             if agreeing != roster:
                 log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
                          sorted(set(roster) - set(agreeing)))

@@ -62,3 +62,48 @@ def test_bug2_swarm_never_dials_circuit_addresses():
         return "dialed"
 
     assert "relay-only" in trio.run(main)
+
+
+def test_bug5_per_peer_stream_limits_are_never_enforced():
+    """py-libp2p's ResourceManager accepts per-peer stream limits (per protocol or service),
+    but the swarm only ever calls its node-wide `acquire_stream`; `acquire_scoped_stream`
+    has no caller. So one peer can hold any number of streams up to the node-wide cap
+    (10,000 by default), starving everyone. Workaround: p2ptrain/peerguard.py counts
+    inbound streams per peer itself (p2ptrain/limits.py)."""
+    from libp2p import new_host
+    from libp2p.crypto.ed25519 import create_new_key_pair
+    from libp2p.custom_types import TProtocol
+    from libp2p.peer.peerinfo import PeerInfo
+    from libp2p.rcmgr import new_resource_manager
+
+    proto = TProtocol("/p2ptrain/test-hold/1.0.0")
+    rm = new_resource_manager()
+    rm.set_protocol_peer_stream_limit(proto, 2)
+    listen = multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")
+
+    async def main() -> int:
+        server = new_host(key_pair=create_new_key_pair(b"\x03" * 32), muxer_preference="YAMUX",
+                          resource_manager=rm)
+        client = new_host(key_pair=create_new_key_pair(b"\x04" * 32), muxer_preference="YAMUX")
+        held = 0
+        release = trio.Event()
+
+        async def hold(stream) -> None:
+            nonlocal held
+            held += 1
+            await release.wait()
+
+        server.set_stream_handler(proto, hold)
+        async with server.run([listen]), client.run([listen]):
+            await client.connect(PeerInfo(server.get_id(), server.get_addrs()))
+            streams = []
+            with trio.move_on_after(10):
+                for _ in range(6):
+                    streams.append(await client.new_stream(server.get_id(), [proto]))
+                while held < 6:
+                    await trio.sleep(0.05)
+            release.set()
+            return held
+
+    held = trio.run(main)
+    assert held == 6, "upstream now enforces per-peer stream limits: consider the ResourceManager"
