@@ -164,8 +164,9 @@ class Node:
                 except ListenError as exc:
                     raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: {exc}",
                                     _PORT_ADVICE) from None
-                 dht_config: DHTConfig | None = None, dht_server: bool = True, nat=None,
-                 limits: LimitsConfig | None = None) -> None:
+                self.rpc = Libp2pRpc(self.host, extra_addrs=self.extra_addrs, guard=self.guard)
+                self.dht = DHTNode(self.identity, self.rpc, self.dht_config, server=self.dht_server,
+                                   store_gate=self.guard.admit_store)
                 self.events.emit("listening", addrs=self.full_addrs())
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self.guard.run, self.host)
