@@ -192,4 +192,7 @@ class DiLoCo:
             trainer = Trainer(node, svc, BlobServer(node.host), self._spec, self.run_id, self.local, events,
                               self.workdir, TrainerConfig(min_peers=self._min_peers))
             self._ready.set()
-            await trainer.run()
+            try:
+                await trainer.run()
+            finally:
+                trainer.writer.close(30)  # the last checkpoint reaches the disk before we go
