@@ -11,12 +11,12 @@ import logging
 from dataclasses import dataclass
 
 import trio
-from libp2p.host.autonat.autonat import AutoNATService
 from libp2p.relay.circuit_v2 import CircuitV2Protocol, RelayLimits
 from libp2p.tools.anyio_service import background_trio_service
 
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity
+from p2ptrain.libp2p_compat import fresh_dial_autonat
 from p2ptrain.node import Node, NodeConfig
 
 log = logging.getLogger("p2ptrain.bootstrap")
@@ -119,7 +119,7 @@ async def run_bootstrap(identity: Identity, node_config: NodeConfig, relay: Rela
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         hop = CountingRelay(node.host, limits=relay.limits(), allow_hop=True)
-        AutoNATService(node.host, serve=True)
+        fresh_dial_autonat(node.host, node_config.dial_timeout)
         async with background_trio_service(hop):
             await hop.event_started.wait()
             events.emit("bootstrap_ready", relay=True, autonat=True,

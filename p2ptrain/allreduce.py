@@ -467,7 +467,12 @@ class AllReduceService:
             raise RoundFailed("malformed bulk session reply")
         key = derive_key(secret, self.identity.peer_id, nxt, tag)
         remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
-        if port and remote and self.config.direct:
+        # Through a relay or a punched NAT the peer's bulk port is unreachable (a NAT router
+        # drops the SYN: a 3 s timeout every round), so only plain direct links try it.
+        from p2ptrain.nat import DIRECT, connection_kinds
+
+        plain = connection_kinds(self.host).get(ID(nxt).to_base58(), DIRECT) == DIRECT
+        if port and remote and self.config.direct and plain:
             try:
                 sock = await trio.to_thread.run_sync(_dial, remote[0], port, token)
             except OSError as exc:

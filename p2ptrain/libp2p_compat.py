@@ -12,10 +12,16 @@ test that shows the bug (tests/test_upstream_bugs.py); drop it when upstream fix
    when a CircuitV2Transport exists, so `new_stream`/`connect` to a peer that is reachable
    only through a relay fails. `enable_circuit_dials` wraps the swarm's `dial_peer`: when
    every direct address fails, it dials the peer's relay addresses with the circuit transport.
+
 5. The ResourceManager's per-peer stream limits are never enforced (the swarm calls only
    its node-wide `acquire_stream`), so one peer can hold up to 10,000 streams. That
    workaround is a module of its own, `p2ptrain/peerguard.py` (per-peer limits from
    `p2ptrain/limits.py`), installed by `p2ptrain.node.Node`.
+
+6. The AutoNAT server's dial-back uses `host.connect`, which returns at once when the
+   asking peer is already connected (it always is: it asked over that connection), so
+   every peer whose advertised IP matches its observed IP is told "public", even with its
+   port firewalled. `FreshDialAutoNAT` dials back over a new connection (`dial_addr`).
 """
 
 from __future__ import annotations
@@ -121,3 +127,26 @@ def enable_circuit_dials(host, transport, timeout: float, relay_delay: float = 1
 
     swarm.dial_peer = dial_peer
     swarm._p2ptrain_circuit_dials = True
+
+
+def fresh_dial_autonat(host, dial_timeout: float = 5.0):
+    """An AutoNAT server whose dial-back opens a new connection (workaround 3)."""
+    from libp2p.host.autonat.autonat import AutoNATService
+
+    class FreshDialAutoNAT(AutoNATService):
+        async def _try_dial(self, peer_id, addrs: list[bytes]) -> bytes | None:
+            network = self.host.get_network()
+            for raw in addrs:
+                try:
+                    with trio.fail_after(dial_timeout):
+                        conn = await network.dial_addr(multiaddr.Multiaddr(raw), peer_id)
+                except (Exception, trio.TooSlowError):  # noqa: BLE001 - unreachable: try the next one
+                    continue
+                try:
+                    await conn.close()  # the proof is made; the peer keeps its own connection
+                except Exception:  # noqa: BLE001
+                    pass
+                return bytes(raw)
+            return None
+
+    return FreshDialAutoNAT(host, serve=True)

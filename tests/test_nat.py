@@ -38,10 +38,10 @@ def group(tmp_path):
         yield g
 
 
-def start_boot(group: ProcessGroup, lab):
+def start_boot(group: ProcessGroup, lab, env: dict | None = None):
     key = group.log_dir / "boot.key"
     boot = group.start(["bootstrap", "--listen", f"/ip4/{lab.boot_ip}/tcp/{PORT}", "--key", str(key), "--json"],
-                       "boot", prefix=lab.prefix(lab.boot_ns))
+                       "boot", prefix=lab.prefix(lab.boot_ns), env=env)
     return boot, boot.first_line(60)
 
 
@@ -125,7 +125,8 @@ def status_conns(group: ProcessGroup, lab, baddr: str, peer: str, neighbour: str
 
 
 def test_b_fully_random_nat_falls_back_to_relay(lab, group):
-    boot, baddr = start_boot(group, lab)
+    limit = 24 * MIB  # per-circuit byte budget: the first push fits, a second one cannot
+    boot, baddr = start_boot(group, lab, env={"P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES": str(limit)})
     s1, s3 = lab.sites["s1"], lab.sites["s3"]
     p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
     p3, id3 = start_probe(group, lab, s3.host, s3.lan_ip, baddr, "h3")
@@ -141,6 +142,14 @@ def test_b_fully_random_nat_falls_back_to_relay(lab, group):
     assert ev["first_kind"] == "relayed" and ev["kind"] == "relayed", ev
     assert relayed >= size, relayed
     assert not [e for e in p1.all_events + p3.all_events if e["event"] == "connection_upgraded"]
+    # The relay enforces its limit: a second push overruns the circuit's budget and is cut.
+    p3.send({"send_to": id1, "bytes": size, "wait_direct": 0})
+    cut = p3.wait_event(lambda e: e["event"] in ("probe_sent", "probe_failed"), 120)
+    after = relayed_between(boot, id1, id3)
+    print(f"(b) with a {limit} B circuit budget a second push ends with {cut['event']}; "
+          f"relay carried {after} B for the pair")
+    assert cut["event"] == "probe_failed", cut
+    assert after <= limit + MIB, after
 
 
 def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):

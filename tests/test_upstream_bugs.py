@@ -107,3 +107,34 @@ def test_bug5_per_peer_stream_limits_are_never_enforced():
 
     held = trio.run(main)
     assert held == 6, "upstream now enforces per-peer stream limits: consider the ResourceManager"
+
+
+def test_bug6_autonat_dial_back_reuses_the_askers_connection():
+    """Asked to dial back a closed port, the stock AutoNAT server says OK: it 'dials' over
+    the connection the question came on. The workaround's fresh dial says E_DIAL_ERROR."""
+    from libp2p.host.autonat.autonat import AutoNATService
+    from libp2p.host.autonat.pb.autonat_pb2 import Message
+    from libp2p.peer.peerinfo import PeerInfo
+
+    from p2ptrain.libp2p_compat import fresh_dial_autonat
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there
+
+    async def verdict(make_server) -> int:
+        cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])
+        server, client = build_host(Identity.generate(), cfg), build_host(Identity.generate(), cfg)
+        loop = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+        async with server.run(loop), client.run(loop):
+            make_server(server)
+            await client.connect(PeerInfo(server.get_id(), server.get_addrs()))
+            asker = AutoNATService(client, serve=False)
+            with trio.fail_after(20):
+                status, _ = await asker.query_server(
+                    server.get_id(), [multiaddr.Multiaddr(f"/ip4/127.0.0.1/tcp/{port}").to_bytes()])
+            return status
+
+    assert trio.run(verdict, lambda h: AutoNATService(h, serve=True)) == Message.OK  # the bug
+    assert trio.run(verdict, fresh_dial_autonat) == Message.E_DIAL_ERROR  # the workaround
