@@ -46,6 +46,9 @@ def run(args) -> int:
         except mf.ManifestError as exc:
             raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
     namespace = run_id or args.run or "lobby"
+    from p2ptrain.limits import LimitsConfig
+
+    limits_cfg = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
         from p2ptrain.trainer import TrainerConfig
@@ -57,7 +60,7 @@ def run(args) -> int:
     async def main() -> None:
         import trio
 
-        node = Node(identity, cfg, events)
+        node = Node(identity, cfg, events, limits=limits_cfg)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
