@@ -50,6 +50,9 @@ def run(args) -> int:
 
     nat_cfg = section(NatConfig, toml, "nat")
     namespace = run_id or args.run or "lobby"
+    from p2ptrain.limits import LimitsConfig
+
+    limits_cfg = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
         from p2ptrain.trainer import TrainerConfig
@@ -69,7 +72,7 @@ def run(args) -> int:
 
         from p2ptrain.nat import connection_kinds
 
-        node = Node(identity, cfg, events, nat=nat_cfg)
+        node = Node(identity, cfg, events, nat=nat_cfg, limits=limits_cfg)
         conns = lambda: connection_kinds(node.host)  # noqa: E731 - shown by `status`
         try:
             async with trio.open_nursery() as nursery:
