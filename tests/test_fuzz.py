@@ -340,3 +340,47 @@ def test_msgpack_limits_hold_for_declared_huge_containers():
         rejects(fetch.decode_request, blob, fetch.FetchError, 1 << 20)
         rejects(checkpoint.decode, checkpoint.MAGIC + len(blob).to_bytes(4, "big") + blob,
                 checkpoint.CheckpointError, 1 << 20)
+
+
+# -- decoders added with checkpoints, NAT presence and reputation --------------------------
+from p2ptrain import chunks, presence, providers, reputation  # noqa: E402
+
+VALID_CHUNKS = chunks.split(bytes(range(256)) * 64, 4096)[0].encode()
+VALID_PROVIDER = providers.encode(3, "ab" * 32, "cd" * 32, "ef" * 32, [ID_A.peer_id_str, ID_B.peer_id_str],
+                                  ["/ip4/127.0.0.1/tcp/1"])
+VALID_REPORT = reputation.encode_report({ID_B.peer_id_str: 4})
+VALID_PRESENCE = presence.encode_presence(["/ip4/127.0.0.1/tcp/1"], "trainer", {ID_B.peer_id_str: "relayed"})
+
+
+@FUZZ
+@given(inputs(VALID_CHUNKS))
+def test_chunk_manifests(data):
+    out = rejects(chunks.decode_manifest, data, chunks.ChunkError, 256 * 1024)
+    assert isinstance(out, (chunks.ChunkManifest, chunks.ChunkError))
+
+
+def test_chunk_manifest_oversize_rejected_before_parsing():
+    big = b"\x00" * (chunks.MAX_MANIFEST_BYTES + 1)
+    out = rejects(chunks.decode_manifest, big, chunks.ChunkError, 64 * 1024)
+    assert "over the limit" in str(out)
+
+
+@FUZZ
+@given(inputs(VALID_PROVIDER))
+def test_provider_records(data):
+    out = rejects(lambda d: providers.decode(ID_A.peer_id_str, d), data, providers.ProviderError, 256 * 1024)
+    assert isinstance(out, (providers.Provider, providers.ProviderError))
+
+
+@FUZZ
+@given(inputs(VALID_REPORT))
+def test_reputation_reports(data):
+    out = rejects(reputation.decode_report, data, ValueError, 256 * 1024)
+    assert isinstance(out, (dict, ValueError))
+
+
+@FUZZ
+@given(inputs(VALID_PRESENCE))
+def test_presence_records(data):
+    out = rejects(presence.decode_presence, data, (), 256 * 1024)
+    assert out is None or isinstance(out, dict)
