@@ -1,7 +1,9 @@
 """Running p2ptrain nodes as child processes (demo, benches, integration tests).
 
 Children get their own process group and are always reaped: SIGTERM, a bounded wait, then
-SIGKILL, so a failing test or an interrupted demo never leaves nodes behind.
+SIGKILL, so a failing test or an interrupted demo never leaves nodes behind. On Linux each
+child also asks the kernel for SIGTERM when its parent dies, so even a parent killed with
+SIGKILL (which runs no cleanup) leaves no nodes behind.
 """
 
 from __future__ import annotations
@@ -15,6 +17,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: PR_SET_PDEATHSIG(SIGTERM). Best effort."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except Exception:  # not Linux: the parent's own reaping is all there is
+        pass
 
 
 class NodeProcess:
@@ -32,6 +44,7 @@ class NodeProcess:
         self.proc = subprocess.Popen(
             [*(prefix or []), sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
