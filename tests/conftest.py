@@ -46,3 +46,28 @@ def start_bootstrap(group: ProcessGroup, name: str = "bootstrap") -> tuple:
 def start_peer(group: ProcessGroup, bootstrap: str, name: str, *extra: str, env: dict | None = None):
     return group.start(["join", "--bootstrap", bootstrap, "--listen", LOOPBACK,
                         "--workdir", str(group.log_dir / name), "--json", *extra], name, env=env)
+
+
+# -- measured figures, shown at the end of every run (CI logs included) -------------------
+_MEASURED: list[str] = []
+
+
+@pytest.fixture
+def report(request):
+    """`report(*args)`: print like print(), and repeat the line in the run's final summary,
+    so what a test measured (relay bytes, step-time ratios, screenshot paths) is in the CI
+    log even though pytest captures the output of passing tests."""
+
+    def say(*args) -> None:
+        line = " ".join(str(a) for a in args).strip()
+        print(line)
+        _MEASURED.append(f"{request.node.name}: {line}")
+
+    return say
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)

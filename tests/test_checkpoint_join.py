@@ -57,7 +57,7 @@ def committed(peer, step: int, timeout: float = 180) -> dict:
     return seen(peer, lambda e: e["event"] == "outer_step_committed" and e["step"] == step, timeout)
 
 
-def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run):
+def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run, report):
     boot, baddr = start_bootstrap(procs)
     # p2 serves corrupted chunks (TEST ONLY switch, p2ptrain/adversary.py) but trains honestly.
     group = [start(procs, baddr, run, 0, GROUP_STEPS, first=True), start(procs, baddr, run, 1, GROUP_STEPS),
@@ -80,7 +80,7 @@ def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run):
     # Stated bound: 2x the slowest step before plus 10 s for the newcomer's process start
     # (torch import, data load) competing for the 2 shared cores; a newcomer that stalled
     # the group's election would cost a whole 20 s join window on top.
-    print("group step durations (s):", {s: round(d, 2) for s, d in dur.items()}, "newcomer's first step:",
+    report("group step durations (s):", {s: round(d, 2) for s, d in dur.items()}, "newcomer's first step:",
           first["step"], "fetch:", fetched["seconds"], "s")
     assert max(during) <= 2 * before_max + 10.0, (dur, first["step"])
     assert before[0] < fetched["t"]

@@ -214,7 +214,7 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen, err: list[str
 @pytest.mark.integration
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
                     reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)")
-def test_dashboard_in_chromium_during_demo(tmp_path):
+def test_dashboard_in_chromium_during_demo(tmp_path, report):
     work = tmp_path / "demo"
     err: list[str] = []
     proc = subprocess.Popen(
@@ -267,7 +267,7 @@ def test_dashboard_in_chromium_during_demo(tmp_path):
         keep = Path(os.environ.get("P2PTRAIN_TEST_ARTIFACTS", "/tmp/p2ptrain-test-artifacts"))
         keep.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, keep / "dashboard.png")
-        print(f"dashboard screenshot: {keep / 'dashboard.png'} (and {shot})")
+        report(f"dashboard screenshot: {keep / 'dashboard.png'} (and {shot})")
         _, _, metrics = _get(url + "metrics")
         assert b"p2ptrain_committed_steps_total" in metrics
         # `status --run` shows the same run as the DHT has it, with each peer's published

@@ -79,7 +79,7 @@ def relayed_between(boot, a: str, b: str, settle: float = 2.5) -> int:
     return sum(c["bytes"] for c in last["circuits"] if {c["src"], c["dst"]} == {a, b})
 
 
-def test_a_hole_punch_then_bulk_bypasses_relay(lab, group):
+def test_a_hole_punch_then_bulk_bypasses_relay(lab, group, report):
     boot, baddr = start_boot(group, lab)
     s1, s2 = lab.sites["s1"], lab.sites["s2"]
     p1, id1 = start_probe(group, lab, s1.host, s1.lan_ip, baddr, "h1")
@@ -91,7 +91,7 @@ def test_a_hole_punch_then_bulk_bypasses_relay(lab, group):
     ev = send(p1, id2, size, wait_direct=30)
     upgraded = [e for e in p1.all_events + p2.all_events if e["event"] == "connection_upgraded"]
     relayed = relayed_between(boot, id1, id2)
-    print(f"\n(a) first connection {ev['first_kind']}, upgraded {upgraded[:1]}, transfer over {ev['kind']}: "
+    report(f"(a) first connection {ev['first_kind']}, upgraded {upgraded[:1]}, transfer over {ev['kind']}: "
           f"{size} B in {ev['seconds']} s ({ev['mb_per_s']} MB/s); relay carried {relayed} B between the pair "
           f"({100 * relayed / size:.3f} % of the transfer)")
     assert ev["first_kind"] == "relayed", ev
@@ -100,7 +100,7 @@ def test_a_hole_punch_then_bulk_bypasses_relay(lab, group):
     assert relayed <= size // 100, relayed
     # `p2ptrain status` (run on the public segment) shows how each peer reaches the other.
     shown = status_conns(group, lab, baddr, id1, id2)
-    print(f"(a) status: {shown}")
+    report(f"(a) status: {shown}")
     assert shown == "hole-punched", shown
 
 
@@ -124,7 +124,7 @@ def status_conns(group: ProcessGroup, lab, baddr: str, peer: str, neighbour: str
     return kind
 
 
-def test_b_fully_random_nat_falls_back_to_relay(lab, group):
+def test_b_fully_random_nat_falls_back_to_relay(lab, group, report):
     limit = 24 * MIB  # per-circuit byte budget: the first push fits, a second one cannot
     boot, baddr = start_boot(group, lab, env={"P2PTRAIN_RELAY_MAX_CIRCUIT_BYTES": str(limit)})
     s1, s3 = lab.sites["s1"], lab.sites["s3"]
@@ -137,7 +137,7 @@ def test_b_fully_random_nat_falls_back_to_relay(lab, group):
     # The push starts at once and runs while DCUtR keeps failing.
     ev = send(p3, id1, size, wait_direct=0)
     relayed = relayed_between(boot, id1, id3)
-    print(f"\n(b) fully-random NAT: transfer over {ev['kind']}: {size} B in {ev['seconds']} s "
+    report(f"(b) fully-random NAT: transfer over {ev['kind']}: {size} B in {ev['seconds']} s "
           f"({ev['mb_per_s']} MB/s); relay carried {relayed} B between the pair")
     assert ev["first_kind"] == "relayed" and ev["kind"] == "relayed", ev
     assert relayed >= size, relayed
@@ -146,13 +146,13 @@ def test_b_fully_random_nat_falls_back_to_relay(lab, group):
     p3.send({"send_to": id1, "bytes": size, "wait_direct": 0})
     cut = p3.wait_event(lambda e: e["event"] in ("probe_sent", "probe_failed"), 120)
     after = relayed_between(boot, id1, id3)
-    print(f"(b) with a {limit} B circuit budget a second push ends with {cut['event']}; "
+    report(f"(b) with a {limit} B circuit budget a second push ends with {cut['event']}; "
           f"relay carried {after} B for the pair")
     assert cut["event"] == "probe_failed", cut
     assert after <= limit + MIB, after
 
 
-def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
+def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group, report):
     boot, baddr = start_boot(group, lab)
     s1 = lab.sites["s1"]
     po, ido = start_probe(group, lab, lab.open_ns, lab.open_ip, baddr, "open")
@@ -173,7 +173,7 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
     ready(po)
     public_dials = send(po, id1, size, wait_direct=30)
     relayed = relayed_between(boot, ido, id1)
-    print(f"\n(c) NATed->public: {natted_dials['kind']} from the start; public->NATed: first "
+    report(f"(c) NATed->public: {natted_dials['kind']} from the start; public->NATed: first "
           f"{public_dials['first_kind']}, then {public_dials['peer_kind']}; relay carried {relayed} B "
           f"for the second pair ({size} B pushed)")
     assert public_dials["first_kind"] == "relayed", public_dials
@@ -183,7 +183,7 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group):
     assert relayed <= size // 100, relayed
 
 
-def test_training_run_through_nats(lab, group, tmp_path):
+def test_training_run_through_nats(lab, group, tmp_path, report):
     """A bootstrap and 3 NATed trainers (one behind the fully-random NAT) commit 2 outer steps."""
     import subprocess
     import sys
@@ -215,5 +215,5 @@ def test_training_run_through_nats(lab, group, tmp_path):
             if e["event"] == "peer_connection":
                 kinds[(p.name, e["remote"][-6:])] = e["kind"]
     reports = [e for e in boot.all_events if e["event"] == "relay_bytes"]
-    print(f"\ntraining through NATs: 2 outer steps committed by 3 NATed peers; connection kinds {kinds}; "
+    report(f"training through NATs: 2 outer steps committed by 3 NATed peers; connection kinds {kinds}; "
           f"relay total {reports[-1]['total'] if reports else 0} B")
