@@ -102,7 +102,13 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     except (DataMismatch, ValueError) as exc:
         raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
     state = await starting_state(node, manifest, run_id, manifest_path, workdir, events)
-    local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
+    try:
+        local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
+    except checkpoint.CheckpointError as exc:
+        # Hash-checked bytes that still do not fit this run's model: a broken local
+        # checkpoint, or a state its group attested wrongly. Say so; never train on it.
+        raise NodeError(f"the run's state does not load: {exc}",
+                        "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
     tm = manifest["timeouts"]
     svc = AllReduceService(node.host, node.identity, AllReduceConfig(
         mode=manifest["train"]["allreduce"], setup_timeout=float(tm["exchange"]) * 2,

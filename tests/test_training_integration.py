@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import start_bootstrap
@@ -163,3 +164,27 @@ def test_robust_run_signflip_attacker_is_clipped_flagged_and_left_out(procs, tmp
             assert [(e["remote"], e["reason"]) for e in rej] == [(evil_id, "robust-outlier")], rej
             pub = [e for e in p.all_events if e["event"] == "reputation_published"]
             assert pub and pub[0]["flagged"] == [evil_id] and pub[0]["replicas"] >= 1, pub
+
+
+def test_local_state_that_does_not_fit_the_model_is_a_one_line_error(procs, run_dir, keys):
+    """A checkpoint in the workdir that decodes but holds arrays of another shape (a damaged
+    or foreign file): `join` refuses it with one line of advice and exit 2, never trains on it."""
+    from p2ptrain import checkpoint
+
+    run_path, rid = run_dir
+    arrays, meta = checkpoint.decode((run_path / "genesis.p2ck").read_bytes())
+    name = sorted(arrays)[0]
+    arrays[name] = np.zeros(arrays[name].size + 3, arrays[name].dtype)  # no longer fits the model
+    work = procs.log_dir / "broken"
+    ckdir = work / "checkpoints" / rid[:16]
+    ckdir.mkdir(parents=True)
+    (ckdir / "step-000001.p2ck").write_bytes(checkpoint.encode(arrays, meta))
+    boot, baddr = start_bootstrap(procs)
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--bootstrap", baddr, "--listen",
+                          "/ip4/127.0.0.1/tcp/0", "--key", str(keys[0]), "--workdir", str(work), "--manifest",
+                          str(run_path / "run.toml"), "--max-outer-steps", "1", "--threads", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=procs.log_dir)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert last.startswith("p2ptrain: error: the run's state does not load") and "checkpoints/" in last, last
+    assert "Traceback" not in out.stderr
