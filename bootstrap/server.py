@@ -114,8 +114,9 @@ class AddressFirstSink(EventSink):
 
 
 async def run_bootstrap(identity: Identity, node_config: NodeConfig, relay: RelayConfig,
-                        events: EventSink, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    node = Node(identity, node_config, events)
+                        events: EventSink, limits=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """`limits`: per-peer limits (p2ptrain.limits.LimitsConfig; None = its defaults)."""
+    node = Node(identity, node_config, events, limits=limits)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         hop = CountingRelay(node.host, limits=relay.limits(), allow_hop=True)

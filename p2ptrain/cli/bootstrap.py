@@ -15,13 +15,16 @@ def run(args) -> int:
     from p2ptrain.bootstrap.server import AddressFirstSink, RelayConfig, run_bootstrap
 
     cfg, toml = node_config(args, bootstrap=[])
+    from p2ptrain.limits import LimitsConfig
+
     relay = section(RelayConfig, toml, "relay")
+    limits = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
     identity = load_identity(args, "bootstrap.key")
     events = AddressFirstSink(identity.peer_id_str, args.json)
 
     async def main() -> None:
         try:
-            await run_bootstrap(identity, cfg, relay, events)
+            await run_bootstrap(identity, cfg, relay, events, limits)
         finally:
             events.emit("left")
 
