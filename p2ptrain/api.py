@@ -182,7 +182,11 @@ class DiLoCo:
 
         self._token = trio.lowlevel.current_trio_token()
         events = EventSink(self.identity.peer_id_str, self._json)
-        node = Node(self.identity, NodeConfig(listen=[self._listen], bootstrap=self._bootstrap), events)
+        from p2ptrain.nat import NatConfig
+
+        # Same NAT traversal as `p2ptrain join`: AutoNAT, relay reservations, DCUtR.
+        node = Node(self.identity, NodeConfig(listen=[self._listen], bootstrap=self._bootstrap), events,
+                    nat=NatConfig())
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(node.run)
