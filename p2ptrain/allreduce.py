@@ -25,7 +25,6 @@ import os
 import socket
 from dataclasses import dataclass, field
 
-import msgpack
 import numpy as np
 import trio
 from libp2p.custom_types import TProtocol
@@ -34,16 +33,17 @@ from libp2p.peer.id import ID
 
 from p2ptrain import butterfly
 from p2ptrain.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret, session_tag
+from p2ptrain.control import ControlError, check_control_length, decode_control, pack as _pack
 from p2ptrain.dht.libp2p_rpc import read_exactly
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.ring import RingConfig, RingError
+from p2ptrain.streamio import StreamIO, dial as _dial
 from p2ptrain.ring import allreduce as ring_allreduce
 
 log = logging.getLogger("p2ptrain.allreduce")
 
 BULK_PROTOCOL = TProtocol("/p2ptrain/bulk/1.0.0")
 VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.0.0")
-MAX_CONTROL_MSG = 4096
 TOKEN_LEN = 16
 
 
@@ -110,78 +110,9 @@ class _Pending:
     vote_event: trio.Event = field(default_factory=trio.Event)
 
 
-def _pack(obj) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
-    return len(body).to_bytes(4, "big") + body
-
-
-class ControlError(ValueError):
-    """A session-setup or vote message that must be dropped (oversize, malformed)."""
-
-
-def check_control_length(header: bytes) -> int:
-    n = int.from_bytes(header, "big")
-    if n > MAX_CONTROL_MSG:
-        raise ControlError(f"oversize: control message of {n} bytes > {MAX_CONTROL_MSG}")
-    return n
-
-
-def decode_control(body: bytes) -> dict:
-    """A control message body (pure; the length was checked before it was read)."""
-    if len(body) > MAX_CONTROL_MSG:
-        raise ControlError(f"oversize: control message of {len(body)} bytes > {MAX_CONTROL_MSG}")
-    try:
-        obj = msgpack.unpackb(body, raw=False, max_bin_len=MAX_CONTROL_MSG, max_str_len=MAX_CONTROL_MSG,
-                              max_array_len=64, max_map_len=16, max_ext_len=0)
-    except Exception as exc:  # msgpack raises several unrelated types on garbage
-        raise ControlError(f"malformed: {type(exc).__name__}") from None
-    if not isinstance(obj, dict):
-        raise ControlError("malformed: control message is not a map")
-    return obj
-
-
 async def _read_msg(stream) -> dict:
     n = check_control_length(await read_exactly(stream, 4))
     return decode_control(await read_exactly(stream, n))
-
-
-class StreamIO:
-    """Bulk frames over the libp2p stream itself (fallback path), driven from a worker
-    thread: each call hops back into trio with `trio.from_thread.run`."""
-
-    def __init__(self, stream, timeout: float) -> None:
-        self.stream = stream
-        self.timeout = timeout
-        # The ring's pump threads are plain threads: they reach trio through its token.
-        self.token = trio.lowlevel.current_trio_token()
-
-    def sendall(self, parts: list) -> None:
-        data = b"".join(bytes(p) for p in parts)
-        try:
-            trio.from_thread.run(self._write, data, trio_token=self.token)
-        except Exception as exc:
-            raise RingError(f"send: {exc!r}") from None
-
-    async def _write(self, data: bytes) -> None:
-        with trio.fail_after(self.timeout):
-            await self.stream.write(data)
-
-    def recv_into(self, view: memoryview) -> None:
-        try:
-            data = trio.from_thread.run(self._read, len(view), trio_token=self.token)
-        except Exception as exc:
-            raise RingError(f"recv: {exc!r}") from None
-        view[:] = data
-
-    async def _read(self, n: int) -> bytes:
-        with trio.fail_after(self.timeout):
-            return await read_exactly(self.stream, n)
-
-    def close(self) -> None:
-        try:
-            trio.from_thread.run(self.stream.reset, trio_token=self.token)
-        except Exception:
-            pass
 
 
 class AllReduceService:
@@ -561,9 +492,3 @@ def _warm_kernels() -> None:
     q2, m2 = K.ring_hop(q, meta, x)
     K.owner_hop(q2, m2, x, 0.5)
     K.dequantize(q, meta)
-
-
-def _dial(host: str, port: int, token: bytes) -> socket.socket:
-    sock = socket.create_connection((host, port), timeout=3)
-    sock.sendall(token)
-    return sock

@@ -76,7 +76,8 @@ async def _intrude(members, bulk_ports, tag: bytes, seconds: float) -> dict:
     import multiaddr
     import trio
 
-    from p2ptrain.allreduce import BULK_PROTOCOL, _pack
+    from p2ptrain.allreduce import BULK_PROTOCOL
+    from p2ptrain.control import pack as _pack
     from p2ptrain.identity import Identity
     from p2ptrain.node import NodeConfig, build_host, parse_peer_maddr
     from libp2p.peer.id import ID

@@ -17,7 +17,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain import allreduce, bulk, checkpoint, contribution, fetch, manifest
+from p2ptrain import bulk, checkpoint, contribution, control, fetch, manifest
 from p2ptrain.dht import protocol, record
 from p2ptrain.dht.node import DHTNode
 from p2ptrain.dht.transport import MemoryNetwork, RpcError
@@ -173,15 +173,15 @@ VALID_VOTE = msgpack.packb({"tag": b"t" * 8, "ok": True, "digest": "d" * 64, "bl
 @FUZZ
 @given(inputs(VALID_VOTE))
 def test_control_messages(body):
-    out = rejects(allreduce.decode_control, body, allreduce.ControlError, 32 * 1024)
-    assert isinstance(out, (dict, allreduce.ControlError))
+    out = rejects(control.decode_control, body, control.ControlError, 32 * 1024)
+    assert isinstance(out, (dict, control.ControlError))
 
 
 @FEW
 @given(st.integers(0, 2**32 - 1))
 def test_control_length(n):
-    out = rejects(allreduce.check_control_length, n.to_bytes(4, "big"), allreduce.ControlError, 4096)
-    assert (out == n) if n <= allreduce.MAX_CONTROL_MSG else isinstance(out, allreduce.ControlError)
+    out = rejects(control.check_control_length, n.to_bytes(4, "big"), control.ControlError, 4096)
+    assert (out == n) if n <= control.MAX_CONTROL_MSG else isinstance(out, control.ControlError)
 
 
 # -- bulk frames -------------------------------------------------------------------------
@@ -335,7 +335,7 @@ def test_msgpack_limits_hold_for_declared_huge_containers():
         rejects(lambda b: protocol.decode_request(b, protocol.DEFAULT_MAX_FRAME), blob, protocol.FrameError, 1 << 20)
         rejects(record.decode, blob, record.RecordError, 1 << 20)
         rejects(contribution.decode_header, blob, contribution.BadContribution, 1 << 20)
-        rejects(allreduce.decode_control, blob, allreduce.ControlError, 1 << 20)
+        rejects(control.decode_control, blob, control.ControlError, 1 << 20)
         rejects(manifest.decode, blob, manifest.ManifestError, 1 << 20)
         rejects(fetch.decode_request, blob, fetch.FetchError, 1 << 20)
         rejects(checkpoint.decode, checkpoint.MAGIC + len(blob).to_bytes(4, "big") + blob,
