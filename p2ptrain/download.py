@@ -92,12 +92,14 @@ class CheckpointServer:
         return manifest, digest
 
     async def publish(self, dht, run_id: str, data: bytes, step: int, params: str, members: list[str],
-                      addrs: list[str], ttl: float = 600.0) -> str:
+                      addrs: list[str], ttl: float = 600.0) -> chunks.ChunkManifest:
+        """Serve `data` as chunks and advertise it; returns its chunk manifest (whose
+        `sha256` is the whole checkpoint's hash)."""
         manifest, digest = await trio.to_thread.run_sync(self.serve, data)
         value = providers.encode(step, digest, manifest.sha256, params, members, addrs)
         await dht.store(providers_key(run_id), value, ttl=ttl)
         self.current = (step, digest)
-        return digest
+        return manifest
 
 
 async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,

@@ -1,8 +1,9 @@
 """Content-addressed blobs between peers: manifests and checkpoints, fetched by hash.
 
-A peer serves the blobs it holds (`/p2ptrain/fetch/1.0.0`, request {sha256}); a fetcher
-names the hash it wants, enforces a size limit before reading, and checks the hash of what
-arrived, so a provider can waste a fetcher's time but never feed it wrong bytes.
+A peer serves the blobs it holds (`/p2ptrain/fetch/1.0.0`, request {sha256}); `request`
+names the hash it wants and enforces a size limit before reading. The caller checks the
+hash of what arrived (`p2ptrain.download` verifies every chunk and tells a lying donor from
+a failing one), so a provider can waste a fetcher's time but never feed it wrong bytes.
 
 Serving is bounded so it never starves the node's own rounds (hivemind's donors time out
 newcomers, or their own averaging, when both compete): at most `max_concurrent` requests
@@ -171,23 +172,3 @@ async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float
                     await stream.reset()
                 except Exception:
                     pass
-
-
-async def fetch(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
-    """The blob with `digest` from `peer`, verified; raises FetchError."""
-    data = await request(host, peer, digest, max_bytes, timeout)
-    if hashlib.sha256(data).hexdigest() != digest:
-        raise FetchError("content does not match its hash")
-    return data
-
-
-async def fetch_any(host, providers: list[bytes], digest: str, max_bytes: int, timeout: float) -> bytes:
-    """Try providers in turn until one delivers verified bytes."""
-    errors = []
-    for peer in providers:
-        try:
-            return await fetch(host, peer, digest, max_bytes, timeout)
-        except FetchError as exc:
-            log.warning("fetch of %s from %s failed: %s", digest[:12], ID(peer), exc)
-            errors.append(str(exc))
-    raise FetchError(f"no provider delivered {digest[:12]}... ({'; '.join(errors) or 'no providers'})")

@@ -83,7 +83,6 @@ class Trainer:
         self.node = node
         self.dht = node.dht
         self.svc = svc
-        self.blobs = blobs
         self.manifest = manifest
         self.run_id = run_id
         self.local = local
@@ -103,7 +102,6 @@ class Trainer:
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.committed = 0
         self.last_roster: set[str] = set()
-        self._state_digest = ""
         self._prev_header: bytes | None = None
         from p2ptrain import adversary
 
@@ -334,19 +332,17 @@ class Trainer:
         data = await trio.to_thread.run_sync(self.local.state_bytes)
         snapshot = time.perf_counter() - t0
         self.writer.submit(self.local.step, data)
-        digest = await trio.to_thread.run_sync(self.blobs.add, data)  # hashing: off the event loop
-        if self._state_digest and self._state_digest != digest:
-            self.blobs.remove(self._state_digest)
-        self._state_digest = digest
         params = self.local.outer.params_sha256()
+        # Served as verified chunks only (p2ptrain.download); the chunking hashes the whole
+        # state once, and that hash names it in the state record too.
+        served = await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
+                                                sorted(self.last_roster) if self.local.step else [],
+                                                self.node.rpc.local_addrs())
         value = msgpack.packb({"step": self.local.step, "params": params,
-                               "ckpt": digest, "addrs": self.node.rpc.local_addrs(),
+                               "ckpt": served.sha256, "addrs": self.node.rpc.local_addrs(),
                                "loss": _finite_or_none(loss), "val_loss": _finite_or_none(val_loss),
                                "conns": kind_counts(self.node.host)})
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
-        await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
-                                       sorted(self.last_roster) if self.local.step else [],
-                                       self.node.rpc.local_addrs())
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
     async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:

@@ -416,13 +416,19 @@ def run(args) -> int:
     rows, summary = summarize(st, results)
     summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
     summary["settings"] = asdict(st)
+    print_results(rows, summary, say, args.json, _table)
+    return 0
+
+
+def print_results(rows: list[dict], summary: dict, say, json_mode: bool, table) -> None:
+    """The rows and the summary as event lines (`say`, --json), or as a table and the
+    summary's figures on one line; shared by the quality benches (diloco, robust)."""
     for r in rows:
         say(r)
     say(summary)
-    if not args.json:
-        print(_table(rows))
+    if not json_mode:
+        print(table(rows))
         print(json.dumps({k: v for k, v in summary.items() if k not in ("event", "settings")}))
-    return 0
 
 
 def main(argv=None) -> int:

@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict
 
-from p2ptrain.bench.diloco import Settings, _optimizer, _peer, _start, _step, warm_start_state
+from p2ptrain.bench.diloco import Settings, _optimizer, _peer, _start, _step, print_results, warm_start_state
 
 ATTACKS = ("signflip", "noise", "zeros")
 RULES = ("mean", "robust")
@@ -219,12 +219,7 @@ def run(args) -> int:
     summary["wall_seconds"] = round(time.perf_counter() - t0, 1)
     summary["H"] = args.H
     summary["settings"] = asdict(st)
-    for r in rows:
-        say(r)
-    say(summary)
-    if not args.json:
-        print(_table(rows))
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("event", "settings")}))
+    print_results(rows, summary, say, args.json, _table)
     return 0
 
 
