@@ -1,28 +1,29 @@
-"""All-reduce rounds between libp2p peers: bulk session setup and commit-or-abort.
+"""All-reduce rounds between libp2p peers: commit-or-abort around the data plane.
 
 A round is (run id, round id, ordered member list). Each member:
-  1. opens a bulk session to its ring successor over libp2p (`/p2ptrain/bulk/1.0.0`): the
-     successor answers with a fresh secret, its raw bulk port and a one-time token; the
-     sender dials that port (direct path) or, if it cannot, both keep using the libp2p
-     stream for frames (fallback path, e.g. relayed peers);
-  2. runs the data plane (`p2ptrain.ring.allreduce`) in a worker thread;
-  3. votes: sends (ok, sha256 of its result) to every other member over
-     `/p2ptrain/round/1.0.0`, and commits only when every member voted ok with the same
-     digest. A failure anywhere becomes an abort vote, so the others stop at once instead
-     of waiting for a timeout; a missing vote fails the round after `commit_timeout`.
+  1. gets a bulk channel to its ring successor and one from its predecessor
+     (`p2ptrain.sessions`: an idle persistent link if there is one, else a fresh session
+     over libp2p, on a raw TCP connection where reachable and on the libp2p stream if not);
+  2. runs the data plane (`p2ptrain.ring.allreduce`) and then the commit votes
+     (`p2ptrain.ringvote`: every member's signed digest travels the ring on the same
+     channels) in one worker thread;
+  3. commits only when every member voted for the same digest. A failure anywhere becomes
+     an abort vote sent to every member over `/p2ptrain/round/1.0.0`, so the others stop
+     at once instead of waiting for a timeout; a missing vote fails the round after
+     `frame_timeout`. A committed round hands its links back for the next one; any other
+     ending closes them.
 The caller's tensor is never touched: `allreduce` returns a new array or raises RoundFailed.
+Robust rounds (`p2ptrain.butterfly`) keep one session per member pair and vote over libp2p.
 
-Known limit (as in any commit protocol without a coordinator): a member that dies after
-sending some but not all of its votes can leave the others split between commit and
-abort. The window is the few milliseconds of one vote fan-out; the training layer detects
-a split through the params hash each member publishes after a step and resyncs.
+Known limit (as in any commit protocol without a coordinator): a member that dies while the
+votes travel can leave the others split between commit and abort (those that already held
+every vote commit). The window is a few milliseconds of vote hops; the training layer
+detects a split through the params hash each member publishes after a step and resyncs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,20 +32,18 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from p2ptrain import butterfly
-from p2ptrain.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret, session_tag
-from p2ptrain.control import ControlError, check_control_length, decode_control, pack as _pack
-from p2ptrain.dht.libp2p_rpc import read_exactly
-from p2ptrain.identity import peer_id_from_str
-from p2ptrain.ring import RingConfig, RingError
-from p2ptrain.streamio import StreamIO, dial as _dial
+from p2ptrain import butterfly, ringvote
+from p2ptrain.bulk import session_tag
+from p2ptrain.control import ControlError, pack as _pack
+from p2ptrain.identity import peer_id_from_str, public_from_peer_id_bytes, verify
+from p2ptrain.ring import ArenaPool, RingConfig, RingError
 from p2ptrain.ring import allreduce as ring_allreduce
+from p2ptrain.sessions import BULK_PROTOCOL, BulkSessions, Inbound, read_msg
 
 log = logging.getLogger("p2ptrain.allreduce")
 
-BULK_PROTOCOL = TProtocol("/p2ptrain/bulk/1.0.0")
 VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.0.0")
-TOKEN_LEN = 16
+__all__ = ["AllReduceConfig", "AllReduceService", "BULK_PROTOCOL", "RoundFailed", "RoundResult", "VOTE_PROTOCOL"]
 
 
 class RoundFailed(Exception):
@@ -61,14 +60,15 @@ class RoundFailed(Exception):
 class AllReduceConfig:
     mode: str = "int8"
     """'int8' or 'fp32' on the wire."""
-    sub_chunk_bytes: int = 1 << 20
-    """fp32 bytes per pipelined frame."""
+    sub_chunk_bytes: int = 4 << 20
+    """fp32 bytes per pipelined frame (4 MiB: a 1 MiB int8 frame, as in the raw-socket
+    ceiling; 1 MiB frames measured ~10 % slower from per-frame overhead)."""
     setup_timeout: float = 15.0
     """Seconds to set up both bulk sessions (members may start a little apart)."""
     frame_timeout: float = 20.0
-    """Seconds without a frame before the data plane gives up."""
+    """Seconds without a frame (or a vote) before the round gives up."""
     commit_timeout: float = 10.0
-    """Seconds to collect every member's vote after our own data plane finished."""
+    """Robust rounds: seconds to collect every member's vote after our own data plane finished."""
     direct: bool = True
     """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
     send_rate_mbps: float = 0.0
@@ -95,24 +95,17 @@ class RoundResult:
     """Seconds spent in setup, data plane and commit votes (for benches)."""
     scores: list | None = None
     """Robust rounds: each owner's per-member scores (identical on every member)."""
+    reused: bool = False
+    """Both ring channels ran on persistent links (no libp2p session this round)."""
 
 
 @dataclass
 class _Pending:
-    """A round this node takes part in, waiting for its predecessor's session and votes."""
+    """A round this node takes part in: its abort/robust votes as they arrive."""
 
-    prev: bytes
     tag: bytes
-    key: bytes = b""
-    channel: FrameChannel | None = None
-    ready: trio.Event = field(default_factory=trio.Event)
     votes: dict[bytes, dict] = field(default_factory=dict)  # sender -> {ok, digest, blame, reason}
     vote_event: trio.Event = field(default_factory=trio.Event)
-
-
-async def _read_msg(stream) -> dict:
-    n = check_control_length(await read_exactly(stream, 4))
-    return decode_control(await read_exactly(stream, n))
 
 
 class AllReduceService:
@@ -123,102 +116,40 @@ class AllReduceService:
     def __init__(self, host, identity, config: AllReduceConfig | None = None, listen_ip: str = "127.0.0.1") -> None:
         self.host = host
         self.identity = identity
-        self.config = config or AllReduceConfig()
-        self.listen_ip = listen_ip
-        self.port = 0
+        self.sessions = BulkSessions(host, identity, config or AllReduceConfig(), listen_ip)
+        self._arenas = ArenaPool()
         self._rounds: dict[bytes, _Pending] = {}
         self._early_votes: dict[bytes, dict[bytes, dict]] = {}
         self._inbox: dict[bytes, dict[bytes, bytes]] = {}  # exchange tag -> sender -> payload
         self._inbox_event = trio.Event()
-        self._tokens: dict[bytes, tuple[_Pending, trio.Event]] = {}
+
+    @property
+    def config(self) -> AllReduceConfig:
+        return self.sessions.config
+
+    @config.setter
+    def config(self, value: AllReduceConfig) -> None:
+        self.sessions.config = value  # read at each round: a bench swaps it between rounds
+
+    @property
+    def port(self) -> int:
+        return self.sessions.port
 
     # -- service ---------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # JIT-compile the kernels before announcing readiness: a first round that compiles
         # for seconds would make the other members time out waiting for our frames.
         await trio.to_thread.run_sync(_warm_kernels)
-        listener = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        await listener.bind((self.listen_ip, 0))
-        listener.listen(64)
-        self.port = listener.getsockname()[1]
-        self.host.set_stream_handler(BULK_PROTOCOL, self._handle_bulk)
         self.host.set_stream_handler(VOTE_PROTOCOL, self._handle_vote)
         async with trio.open_nursery() as nursery:
+            await nursery.start(self.sessions.run)
             task_status.started(self.port)
-            with listener:
-                while True:
-                    conn, _ = await listener.accept()
-                    nursery.start_soon(self._handle_raw, conn)
-
-    async def _handle_raw(self, conn) -> None:
-        """A raw bulk connection: its first bytes are a token we handed out over libp2p."""
-        try:
-            with trio.fail_after(5):
-                token = b""
-                while len(token) < TOKEN_LEN:
-                    chunk = await conn.recv(TOKEN_LEN - len(token))
-                    if not chunk:
-                        raise EOFError
-                    token += chunk
-        except (trio.TooSlowError, EOFError, OSError):
-            log.warning("bulk connection dropped: reason=no-token")
-            conn.close()
-            return
-        entry = self._tokens.pop(token, None)
-        if entry is None:
-            log.warning("bulk connection dropped: reason=unknown-token")
-            conn.close()
-            return
-        pending, done = entry
-        sock = socket.socket(fileno=conn.detach())
-        sock.setblocking(True)
-        pending.channel = FrameChannel(self._wrap(SocketIO(sock, self.config.frame_timeout)),
-                                       pending.key, pending.tag, ID(pending.prev).to_base58())
-        done.set()
-
-    def _wrap(self, io):
-        return RateLimitedIO(io, self.config.send_rate_mbps) if self.config.send_rate_mbps else io
-
-    async def _handle_bulk(self, stream) -> None:
-        """Our predecessor asks for a session for a round we are (or are about to be) in."""
-        sender = stream.muxed_conn.peer_id.to_bytes()
-        try:
-            with trio.fail_after(self.config.setup_timeout):
-                hello = await _read_msg(stream)
-                tag = hello.get("tag")
-                if not isinstance(tag, bytes):
-                    raise ValueError("no session tag")
-                while tag not in self._rounds:  # the sender may start first: wait for us
-                    await trio.sleep(0.01)
-                pending = self._rounds[tag]
-                if pending.prev != sender:
-                    raise PermissionError("not our ring predecessor for this round")
-                secret, token = new_secret(), os.urandom(TOKEN_LEN)
-                pending.key = derive_key(secret, sender, self.identity.peer_id, tag)
-                raw_done = trio.Event()
-                self._tokens[token] = (pending, raw_done)
-                await stream.write(_pack({"secret": secret, "port": self.port if self.config.direct else 0,
-                                          "token": token}))
-                choice = await _read_msg(stream)
-                if choice.get("path") == "direct":
-                    await raw_done.wait()
-                    await stream.close()
-                else:
-                    self._tokens.pop(token, None)
-                    pending.channel = FrameChannel(StreamIO(stream, self.config.frame_timeout), pending.key,
-                                                   tag, ID(sender).to_base58())
-            pending.ready.set()
-        except Exception as exc:
-            log.warning("bulk session from %s refused: %s", ID(sender), exc)
-            with trio.move_on_after(1):
-                await stream.reset()
 
     async def _handle_vote(self, stream) -> None:
         sender = stream.muxed_conn.peer_id.to_bytes()
         try:
             with trio.fail_after(5):
-                msg = await _read_msg(stream)
+                msg = await read_msg(stream)
             tag = msg.get("tag")
             if not isinstance(tag, bytes):
                 raise ValueError("malformed message")
@@ -255,10 +186,12 @@ class AllReduceService:
 
     # -- rounds ----------------------------------------------------------------------
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
-                        own: list | None = None, check=None, robust=None) -> RoundResult:
+                        own: list | None = None, check=None, robust=None,
+                        out: np.ndarray | None = None) -> RoundResult:
         """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
 
-        `own` and `check` are passed to the data plane (see `p2ptrain.ring.allreduce`).
+        `own`, `check` and `out` (a buffer for the result, reused across rounds saves page
+        faults) are passed to the data plane (see `p2ptrain.ring.allreduce`).
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.butterfly.allreduce`; `own`, `check` as it defines)."""
         me = self.identity.peer_id
@@ -269,41 +202,39 @@ class AllReduceService:
         tag = session_tag(run_id, round_id)
         if tag in self._rounds:
             raise RoundFailed(f"round {round_id} already running")
-        # A robust round's sessions live under per-sender tags (_open_mesh): none under this one.
-        pending = _Pending(prev=ids[(rank - 1) % world] if robust is None else b"", tag=tag)
+        config = self.config  # one config for the whole round
+        pending = _Pending(tag)
         pending.votes.update(self._early_votes.pop(tag, {}))
         self._rounds[tag] = pending
         t0 = trio.current_time()
-        send_ch = None
         mesh = _Mesh()
         channels = mesh.channels  # every channel of this round, closed on abort and at the end
         path = "none"
-        voted = False
+        voted = committed = False
         scores = None
         try:
             if world > 1:
-                with trio.fail_after(self.config.setup_timeout):
+                with trio.fail_after(config.setup_timeout):
                     if robust is None:
-                        send_ch, path = await self._open_session(ids[(rank + 1) % world], tag)
-                        channels.append(send_ch)
-                        await pending.ready.wait()
-                        channels.append(pending.channel)
+                        path = await self._open_ring(mesh, ids, rank, tag)
                     else:
                         path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
             t_setup = trio.current_time()
-            cfg = RingConfig(self.config.mode, sub_chunk_bytes=self.config.sub_chunk_bytes)
+            cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
             failure: RingError | None = None
+            t_data = t_setup
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._abort_on_vote, pending, channels)
                 try:
                     if robust is None:
-                        result, sent, digest = await trio.to_thread.run_sync(
-                            ring_allreduce, vec, rank, world, send_ch, pending.channel, cfg,
-                            self.config.frame_timeout, own, check)
+                        result, sent, digest, t_data = await trio.to_thread.run_sync(
+                            self._ring_and_votes, vec, rank, world, mesh, cfg, config.frame_timeout, own,
+                            check, out, ids, tag)
                     else:
                         result, sent, digest, scores = await trio.to_thread.run_sync(
                             butterfly.allreduce, vec, rank, world, mesh.sends, mesh.recvs, cfg, robust,
-                            self.config.frame_timeout, own, check)
+                            config.frame_timeout, own, check)
+                        t_data = trio.current_time()
                 except RingError as exc:
                     failure = exc
                 nursery.cancel_scope.cancel()
@@ -318,17 +249,25 @@ class AllReduceService:
                 aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
                 raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}",
                                   self._blamed(pending))
-            t_data = trio.current_time()
-            await self._vote(ids, tag, True, digest)
-            await self._collect(pending, ids, digest)
+            if robust is None:
+                # Every member's signed vote arrived on the ring; an abort that raced it still wins.
+                aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+                if aborted:
+                    raise RoundFailed(f"{aborted[0]} aborted the round", self._blamed(pending))
+            else:
+                t_data = trio.current_time()
+                await self._vote(ids, tag, True, digest)
+                await self._collect(pending, ids, digest, config.commit_timeout)
+            committed = True
             t_end = trio.current_time()
             return RoundResult(result, digest, sent, t_end - t0, path,
                                {"setup": round(t_setup - t0, 4), "data": round(t_data - t_setup, 4),
-                                "commit": round(t_end - t_data, 4)}, scores)
+                                "commit": round(t_end - t_data, 4)}, scores,
+                               reused=path == "direct" and len(mesh.reused) == 2)
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None
-        except (ControlError, EOFError, OSError, BaseLibp2pError) as exc:
+        except (ControlError, EOFError, OSError, BaseLibp2pError, RingError) as exc:
             # A successor that died or answered garbage during setup fails the round, never the node.
             await self._vote(ids, tag, False, "")
             raise RoundFailed(f"bulk session setup failed: {exc!r}"[:300]) from None
@@ -338,13 +277,47 @@ class AllReduceService:
             exc.blamed.update(self._blamed(pending))
             raise
         finally:
-            late = [self._rounds[t].channel for t in mesh.tags if t in self._rounds]  # set after a timeout
-            for ch in [*channels, pending.channel, *late]:
+            # Inbound sessions that completed after a timeout are closed too.
+            late = [inb for inb in map(self.sessions.forget, mesh.tags) if inb is not None]
+            late_channels = [inb.channel for inb in late if inb.channel not in channels]
+            if committed:
+                # At a frame boundary on both ends: the links serve the next round.
+                self.sessions.keep(mesh.out_links, mesh.in_links)
+                kept = set(map(id, mesh.link_channels))
+                channels[:] = [ch for ch in channels if id(ch) not in kept]
+            for ch in [*channels, *late_channels]:
                 if ch is not None:
-                    await trio.to_thread.run_sync(ch.close)
+                    await trio.to_thread.run_sync(ch.close, committed)
             self._rounds.pop(tag, None)
-            for sub in mesh.tags:
-                self._rounds.pop(sub, None)
+
+    def _ring_and_votes(self, vec, rank, world, mesh: "_Mesh", cfg, timeout, own, check, out, ids, tag):
+        """The data plane, then the signed votes on the same channels (worker thread)."""
+        send_ch, recv_ch = mesh.sends[0], mesh.recvs[0]
+        result, sent, digest = ring_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check,
+                                              out, self._arenas)
+        t_data = trio.from_thread.run_sync(trio.current_time)
+        publics = [public_from_peer_id_bytes(p) for p in ids]
+        ringvote.gather(send_ch, recv_ch, rank, world, tag, bytes.fromhex(digest), self.identity.sign,
+                        lambda i, sig, msg: verify(publics[i], sig, msg))
+        return result, sent, digest, t_data
+
+    async def _open_ring(self, mesh: "_Mesh", ids: list[bytes], rank: int, tag: bytes) -> str:
+        """Our channel to the successor and the one from the predecessor, set up together."""
+        world = len(ids)
+        inb = self.sessions.expect(ids[(rank - 1) % world], tag)
+        mesh.tags.append(tag)
+        paths = []
+
+        async def out() -> None:
+            ch, p, link = await self.sessions.open_out(ids[(rank + 1) % world], tag)
+            mesh.add_send(0, ch, link)
+            paths.append(p)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(out)
+            await self.sessions.wait_in(inb)
+            mesh.add_recv(0, inb)
+        return paths[0]
 
     @staticmethod
     def _blamed(pending: _Pending) -> dict[str, str]:
@@ -363,60 +336,31 @@ class AllReduceService:
     async def _open_mesh(self, mesh: "_Mesh", ids: list[bytes], rank: int, run_id: str, round_id: str) -> str:
         """Butterfly sessions: one to and one from every other member. Each direction is an
         ordinary ring session under its own tag (round, sender), so the session handlers
-        above serve it unchanged and a frame for one pair opens nowhere else."""
+        serve it unchanged and a frame for one pair opens nowhere else."""
         me = self.identity.peer_id
-        inbound = {}
+        inbound: dict[int, Inbound] = {}
         for i, peer in enumerate(ids):
             if i != rank:
                 sub = session_tag(run_id, f"{round_id}/from/{ID(peer).to_base58()}")
-                inbound[i] = self._rounds[sub] = _Pending(prev=peer, tag=sub)
+                inbound[i] = self.sessions.expect(peer, sub)
                 mesh.tags.append(sub)
         paths = set()
 
         async def out(i: int) -> None:
-            ch, p = await self._open_session(ids[i], session_tag(run_id, f"{round_id}/from/{ID(me).to_base58()}"))
-            mesh.sends[i] = ch
-            mesh.channels.append(ch)
+            ch, p, link = await self.sessions.open_out(
+                ids[i], session_tag(run_id, f"{round_id}/from/{ID(me).to_base58()}"))
+            mesh.add_send(i, ch, link)
             paths.add(p)
+
+        async def inn(i: int) -> None:
+            await self.sessions.wait_in(inbound[i])
+            mesh.add_recv(i, inbound[i])
 
         async with trio.open_nursery() as nursery:
             for i in inbound:
                 nursery.start_soon(out, i)
-        for i, pend in inbound.items():
-            await pend.ready.wait()
-            mesh.recvs[i] = pend.channel
-            mesh.channels.append(pend.channel)
+                nursery.start_soon(inn, i)
         return paths.pop() if len(paths) == 1 else "mixed"
-
-    async def _open_session(self, nxt: bytes, tag: bytes) -> tuple[FrameChannel, str]:
-        stream = await self.host.new_stream(ID(nxt), [BULK_PROTOCOL])
-        await stream.write(_pack({"tag": tag}))
-        reply = await _read_msg(stream)
-        secret, port, token = reply.get("secret"), reply.get("port"), reply.get("token")
-        if not (isinstance(secret, bytes) and len(secret) == 32 and isinstance(token, bytes)
-                and isinstance(port, int)):
-            raise RoundFailed("malformed bulk session reply")
-        key = derive_key(secret, self.identity.peer_id, nxt, tag)
-        remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
-        # Through a relay or a punched NAT the peer's bulk port is unreachable (a NAT router
-        # drops the SYN: a 3 s timeout every round), so only plain direct links try it.
-        from p2ptrain.nat import DIRECT, connection_kinds
-
-        plain = connection_kinds(self.host).get(ID(nxt).to_base58(), DIRECT) == DIRECT
-        if port and remote and self.config.direct and plain:
-            try:
-                sock = await trio.to_thread.run_sync(_dial, remote[0], port, token)
-            except OSError as exc:
-                log.info("direct bulk dial to %s:%d failed (%s): using the libp2p stream", remote[0], port, exc)
-            else:
-                await stream.write(_pack({"path": "direct"}))
-                with trio.move_on_after(1):
-                    await stream.close()
-                io = self._wrap(SocketIO(sock, self.config.frame_timeout))
-                return FrameChannel(io, key, tag, ID(nxt).to_base58()), "direct"
-        await stream.write(_pack({"path": "libp2p"}))
-        io = self._wrap(StreamIO(stream, self.config.frame_timeout))
-        return FrameChannel(io, key, tag, ID(nxt).to_base58()), "libp2p"
 
     async def _vote(self, ids: list[bytes], tag: bytes, ok: bool, digest: str, blame: str = "",
                     reason: str = "") -> None:
@@ -456,9 +400,9 @@ class AllReduceService:
                 if peer != self.identity.peer_id:
                     nursery.start_soon(one, peer)
 
-    async def _collect(self, pending: _Pending, ids: list[bytes], digest: str) -> None:
+    async def _collect(self, pending: _Pending, ids: list[bytes], digest: str, timeout: float) -> None:
         others = [p for p in ids if p != self.identity.peer_id]
-        with trio.move_on_after(self.config.commit_timeout):
+        with trio.move_on_after(timeout):
             while True:
                 for peer in others:
                     vote = pending.votes.get(peer)
@@ -471,17 +415,39 @@ class AllReduceService:
                 pending.vote_event = trio.Event()
                 await pending.vote_event.wait()
         missing = [ID(p).to_base58() for p in others if p not in pending.votes]
-        raise RoundFailed(f"no vote from {', '.join(missing)} within {self.config.commit_timeout:.0f}s")
+        raise RoundFailed(f"no vote from {', '.join(missing)} within {timeout:.0f}s")
 
 
 @dataclass
 class _Mesh:
-    """A butterfly round's channels by member index, and the session tags it registered."""
+    """A round's channels by member index, the links under them, and its session tags."""
 
     sends: dict = field(default_factory=dict)
     recvs: dict = field(default_factory=dict)
     channels: list = field(default_factory=list)
     tags: list = field(default_factory=list)
+    out_links: list = field(default_factory=list)
+    in_links: list = field(default_factory=list)
+    link_channels: list = field(default_factory=list)
+    reused: list = field(default_factory=list)
+
+    def add_send(self, i: int, ch, link) -> None:
+        self.sends[i] = ch
+        self.channels.append(ch)
+        if link is not None:
+            self.out_links.append(link)
+            self.link_channels.append(ch)
+            if link.rounds:
+                self.reused.append(link)
+
+    def add_recv(self, i: int, inb: Inbound) -> None:
+        self.recvs[i] = inb.channel
+        self.channels.append(inb.channel)
+        if inb.link is not None:
+            self.in_links.append(inb.link)
+            self.link_channels.append(inb.channel)
+            if inb.link.rounds:
+                self.reused.append(inb.link)
 
 
 def _warm_kernels() -> None:

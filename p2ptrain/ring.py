@@ -21,7 +21,6 @@ every frame arrived and verified. Whether to apply it is the commit protocol's d
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import queue
 import threading
@@ -152,65 +151,140 @@ class _Pump(threading.Thread):
             self.error = exc
 
 
+class _Sender(threading.Thread):
+    """Seals and sends queued frames in order, so the compute thread never blocks on send:
+    a ring whose members all block in send() while nobody reads deadlocks. On failure it
+    closes the receive channel too, which wakes the compute thread out of recv()."""
+
+    def __init__(self, ch: Channel, recv_ch: Channel) -> None:
+        super().__init__(daemon=True, name="ring-send")
+        self.ch, self.recv_ch = ch, recv_ch
+        self.q: "queue.Queue" = queue.Queue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self.ch.send(*item)
+            except BaseException as exc:  # reported to the compute thread
+                self.error = exc
+                self.recv_ch.close()
+
+
+class _Arena:
+    """One preallocated wire buffer holding a payload per (chunk, sub), in (chunk, sub)
+    order. np.empty, not bytearray: nothing is zero-filled, every byte is written before it
+    is read or sent."""
+
+    def __init__(self, lay: list[list[tuple[int, int]]], cfg: RingConfig) -> None:
+        self.cfg = cfg
+        self.at: dict[tuple[int, int], tuple[int, int, int]] = {}  # (c, j) -> (offset, nbytes, m)
+        off = 0
+        for c, subs in enumerate(lay):
+            for j, (lo, hi) in enumerate(subs):
+                nb = wire_bytes(hi - lo, cfg)
+                self.at[(c, j)] = (off, nb, hi - lo)
+                off += nb
+        self.buf = np.empty(off, np.uint8)
+
+    def view(self, c: int, j: int) -> memoryview:
+        off, nb, _ = self.at[(c, j)]
+        return memoryview(self.buf[off:off + nb])
+
+    def parts(self, c: int, j: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Array views of one payload: (fp32 values, None) or (int8 q, uint8 meta)."""
+        off, nb, m = self.at[(c, j)]
+        if self.cfg.mode == "fp32":
+            return self.buf[off:off + nb].view(np.float32), None
+        return self.buf[off:off + m].view(np.int8), self.buf[off + m:off + nb]
+
+
+class ArenaPool:
+    """Keeps a round's wire arenas for the next round of the same shape (thread-safe).
+
+    Fresh buffers cost a page fault per 4 KiB on every round: ~8 ms of a member's ~100 ms of
+    CPU in a 64 MiB round here. The raw-socket ceiling allocates once too. Holds at most
+    `limit` arenas (two per ring round, about half the fp32 tensor's size between them)."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self.limit = limit
+        self._free: list[tuple[tuple, _Arena]] = []
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple, lay, cfg: RingConfig) -> _Arena:
+        with self._lock:
+            for i, (k, arena) in enumerate(self._free):
+                if k == key:
+                    return self._free.pop(i)[1]
+        return _Arena(lay, cfg)
+
+    def give(self, key: tuple, arena: _Arena | None) -> None:
+        if arena is None:
+            return
+        with self._lock:
+            self._free.append((key, arena))
+            if len(self._free) > self.limit:
+                del self._free[:len(self._free) - self.limit]
+
+
+def _split(buf, m: int) -> tuple[np.ndarray, np.ndarray]:
+    a = np.frombuffer(buf, np.uint8)
+    return a[:m].view(np.int8), a[m:]
+
+
 def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, recv_ch: Channel | None,
               cfg: RingConfig, timeout: float = 30.0, own: list[bytearray] | None = None,
-              check=None) -> tuple[np.ndarray, int, str]:
-    """Mean of every member's `vec` as a new array, the payload bytes this rank sent, and
-    the result's digest.
+              check=None, out: np.ndarray | None = None,
+              pool: ArenaPool | None = None) -> tuple[np.ndarray, int, str]:
+    """Mean of every member's `vec` as a new array (or in `out`, which then holds garbage
+    if the round fails), the payload bytes this rank sent, and the result's digest.
 
     The digest is SHA-256 over the SHA-256 of every final sub-chunk payload in (chunk, sub)
     order. Every member decodes its result from exactly those bytes, so equal digests mean
-    equal results; hashing them as they arrive keeps the commit vote off the critical path
-    (hashing the 64 MiB fp32 result afterwards cost ~12 % of a round).
+    equal results; hashing each one right after it is forwarded keeps the digest off the
+    critical path (hashing the 64 MiB fp32 result afterwards cost ~12 % of a round).
 
     `own`: this rank's step-0 payloads (its own chunk, already encoded, e.g. so their digests
     could be signed first). `check(step, chunk, sub, payload, values)`: called on every
     received frame with the fp32 values it decodes to, before anything is mixed in; an
-    exception with a `peer` attribute aborts the round blaming that peer.
+    exception with a `peer` attribute aborts the round blaming that peer. It must not keep
+    `payload`: the buffer is reused. `pool` lends the wire buffers (see ArenaPool).
 
-    Raises RingError on any failure (including no frame for `timeout` seconds); `vec` is
-    never modified."""
+    Like the raw-socket ceiling (p2ptrain/bench/raw_ring.py), this thread receives straight
+    into preallocated buffers and only sending has its own thread: no receive pump, no
+    per-frame allocation.
+
+    Raises RingError on any failure (including no frame for `timeout` seconds, which the
+    channels enforce per operation); `vec` is never modified."""
     vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    if out is not None and (out.dtype != np.float32 or out.shape != vec.shape or not out.flags.c_contiguous
+                            or np.shares_memory(out, vec)):
+        raise ValueError("out must be a C-contiguous float32 array shaped like vec, not sharing its memory")
     if world == 1:
         return vec.copy(), 0, hashlib.sha256(vec.data).hexdigest()
     _set_kernel_threads(cfg.kernel_threads)
     lay = layout(vec.size, world, cfg)
     sends, recvs = schedule(rank, world, lay)
-    result = np.empty_like(vec)
+    fp32 = cfg.mode == "fp32"
+    result = np.empty_like(vec) if out is None else out
     inv = np.float32(1.0 / world)
-    outq: "queue.Queue" = queue.Queue()
-    inq: "queue.Queue" = queue.Queue()
-    stop = threading.Event()
-
-    def send_loop() -> None:
-        while not stop.is_set():
-            item = outq.get()
-            if item is None:
-                return
-            send_ch.send(*item)
-
-    def recv_loop() -> None:
-        for fid, c, j in recvs:
-            lo, hi = lay[c][j]
-            buf = bytearray(wire_bytes(hi - lo, cfg))
-            got = recv_ch.recv(fid, memoryview(buf))
-            if got != len(buf):
-                raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
-            inq.put(buf)
-            if stop.is_set():
-                return
-
-    sender, receiver = _Pump("ring-send", send_loop), _Pump("ring-recv", recv_loop)
-    pending: dict[tuple[int, int], bytearray] = {}  # (chunk, sub) -> payload to send next
+    # Reduce-scatter payloads we send (each (chunk, sub) is sent once) and, in int8 mode, the
+    # owners' final payloads that the all-gather receives and forwards. fp32 all-gather
+    # frames land straight in `result`.
+    pool = pool or ArenaPool(0)
+    key = (vec.size, world, cfg.mode, cfg.block, cfg.sub_chunk_bytes)
+    rs = pool.take(key, lay, cfg)
+    fin = None if fp32 else pool.take(key, lay, cfg)
+    scratch = np.empty(max(nb for _, nb, _ in rs.at.values()), np.uint8)
+    sender = _Sender(send_ch, recv_ch)
+    ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
     final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> sha256 of its final payload
-    si = 0
-    sent = 0
-
-    views = functools.partial(payload_views, cfg=cfg)
-    encode = functools.partial(encode_payload, cfg=cfg)
-
-    def split(buf: bytearray, m: int) -> tuple[np.ndarray, np.ndarray]:
-        return np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
+    si = sent = 0
 
     def flush() -> None:
         """Queue every send whose payload exists, in schedule order."""
@@ -219,28 +293,40 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
             fid, c, j = sends[si]
             if fid.step == 0:
                 lo, hi = lay[c][j]
-                payload = own[j] if own is not None else encode(vec[lo:hi])
-            elif (c, j) in pending:
-                payload = pending.pop((c, j))
+                if own is not None:
+                    payload = memoryview(own[j])
+                elif fp32:
+                    payload = memoryview(vec[lo:hi]).cast("B")
+                else:
+                    q, meta = rs.parts(c, j)
+                    K.quantize(vec[lo:hi], cfg.block, q=q, meta=meta)
+                    payload = rs.view(c, j)
+            elif (c, j) in ready:
+                payload = ready.pop((c, j))
             else:
                 return
-            outq.put((fid, memoryview(payload)))
+            sender.q.put((fid, payload))
             sent += len(payload)
             si += 1
 
     try:
         sender.start()
-        receiver.start()
         flush()
         for fid, c, j in recvs:
-            buf = _get(inq, timeout, receiver, sender)
             lo, hi = lay[c][j]
             m, local = hi - lo, vec[lo:hi]
+            gather = fid.step >= world - 1
+            if not gather:
+                buf = memoryview(scratch[:wire_bytes(m, cfg)])
+            elif fp32:
+                buf = memoryview(result[lo:hi]).cast("B")
+            else:
+                buf = fin.view(c, j)
+            got = recv_ch.recv(fid, buf)
+            if got != len(buf):
+                raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
             if check is not None:
-                if cfg.mode == "fp32":
-                    values = np.frombuffer(buf, np.float32)
-                else:
-                    values = K.dequantize(*split(buf, m), cfg.block)
+                values = np.frombuffer(buf, np.float32) if fp32 else K.dequantize(*_split(buf, m), cfg.block)
                 try:
                     check(fid.step, c, j, buf, values)
                 except Exception as exc:
@@ -248,64 +334,55 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
                         raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
                     raise
             if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
-                out, a, meta = views(m)
-                if cfg.mode == "fp32":
-                    np.add(np.frombuffer(buf, np.float32), local, out=a)
+                if fp32:
+                    np.add(np.frombuffer(buf, np.float32), local, out=rs.parts(c, j)[0])
                 else:
-                    K.ring_hop(*split(buf, m), local, cfg.block, q_out=a, meta_out=meta)
-                pending[(c, j)] = out
+                    q, meta = rs.parts(c, j)
+                    K.ring_hop(*_split(buf, m), local, cfg.block, q_out=q, meta_out=meta)
+                ready[(c, j)] = rs.view(c, j)
+                flush()
             elif fid.step == world - 2:  # we own this chunk: the mean, quantized once
-                out, a, meta = views(m)
-                if cfg.mode == "fp32":
-                    np.multiply(np.frombuffer(buf, np.float32) + local, inv, out=a)
-                    result[lo:hi] = a
+                if fp32:
+                    out = result[lo:hi]
+                    np.add(np.frombuffer(buf, np.float32), local, out=out)
+                    np.multiply(out, inv, out=out)
+                    payload = memoryview(out).cast("B")
                 else:
-                    K.owner_hop(*split(buf, m), local, float(inv), cfg.block, q_out=a, meta_out=meta,
+                    q, meta = fin.parts(c, j)
+                    K.owner_hop(*_split(buf, m), local, float(inv), cfg.block, q_out=q, meta_out=meta,
                                 out=result[lo:hi])
-                pending[(c, j)] = out
-                final[(c, j)] = hashlib.sha256(out).digest()
-            else:  # all-gather: decode, forward the very same bytes
-                if cfg.mode == "fp32":
-                    result[lo:hi] = np.frombuffer(buf, np.float32)
-                else:
-                    K.dequantize(*split(buf, m), cfg.block, out=result[lo:hi])
-                final[(c, j)] = hashlib.sha256(buf).digest()
+                    payload = fin.view(c, j)
+                ready[(c, j)] = payload
+                flush()
+                final[(c, j)] = hashlib.sha256(payload).digest()
+            else:  # all-gather: forward the very same bytes first, then decode
                 if fid.step < 2 * world - 3:
-                    pending[(c, j)] = buf
-            flush()
+                    ready[(c, j)] = buf
+                    flush()
+                if not fp32:
+                    K.dequantize(*_split(buf, m), cfg.block, out=result[lo:hi])
+                final[(c, j)] = hashlib.sha256(buf).digest()
         if si != len(sends):
             raise RingError(f"schedule incomplete: {len(sends) - si} frames never sent")
-        outq.put(None)
+        sender.q.put(None)
         sender.join(timeout)
         if sender.is_alive() or sender.error is not None:
             raise RingError(f"send failed: {sender.error or 'timeout'}")
-    except RingError:
+    except RingError as exc:
+        if sender.error is not None and "send failed" not in str(exc):
+            raise RingError(f"send failed: {sender.error}") from exc
         raise
     except Exception as exc:
         raise RingError(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        stop.set()
-        outq.put(None)
-    digest = hashlib.sha256(b"".join(final[k] for k in sorted(final))).hexdigest()
+        sender.error = sender.error or RingError("round over")  # drops anything still queued
+        sender.q.put(None)
+        if not sender.is_alive():  # else it may still read them: let them go
+            pool.give(key, rs)
+            pool.give(key, fin)
     if len(final) != sum(len(subs) for subs in lay):
         raise RingError("result incomplete")
-    return result, sent, digest
-
-
-def _get(inq: "queue.Queue", timeout: float, receiver: _Pump, sender: _Pump) -> bytearray:
-    """Next received frame; fails fast when either pump died, and after `timeout` idle seconds."""
-    waited = 0.0
-    while True:
-        try:
-            return inq.get(timeout=0.2)
-        except queue.Empty:
-            waited += 0.2
-        for pump in (receiver, sender):
-            if pump.error is not None:
-                err = pump.error
-                raise RingError(f"{pump.name}: {err}") from err
-        if waited >= timeout:
-            raise RingError(f"no frame for {timeout:.0f}s")
+    return result, sent, hashlib.sha256(b"".join(final[k] for k in sorted(final))).hexdigest()
 
 
 def _set_kernel_threads(n: int) -> None:

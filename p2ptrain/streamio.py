@@ -46,9 +46,14 @@ class StreamIO:
         with trio.fail_after(self.timeout):
             return await read_exactly(self.stream, n)
 
-    def close(self) -> None:
+    async def _close(self) -> None:
+        with trio.move_on_after(self.timeout):
+            await self.stream.close()
+
+    def close(self, graceful: bool = False) -> None:
+        # A reset may drop frames the peer has not read yet: only for aborted rounds.
         try:
-            trio.from_thread.run(self.stream.reset, trio_token=self.token)
+            trio.from_thread.run(self._close if graceful else self.stream.reset, trio_token=self.token)
         except Exception:
             pass
 

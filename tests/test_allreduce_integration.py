@@ -41,6 +41,16 @@ def test_round_commits_identical_result(procs, direct):
     exact = np.mean([make_tensor(100 + i, n).astype(np.float64) for i in range(3)], axis=0)
     err = np.linalg.norm(np.load(dump) - exact) / np.linalg.norm(exact)
     assert err <= 0.01, err
+    assert not any(r["reused"] for r in res)  # a first round opens sessions over libp2p
+    # Another ring order: new neighbours, fresh sessions, while the first links stay idle.
+    res = run_round(ws, members[::-1], "r2", n)
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res
+    assert not any(r["reused"] for r in res)
+    # The first order again: direct rounds open on the idle links without touching libp2p.
+    res = run_round(ws, members, "r3", n)
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res
+    assert len({r["digest"] for r in res}) == 1
+    assert [r["reused"] for r in res] == [direct] * 3
 
 
 def test_sigkill_mid_round_aborts_everyone_then_survivors_commit(procs):

@@ -200,7 +200,7 @@ class BytesIO:
     def sendall(self, parts) -> None:
         self.data = memoryview(b"".join(bytes(p) for p in parts))
 
-    def close(self) -> None:
+    def close(self, graceful: bool = False) -> None:
         pass
 
 

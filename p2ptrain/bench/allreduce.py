@@ -6,7 +6,9 @@ All in one run, each peer its own process on 127.0.0.1:
   - the ceiling: a plain ring over raw AES-GCM sockets (`p2ptrain.bench.raw_ring`);
   - hivemind's DecentralizedAverager, no compression and fp16 (its 8-bit codecs are broken
     under NumPy 2), in its own processes (`p2ptrain.bench.hivemind_allreduce`).
-MiB/s = fp32 tensor MiB / round seconds (slowest member), median of ROUNDS after a warm-up.
+MiB/s = fp32 tensor MiB / round seconds, median of ROUNDS after a warm-up. Our rounds start at a
+barrier (one CLOCK_MONOTONIC instant for every member, as the ceiling's multiprocessing
+barrier) and end when the last member has committed, votes included.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -43,18 +46,23 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
         for i, w in enumerate(ws):
             w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
         prepared = [w.wait_event(lambda e: e["event"] == "prepared", 120)["rss_mib"] for w in ws]
-        secs, digests, rss = [], set(), []
+        secs, digests, rss, cpu, reused = [], set(), [], [], []
         for k in range(rounds + 1):
             rid = f"{mode}-{k}"
+            # A barrier like the ceiling's: all members start at one CLOCK_MONOTONIC instant
+            # (after their reset copy), and a round lasts until the last member commits.
+            start_at = time.monotonic() + 0.3
             for i, w in enumerate(ws):
                 w.send({"cmd": "round", "round": rid, "members": members, "seed": 1000 + i, "n": n,
-                        "mode": mode, "reset": True})
+                        "mode": mode, "reset": True, "start_at": start_at})
             res = [w.wait_event(lambda e: e.get("round") == rid and e["event"] in ("round_committed", "round_failed"),
                                 300) for w in ws]
             if any(r["event"] != "round_committed" for r in res):
                 raise RuntimeError(f"round {rid} failed: {[r.get('reason') for r in res]}")
             if k:
-                secs.append(max(r["seconds"] for r in res))
+                secs.append(max(r["ended"] for r in res) - start_at)
+                cpu.append(statistics.mean(r["cpu_s"] for r in res))
+                reused.append(all(r["reused"] for r in res))
                 digests |= {r["digest"] for r in res}
                 rss = [max(a, r["rss_mib"]) for a, r in zip(rss or [0] * peers, res)]
         dump = work / f"{mode}.npy"
@@ -73,7 +81,9 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
     return {"event": "bench_allreduce_p2ptrain", "mode": mode, "path": "direct" if direct else "libp2p",
             "peers": peers, "mb": mb, "mib_s": {"median": round(statistics.median(mib_s), 1),
                                                   "all": [round(x, 1) for x in mib_s]},
-            "rel_err": err, "identical": len(digests) == 1, "peak_rss_mib": rss, "idle_rss_mib": idle,
+            "rel_err": err, "identical": len(digests) == 1,
+            "round_s": {"median": round(statistics.median(secs), 4), "all": [round(x, 4) for x in secs]},
+            "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
             # What the all-reduce itself adds on top of a process holding its input tensor
             # (the harness also keeps a pristine copy to reset rounds: that copy is excluded).

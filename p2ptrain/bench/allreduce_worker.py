@@ -20,6 +20,7 @@ import json
 import logging
 import resource
 import sys
+import time
 
 import numpy as np
 import trio
@@ -36,6 +37,12 @@ def make_tensor(seed: int, n: int) -> np.ndarray:
 
 def _sha(x: np.ndarray) -> str:
     return hashlib.sha256(x.tobytes()).hexdigest()
+
+
+def _cpu() -> float:
+    """CPU seconds of this whole process (all threads), user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def _rss_mib() -> float:
@@ -57,6 +64,7 @@ async def main(args) -> None:
     node = Node(identity, NodeConfig(listen=[args.listen]), EventSink(identity.peer_id_str, False))
     tensor: np.ndarray | None = None
     pristine: np.ndarray | None = None
+    spare: np.ndarray | None = None
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         configs: dict[str, AllReduceService] = {}
@@ -108,16 +116,25 @@ async def main(args) -> None:
             svc = await service_for(cmd.get("mode", "int8"))
             # Hashing 64 MiB costs CPU the other members need: only when a test asks.
             before = _sha(tensor) if cmd.get("verify") else ""
+            if cmd.get("start_at"):
+                # A barrier, as the raw-socket ceiling's: every member starts at the same
+                # CLOCK_MONOTONIC instant (shared by all processes on Linux), after its reset
+                # copy and command parsing, so start skew is not counted as round time.
+                await trio.sleep(max(0.0, float(cmd["start_at"]) - time.monotonic()))
             events.emit("round_started", round=cmd["round"])
+            cpu0 = _cpu()
             try:
-                res = await svc.allreduce(tensor, cmd.get("run", "bench"), cmd["round"], [m[0] for m in cmd["members"]])
+                res = await svc.allreduce(tensor, cmd.get("run", "bench"), cmd["round"], [m[0] for m in cmd["members"]],
+                                          out=spare if spare is not None and spare.shape == tensor.shape else None)
             except RoundFailed as exc:
                 events.emit("round_failed", round=cmd["round"], reason=str(exc), tensor_before=before,
                             tensor_after=_sha(tensor) if cmd.get("verify") else "")
                 continue
-            tensor = res.result
+            # Double buffering, as a trainer would: the old tensor receives the next result.
+            spare, tensor = tensor, res.result
             events.emit("round_committed", round=cmd["round"], digest=res.digest, seconds=round(res.seconds, 4),
-                        path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1), phases=res.phases)
+                        path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1), phases=res.phases,
+                        ended=time.monotonic(), cpu_s=round(_cpu() - cpu0, 4), reused=res.reused)
         nursery.cancel_scope.cancel()
 
 
