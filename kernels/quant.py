@@ -27,6 +27,7 @@ well under a second.
 from __future__ import annotations
 
 import numpy as np
+import numba
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
@@ -355,7 +356,7 @@ def _deq_sup(q, meta, out, add, block, n, j):
 
 # The per-tile functions are deliberately not inlined: the parallel loop body stays a single
 # call, which keeps numba's parfor passes (and so the cold compile time) small.
-_TKW = dict(cache=True, error_model="numpy")
+_TKW = dict(cache=True, error_model="numpy", nogil=True)
 
 
 @njit(**_TKW)
@@ -458,17 +459,33 @@ def _ro(a: np.ndarray) -> np.ndarray:
     return v
 
 
+def _serial() -> bool:
+    """One numba thread for this caller (the ring's setting): call the per-tile loop directly.
+    A parallel region with one thread still goes through the thread pool's launch and cost
+    ~10 % more CPU per call here; the loops are the same, so are the bits."""
+    return numba.get_num_threads() == 1
+
+
 def quantize(x, block=DEFAULT_BLOCK, q=None, meta=None):
     """fp32 x -> (q int8[n], meta uint8[meta_nbytes(n, block)])."""
     x, block, q, meta = check_quantize(x, block, q, meta)
     if x.size:
-        _quantize_par(_ro(x), np.uint64(block), q, meta, counts(x.size, block)[1], _NO_OUT)
+        n_sup = counts(x.size, block)[1]
+        if _serial():
+            _quantize_sups(_ro(x), np.uint64(block), q, meta, 0, n_sup, _NO_OUT,
+                           np.empty(_G, np.int32), np.empty(2 * _G, np.float32))
+        else:
+            _quantize_par(_ro(x), np.uint64(block), q, meta, n_sup, _NO_OUT)
     return q, meta
 
 
 def _dequantize(q, meta, out, add, block):
     if q.size:
-        _deq_par(_ro(q), _ro(meta), out, add, np.uint64(block), counts(q.size, block)[1])
+        n_sup = counts(q.size, block)[1]
+        if _serial():
+            _deq_sups(_ro(q), _ro(meta), out, add, np.uint64(block), 0, n_sup)
+        else:
+            _deq_par(_ro(q), _ro(meta), out, add, np.uint64(block), n_sup)
     return out
 
 
@@ -492,8 +509,13 @@ def _hop(q_in, meta_in, local, mul, block, q_out, meta_out, out, owner):
     if owner:
         out = _out(out, np.float32, "out", n)
     if n:
-        _hop_par(_ro(q_in), _ro(meta_in), _ro(local), np.uint64(block), np.float32(mul), q_out,
-                 meta_out, out if owner else _NO_OUT, owner, counts(n, block)[1])
+        args = (_ro(q_in), _ro(meta_in), _ro(local), np.uint64(block), np.float32(mul), q_out,
+                meta_out, out if owner else _NO_OUT, owner)
+        if _serial():
+            _hop_sups(*args, 0, counts(n, block)[1], np.empty(_G, np.int32), np.empty(2 * _G, np.float32),
+                      np.empty(_G * block, np.float32))
+        else:
+            _hop_par(*args, counts(n, block)[1])
     return q_out, meta_out, out
 
 

@@ -215,10 +215,17 @@ class AllReduceService:
         try:
             if world > 1:
                 with trio.fail_after(config.setup_timeout):
-                    if robust is None:
-                        path = await self._open_ring(mesh, ids, rank, tag)
-                    else:
-                        path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
+                    async with trio.open_nursery() as nursery:
+                        # A member that failed before we are connected (its link was gone, say)
+                        # ends our setup too, instead of leaving us waiting for setup_timeout.
+                        nursery.start_soon(self._cancel_on_abort, pending, nursery.cancel_scope)
+                        if robust is None:
+                            path = await self._open_ring(mesh, ids, rank, tag)
+                        else:
+                            path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
+                        nursery.cancel_scope.cancel()
+                if self._aborted(pending):
+                    raise RoundFailed(f"{self._aborted(pending)[0]} aborted the round", self._blamed(pending))
             t_setup = trio.current_time()
             cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
             failure: RingError | None = None
@@ -246,12 +253,12 @@ class AllReduceService:
                     raise RoundFailed(f"bad data from {failure.blame}: {failure.reason}",
                                       {failure.blame: failure.reason} | self._blamed(pending))
                 await trio.sleep(0.2)  # an accuser's vote usually arrives right behind the failure
-                aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+                aborted = self._aborted(pending)
                 raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}",
                                   self._blamed(pending))
             if robust is None:
                 # Every member's signed vote arrived on the ring; an abort that raced it still wins.
-                aborted = [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+                aborted = self._aborted(pending)
                 if aborted:
                     raise RoundFailed(f"{aborted[0]} aborted the round", self._blamed(pending))
             else:
@@ -323,12 +330,24 @@ class AllReduceService:
     def _blamed(pending: _Pending) -> dict[str, str]:
         return {v["blame"]: v["reason"] for v in pending.votes.values() if not v["ok"] and v["blame"]}
 
-    async def _abort_on_vote(self, pending: _Pending, channels: list) -> None:
-        """An abort vote from anyone closes our channels, so our data plane fails now
-        rather than after frame_timeout."""
+    @staticmethod
+    def _aborted(pending: _Pending) -> list[str]:
+        return [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+
+    @staticmethod
+    async def _wait_abort(pending: _Pending) -> None:
         while not any(not v["ok"] for v in pending.votes.values()):
             pending.vote_event = trio.Event()
             await pending.vote_event.wait()
+
+    async def _cancel_on_abort(self, pending: _Pending, scope: trio.CancelScope) -> None:
+        await self._wait_abort(pending)
+        scope.cancel()
+
+    async def _abort_on_vote(self, pending: _Pending, channels: list) -> None:
+        """An abort vote from anyone closes our channels, so our data plane fails now
+        rather than after frame_timeout."""
+        await self._wait_abort(pending)
         for ch in list(channels):
             if ch is not None:
                 await trio.to_thread.run_sync(ch.close)

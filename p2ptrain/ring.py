@@ -67,8 +67,8 @@ class RingConfig:
     """'int8' (quantized wire, fp32 accumulation) or 'fp32' (exact, 4x the bytes)."""
     block: int = K.DEFAULT_BLOCK
     """Quantization sub-block size (see p2ptrain.kernels)."""
-    sub_chunk_bytes: int = 1 << 20
-    """Target fp32 bytes per pipelined sub-chunk (one frame)."""
+    sub_chunk_bytes: int = 4 << 20
+    """Target fp32 bytes per pipelined sub-chunk (one frame). Every member must use the same."""
     kernel_threads: int = 1
     """numba threads per kernel call. One is right: the ring already overlaps compute with
     two I/O threads, a serial kernel outruns any internet link, and parallel regions stall

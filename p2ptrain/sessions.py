@@ -108,7 +108,9 @@ class BulkSessions:
             try:
                 await trio.lowlevel.wait_readable(link.sock)
                 frame = bytearray(OPEN_LEN)
-                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame))
+                # Abandoned if a fresh session wins meanwhile: closing the link (below) ends
+                # the read, where waiting for it could take frame_timeout on a partial frame.
+                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), abandon_on_cancel=True)
                 key = check_open(link, self.identity.peer_id, inb.tag, bytes(frame))
             except (LinkError, RingError, OSError) as exc:
                 # Closed by the peer, or out of step (a round it abandoned): a fresh session

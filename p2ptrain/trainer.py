@@ -242,7 +242,8 @@ class Trainer:
     async def reduce(self, t: int, delta: np.ndarray, group: list[str], tokens: int, joining: bool = False):
         roster = list(group)
         stats = StepStats()
-        cfg = ring.RingConfig(self.mode)
+        # The layout must be the one the service's data plane uses (frame sizes included).
+        cfg = ring.RingConfig(self.mode, sub_chunk_bytes=self.svc.config.sub_chunk_bytes)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         for attempt in range(MAX_ATTEMPTS):
             roster = [p for p in roster if p not in self.ignored]

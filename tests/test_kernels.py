@@ -40,8 +40,18 @@ def _lengths(block: int) -> list[int]:
 CASES = [(n, b, kind) for b in BLOCKS for n in _lengths(b) for kind in ("gauss", "heavy")]
 
 
+@pytest.fixture(params=["pool", "serial"])
+def numba_threads(request):
+    """Both numba paths: the parallel region (default threads) and the direct per-tile loop
+    the ring takes with one thread per caller."""
+    saved = numba.get_num_threads()
+    numba.set_num_threads(1 if request.param == "serial" else numba.config.NUMBA_NUM_THREADS)
+    yield request.param
+    numba.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("n,block,kind", CASES)
-def test_parity_all_kernels(n, block, kind):
+def test_parity_all_kernels(n, block, kind, numba_threads):
     seed = n * 31 + block
     x, local, acc = _data(n, seed, kind), _data(n, seed + 1, kind), _data(n, seed + 2)
     qa, ma = NB.quantize(x, block)

@@ -151,7 +151,7 @@ def cli(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-direct", dest="direct", action="store_false", help="bulk bytes over libp2p only")
     ap.add_argument("--rate", type=float, default=0.0, help="bulk send cap, MB/s (0 = none)")
     ap.add_argument("--frame-timeout", type=float, default=20.0)
-    ap.add_argument("--sub-chunk-mb", type=float, default=1.0, help="fp32 MiB per pipelined frame")
+    ap.add_argument("--sub-chunk-mb", type=float, default=4.0, help="fp32 MiB per pipelined frame")
     ap.add_argument("--commit-timeout", type=float, default=10.0)
     args = ap.parse_args(argv)
     setup_logging()
