@@ -46,7 +46,7 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
         for i, w in enumerate(ws):
             w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
         prepared = [w.wait_event(lambda e: e["event"] == "prepared", 120)["rss_mib"] for w in ws]
-        secs, digests, rss, cpu, reused = [], set(), [], [], []
+        secs, own, digests, rss, cpu, reused = [], [], set(), [], [], []
         for k in range(rounds + 1):
             rid = f"{mode}-{k}"
             # A barrier like the ceiling's: all members start at one CLOCK_MONOTONIC instant
@@ -61,6 +61,7 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
                 raise RuntimeError(f"round {rid} failed: {[r.get('reason') for r in res]}")
             if k:
                 secs.append(max(r["ended"] for r in res) - start_at)
+                own.append(max(r["seconds"] for r in res))  # each member's own clock, for comparison
                 cpu.append(statistics.mean(r["cpu_s"] for r in res))
                 reused.append(all(r["reused"] for r in res))
                 digests |= {r["digest"] for r in res}
@@ -83,6 +84,8 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
                                                   "all": [round(x, 1) for x in mib_s]},
             "rel_err": err, "identical": len(digests) == 1,
             "round_s": {"median": round(statistics.median(secs), 4), "all": [round(x, 4) for x in secs]},
+            # The longest any member's own allreduce() call took (the pre-barrier measure).
+            "member_round_s_max": {"median": round(statistics.median(own), 4)},
             "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
             # What the all-reduce itself adds on top of a process holding its input tensor
