@@ -299,10 +299,12 @@ class AllReduceService:
 
     def _ring_and_votes(self, vec, rank, world, mesh: "_Mesh", cfg, timeout, own, check, out, ids, tag):
         """The data plane, then the signed votes on the same channels (worker thread)."""
-        send_ch, recv_ch = mesh.sends[0], mesh.recvs[0]
+        send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
         result, sent, digest = ring_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas)
         t_data = trio.from_thread.run_sync(trio.current_time)
+        if world == 1:
+            return result, sent, digest, t_data
         publics = [public_from_peer_id_bytes(p) for p in ids]
         ringvote.gather(send_ch, recv_ch, rank, world, tag, bytes.fromhex(digest), self.identity.sign,
                         lambda i, sig, msg: verify(publics[i], sig, msg))

@@ -98,3 +98,15 @@ def test_a_failed_round_closes_its_links_and_the_retry_opens_new_ones():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_round_of_one_returns_its_own_vector():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 1)
+            vec = np.arange(10, dtype=np.float32)
+            res = await svcs[0].allreduce(vec, "run", "solo", [nodes[0].identity.peer_id_str])
+            assert np.array_equal(res.result, vec) and res.result is not vec and res.sent_bytes == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
