@@ -256,7 +256,9 @@ class Trainer:
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             # Members also confirm they start from the same params: a peer that forked (or
             # caught up to another fork's state) is left out rather than averaged with.
-            mine = f"{rh}/{base}".encode()
+            # The frame size too: members must cut the tensor the same way, and one that
+            # does not (another version) is left out instead of failing every round.
+            mine = f"{rh}/{base}/{cfg.sub_chunk_bytes}".encode()
             got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.exchange_timeout)
             agreeing = [p for p in roster if got.get(p) == mine]
             if agreeing != roster:
