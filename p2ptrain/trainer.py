@@ -245,13 +245,18 @@ class Trainer:
         # The layout must be the one the service's data plane uses (frame sizes included).
         cfg = ring.RingConfig(self.mode, sub_chunk_bytes=self.svc.config.sub_chunk_bytes)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
+        unconfirmed = False
         for attempt in range(MAX_ATTEMPTS):
             roster = [p for p in roster if p not in self.ignored]
             stats.members = roster
             if roster == [self.me]:
-                # A newcomer that missed its group's round must not commit alone: its zero
-                # step would move its params (momentum) away from the group's.
-                return (None, stats) if joining else (delta.copy(), stats)
+                # Alone. A newcomer that missed its group's round must not commit alone: its
+                # zero step would move its params (momentum) away from the group's. Nor may a
+                # member whose group did not confirm it (it saw another group, or another
+                # base): the others may be committing this step without it, and its own step
+                # would fork it from them for good (its base hash would never match again).
+                # Both skip the step and catch up to what the group commits.
+                return (None, stats) if joining or unconfirmed else (delta.copy(), stats)
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             # Members also confirm they start from the same params: a peer that forked (or
@@ -262,6 +267,7 @@ class Trainer:
             got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.exchange_timeout)
             agreeing = [p for p in roster if got.get(p) == mine]
             if agreeing != roster:
+                unconfirmed = True
                 log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
                          sorted(set(roster) - set(agreeing)))
                 roster = agreeing
@@ -364,7 +370,8 @@ class Trainer:
                     if data is None:
                         return
                     await trio.to_thread.run_sync(self.local.load_state_at, data)
-                    self.events.emit("caught_up", step=self.local.step)
+                    sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+                    self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
                     return
                 await trio.sleep(0.5)
 
