@@ -1,8 +1,8 @@
 """The ring all-reduce data plane: reduce-scatter then all-gather, pipelined, int8 or fp32.
 
-Synchronous on purpose: a round runs in one worker thread (`trio.to_thread`) plus a sender
-and a receiver thread, so the bytes never pass through the trio scheduler. The numba kernels
-and AES-GCM both release the GIL, so quantizing sub-chunk i+1 overlaps sealing/sending i.
+Synchronous on purpose: a round runs in one worker thread (`trio.to_thread`), which also
+receives, plus a sender thread, so the bytes never pass through the trio scheduler. The numba
+kernels and AES-GCM both release the GIL, so quantizing sub-chunk i+1 overlaps sealing/sending i.
 
 Schedule for world W, rank r (ring order is the caller's), tensor split into W chunks, each
 into k sub-chunks on super-block boundaries:
