@@ -224,8 +224,9 @@ class AllReduceService:
                         else:
                             path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
                         nursery.cancel_scope.cancel()
-                if self._aborted(pending):
-                    raise RoundFailed(f"{self._aborted(pending)[0]} aborted the round", self._blamed(pending))
+                aborted = self._aborted(pending)
+                if aborted:
+                    raise RoundFailed(f"{aborted[0]} aborted the round", self._blamed(pending))
             t_setup = trio.current_time()
             cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
             failure: RingError | None = None
@@ -270,7 +271,7 @@ class AllReduceService:
             return RoundResult(result, digest, sent, t_end - t0, path,
                                {"setup": round(t_setup - t0, 4), "data": round(t_data - t_setup, 4),
                                 "commit": round(t_end - t_data, 4)}, scores,
-                               reused=path == "direct" and len(mesh.reused) == 2)
+                               reused=mesh.reused())
         except trio.TooSlowError:
             await self._vote(ids, tag, False, "")
             raise RoundFailed("bulk session setup timed out") from None
@@ -450,7 +451,6 @@ class _Mesh:
     out_links: list = field(default_factory=list)
     in_links: list = field(default_factory=list)
     link_channels: list = field(default_factory=list)
-    reused: list = field(default_factory=list)
 
     def add_send(self, i: int, ch, link) -> None:
         self.sends[i] = ch
@@ -458,8 +458,6 @@ class _Mesh:
         if link is not None:
             self.out_links.append(link)
             self.link_channels.append(ch)
-            if link.rounds:
-                self.reused.append(link)
 
     def add_recv(self, i: int, inb: Inbound) -> None:
         self.recvs[i] = inb.channel
@@ -467,8 +465,11 @@ class _Mesh:
         if inb.link is not None:
             self.in_links.append(inb.link)
             self.link_channels.append(inb.channel)
-            if inb.link.rounds:
-                self.reused.append(inb.link)
+
+    def reused(self) -> bool:
+        """A ring round that ran on links made by earlier rounds only (before keep() counts it)."""
+        links = self.out_links + self.in_links
+        return len(links) == 2 == len(self.channels) and all(link.rounds for link in links)
 
 
 def _warm_kernels() -> None:

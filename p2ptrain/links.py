@@ -50,10 +50,13 @@ class Link:
     """One direction of a persistent raw connection to `peer` (raw peer id bytes)."""
 
     peer: bytes
-    sock: socket.socket
     io: SocketIO
     secret: bytes
     rounds: int = field(default=0)
+
+    @property
+    def sock(self) -> socket.socket:
+        return self.io.sock
 
     def alive(self) -> bool:
         """False when the other end closed or reset. Links carry nothing back, so a socket

@@ -155,7 +155,7 @@ class BulkSessions:
         sock = socket.socket(fileno=conn.detach())
         sock.setblocking(True)
         io = SocketIO(sock, self.config.frame_timeout)
-        inb.link = Link(inb.prev, sock, io, secret)
+        inb.link = Link(inb.prev, io, secret)
         inb.channel = FrameChannel(self._wrap(io), inb.key, inb.tag, ID(inb.prev).to_base58())
         done.set()
 
@@ -233,7 +233,7 @@ class BulkSessions:
                 with trio.move_on_after(1):
                     await stream.close()
                 io = SocketIO(sock, self.config.frame_timeout)
-                return FrameChannel(self._wrap(io), key, tag, name), "direct", Link(nxt, sock, io, secret)
+                return FrameChannel(self._wrap(io), key, tag, name), "direct", Link(nxt, io, secret)
         await stream.write(pack({"path": "libp2p"}))
         io = self._wrap(StreamIO(stream, self.config.frame_timeout))
         return FrameChannel(io, key, tag, name), "libp2p", None
@@ -241,14 +241,10 @@ class BulkSessions:
     # -- links -------------------------------------------------------------------------
     def keep(self, out_links: list, in_links: list) -> None:
         """After a committed round: its links are at a frame boundary, idle again."""
-        for link in out_links:
-            if link is not None:
+        for table, links in ((self.out_links, out_links), (self.in_links, in_links)):
+            for link in links:
                 link.rounds += 1
-                self.out_links.put(link)
-        for link in in_links:
-            if link is not None:
-                link.rounds += 1
-                self.in_links.put(link)
+                table.put(link)
 
     @staticmethod
     def close(link: Link) -> None:

@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_ring import make_ring, run_members
 
 from p2ptrain import ringvote
 from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
@@ -28,7 +29,7 @@ def tcp_pair() -> tuple[socket.socket, socket.socket]:
 def link_pair(secret: bytes = b"k" * 32):
     a, b = tcp_pair()
     sender, receiver = b"S" * 38, b"R" * 38
-    return (Link(receiver, a, SocketIO(a, 5), secret), Link(sender, b, SocketIO(b, 5), secret), sender, receiver)
+    return (Link(receiver, SocketIO(a, 5), secret), Link(sender, SocketIO(b, 5), secret), sender, receiver)
 
 
 def test_open_frame_authenticates_the_round_and_the_secret():
@@ -45,7 +46,7 @@ def test_open_frame_authenticates_the_round_and_the_secret():
         tampered[HEADER_SALT] ^= 1
         with pytest.raises(LinkError, match="authentication"):
             check_open(inn, receiver, b"round-01", bytes(tampered))
-        stranger = Link(sender, inn.sock, inn.io, b"x" * 32)  # right peer id, wrong secret
+        stranger = Link(sender, inn.io, b"x" * 32)  # right peer id, wrong secret
         with pytest.raises(LinkError, match="authentication"):
             check_open(stranger, receiver, b"round-01", frame)
         with pytest.raises(LinkError):
@@ -102,11 +103,7 @@ def vote_ring(world: int, digests: list[bytes], forge: int | None = None):
             sends[i].close()
             recvs[i].close()
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    run_members(member, world, 30)
     for ch in sends + recvs:
         ch.close()
     return errors
@@ -127,8 +124,6 @@ def test_ring_votes_commit_only_on_every_signed_identical_digest():
 def test_out_buffer_and_arena_pool_reuse_give_the_same_bits():
     """Rounds that reuse the pool's wire buffers and a caller's result buffer produce the very
     bits a round with fresh buffers does, and never write into the input."""
-    from test_ring import make_ring
-
     world, n = 3, 200_003
     rng = np.random.default_rng(5)
     vecs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]
@@ -147,11 +142,7 @@ def test_out_buffer_and_arena_pool_reuse_give_the_same_bits():
             except Exception as exc:  # reported below
                 errs[i] = exc
 
-        threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        run_members(member, world, 30)
         assert errs == [None] * world
         assert all(r[0] is outs[i] for i, r in enumerate(res)) if rnd else True
         digests.append({r[2] for r in res} | {hashlib.sha256(r[0].tobytes()).hexdigest() for r in res[:1]})

@@ -33,6 +33,15 @@ def make_ring(world: int, tag: bytes = b"t" * 8, timeout: float = 10.0):
     return sends, recvs
 
 
+def run_members(member, world: int, timeout: float = 60) -> None:
+    """member(i) for every i, each in its own thread, all joined (bounded)."""
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def run_ring(vecs, cfg, sends, recvs, timeout=10.0):
     world = len(vecs)
     results, errors, digests = [None] * world, [None] * world, [None] * world
@@ -45,11 +54,7 @@ def run_ring(vecs, cfg, sends, recvs, timeout=10.0):
             for ch in (sends[i], recvs[i]):
                 ch.close()
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_members(member, world)
     run_ring.digests = digests
     return results, errors
 

@@ -5,13 +5,12 @@ hostile peer is in test_training_integration.py."""
 from __future__ import annotations
 
 import hashlib
-import threading
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_ring import tcp_pair
+from test_ring import run_members, tcp_pair
 
 from p2ptrain import butterfly, robust
 from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
@@ -125,11 +124,7 @@ def run_mesh(vecs, cfg, rcfg, sends, recvs, timeout=10.0, own=None, check=None):
             for ch in (*sends[i].values(), *recvs[i].values()):
                 ch.close()
 
-    threads = [threading.Thread(target=member, args=(i,)) for i in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    run_members(member, world)
     return out, errors
 
 
