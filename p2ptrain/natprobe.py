@@ -103,9 +103,13 @@ async def _send(node, events, cmd: dict) -> None:
     events.emit("probe_found", remote=target, addrs=addrs, seconds=round(trio.current_time() - t0, 3))
     pid = peer_id_from_str(target)
     node.rpc.learn_addrs(pid, addrs)
+    # A connection the other side already opened (a public peer reaches a NATed one through
+    # its relay, e.g. for the DHT) is reused by connect: then "first" says nothing about our dial.
+    existing = connection_kinds(node.host).get(target)
     await node.rpc.connect(pid, addrs, float(cmd.get("connect_timeout", 30)))
     first = connection_kinds(node.host).get(target)
-    events.emit("probe_connected", remote=target, kind=first, seconds=round(trio.current_time() - t0, 3))
+    events.emit("probe_connected", remote=target, kind=first, existing=existing,
+                seconds=round(trio.current_time() - t0, 3))
     with trio.move_on_after(float(cmd.get("wait_direct", 0))):
         while connection_kinds(node.host).get(target) == "relayed":
             await trio.sleep(0.1)
@@ -127,7 +131,7 @@ async def _send(node, events, cmd: dict) -> None:
     seconds = time.monotonic() - t1
     await stream.close()
     events.emit("probe_sent", remote=target, bytes=size, kind=used, peer_kind=kind_before,
-                first_kind=first, seconds=round(seconds, 3), mb_per_s=round(size / seconds / 1e6, 2),
+                first_kind=first, existing=existing, seconds=round(seconds, 3), mb_per_s=round(size / seconds / 1e6, 2),
                 sha_ok=echo == digest.digest())
 
 
