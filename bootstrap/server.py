@@ -16,8 +16,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity
-from p2ptrain.libp2p_compat import fresh_dial_autonat
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.net.libp2p_compat import fresh_dial_autonat
+from p2ptrain.net.node import Node, NodeConfig
 
 log = logging.getLogger("p2ptrain.bootstrap")
 
@@ -115,7 +115,7 @@ class AddressFirstSink(EventSink):
 
 async def run_bootstrap(identity: Identity, node_config: NodeConfig, relay: RelayConfig,
                         events: EventSink, limits=None, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """`limits`: per-peer limits (p2ptrain.limits.LimitsConfig; None = its defaults)."""
+    """`limits`: per-peer limits (p2ptrain.net.limits.LimitsConfig; None = its defaults)."""
     node = Node(identity, node_config, events, limits=limits)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)

@@ -48,7 +48,7 @@ class Libp2pRpc:
                  guard=None) -> None:
         self.host = host
         self.extra_addrs = extra_addrs if extra_addrs is not None else []
-        # Per-peer limits (p2ptrain.peerguard.PeerGuard): bytes of a peer's frames in flight.
+        # Per-peer limits (p2ptrain.net.peerguard.PeerGuard): bytes of a peer's frames in flight.
         self.guard = guard
         self.local_peer = host.get_id().to_bytes()
         self.max_frame = max_frame

@@ -78,7 +78,7 @@ class DHTNode:
         self.transport = transport
         self.config = config or DHTConfig()
         self.server = server
-        # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.peerguard).
+        # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.net.peerguard).
         self.store_gate = store_gate
         self.routing = RoutingTable(identity.peer_id, self.config.bucket_size)
         self.store_ = RecordStore(self.config.max_records, max_per_writer=self.config.max_records_per_writer)

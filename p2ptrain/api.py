@@ -9,7 +9,7 @@
     diloco.close()
 
 It runs the same network side as `p2ptrain join` (node, DHT, election, verified int8 ring,
-Nesterov outer step: `p2ptrain.trainer.Trainer`) in a background thread with its own trio
+Nesterov outer step: `p2ptrain.train.trainer.Trainer`) in a background thread with its own trio
 loop. The only difference is who drives the inner steps: here your loop does, and
 `step()` blocks on the H-th call until the outer step is done (or skipped) and the model
 holds the new outer parameters. All peers of a run must start from identical parameters;
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p2ptrain.outer import OuterConfig, OuterOptimizer, sha256_f32, flatten
+from p2ptrain.train.outer import OuterConfig, OuterOptimizer, sha256_f32, flatten
 
 
 class _UserModel:
@@ -80,12 +80,12 @@ class _UserModel:
         return float(self._evaluate()) if self._evaluate else math.nan
 
     def state_bytes(self) -> bytes:
-        from p2ptrain.local import encode_state
+        from p2ptrain.train.local import encode_state
 
         return encode_state(self.outer, self.step)
 
     def load_state_at(self, data: bytes) -> None:
-        from p2ptrain.local import decode_state
+        from p2ptrain.train.local import decode_state
 
         sd, self.step = decode_state(data)
         self.outer.load_state_dict(sd)
@@ -174,15 +174,15 @@ class DiLoCo:
     async def _main(self) -> None:
         import trio
 
-        from p2ptrain.allreduce import AllReduceConfig, AllReduceService
+        from p2ptrain.reduce.service import AllReduceConfig, AllReduceService
         from p2ptrain.events import EventSink
-        from p2ptrain.fetch import BlobServer
-        from p2ptrain.node import Node, NodeConfig
-        from p2ptrain.trainer import Trainer, TrainerConfig
+        from p2ptrain.ckpt.fetch import BlobServer
+        from p2ptrain.net.node import Node, NodeConfig
+        from p2ptrain.train.trainer import Trainer, TrainerConfig
 
         self._token = trio.lowlevel.current_trio_token()
         events = EventSink(self.identity.peer_id_str, self._json)
-        from p2ptrain.nat import NatConfig
+        from p2ptrain.net.nat import NatConfig
 
         # Same NAT traversal as `p2ptrain join`: AutoNAT, relay reservations, DCUtR.
         node = Node(self.identity, NodeConfig(listen=[self._listen], bootstrap=self._bootstrap), events,

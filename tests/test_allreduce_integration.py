@@ -86,10 +86,10 @@ async def _intrude(members, bulk_ports, tag: bytes, seconds: float) -> dict:
     import multiaddr
     import trio
 
-    from p2ptrain.allreduce import BULK_PROTOCOL
-    from p2ptrain.control import pack as _pack
+    from p2ptrain.reduce.service import BULK_PROTOCOL
+    from p2ptrain.reduce.control import pack as _pack
     from p2ptrain.identity import Identity
-    from p2ptrain.node import NodeConfig, build_host, parse_peer_maddr
+    from p2ptrain.net.node import NodeConfig, build_host, parse_peer_maddr
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
 
@@ -122,7 +122,7 @@ def test_non_member_and_wrong_round_frames_cannot_touch_the_result(procs):
 
     import trio
 
-    from p2ptrain.bulk import session_tag
+    from p2ptrain.reduce.bulk import session_tag
 
     n = 2_000_000
     ws, members = start_workers(procs, 3, "--rate", "4")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import start_bootstrap
-from p2ptrain import checkpoint
+from p2ptrain.ckpt import checkpoint
 from p2ptrain.identity import load_or_create
 
 pytestmark = pytest.mark.integration
@@ -64,7 +64,7 @@ def at_step(peer, step: int, timeout: float = 240) -> dict:
 
 def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run, report):
     boot, baddr = start_bootstrap(procs)
-    # p2 serves corrupted chunks (TEST ONLY switch, p2ptrain/adversary.py) but trains honestly.
+    # p2 serves corrupted chunks (TEST ONLY switch, p2ptrain/bench/adversary.py) but trains honestly.
     group = [start(procs, baddr, run, 0, GROUP_STEPS, first=True), start(procs, baddr, run, 1, GROUP_STEPS),
              start(procs, baddr, run, 2, GROUP_STEPS, env={"P2PTRAIN_ADVERSARY": "chunk"})]
     liar = seen(group[2], lambda e: e["event"] == "run_joined", 120)["peer"]

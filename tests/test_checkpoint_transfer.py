@@ -12,13 +12,14 @@ import pytest
 import trio
 
 from conftest import LOOPBACK
-from p2ptrain import chunks, providers
-from p2ptrain.adversary import flip_one_byte
-from p2ptrain.download import CheckpointServer, DownloadConfig, download
+from p2ptrain.ckpt import chunks
+from p2ptrain.ckpt import providers
+from p2ptrain.bench.adversary import flip_one_byte
+from p2ptrain.ckpt.download import CheckpointServer, DownloadConfig, download
 from p2ptrain.events import EventSink
-from p2ptrain.fetch import BlobServer, FetchError, ServeConfig
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, ServeConfig
 from p2ptrain.identity import Identity
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.net.node import Node, NodeConfig
 
 H = [hashlib.sha256(bytes([i])).hexdigest() for i in range(8)]
 
@@ -199,7 +200,7 @@ def test_download_fails_cleanly_when_every_donor_lies():
 
 # -- async checkpoint writer ------------------------------------------------------------
 def test_async_writer_keeps_last_k_and_cleans_torn_writes(tmp_path):
-    from p2ptrain import checkpoint
+    from p2ptrain.ckpt import checkpoint
 
     (tmp_path / ".step-000009.p2ck.tmp.123").write_bytes(b"torn")  # a killed process's leftover
     written, paused = [], []

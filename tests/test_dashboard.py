@@ -19,10 +19,10 @@ import pytest
 import trio
 
 from p2ptrain.dashboard.server import Dashboard, DashboardConfig, parse_listen
-from p2ptrain.connkinds import parse_counts
+from p2ptrain.net.connkinds import parse_counts
 from p2ptrain.dashboard.state import DashboardState
 from p2ptrain.events import EventSink
-from p2ptrain.node import NodeError
+from p2ptrain.net.node import NodeError
 
 A, B, C = "12D3KooWA", "12D3KooWB", "12D3KooWC"
 

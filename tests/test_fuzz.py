@@ -17,13 +17,18 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2ptrain import bulk, checkpoint, contribution, control, fetch, manifest
+from p2ptrain.reduce import bulk
+from p2ptrain.ckpt import checkpoint
+from p2ptrain.run import contribution
+from p2ptrain.reduce import control
+from p2ptrain.ckpt import fetch
+from p2ptrain.run import manifest
 from p2ptrain.dht import protocol, record
 from p2ptrain.dht.node import DHTNode
 from p2ptrain.dht.transport import MemoryNetwork, RpcError
 from p2ptrain.identity import Identity
-from p2ptrain.local import decode_state  # imports torch: never under tracemalloc (slow)
-from p2ptrain.ring import FrameId, RingError
+from p2ptrain.train.local import decode_state  # imports torch: never under tracemalloc (slow)
+from p2ptrain.reduce.ring import FrameId, RingError
 
 FUZZ = settings(max_examples=100, derandomize=True, deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -343,7 +348,10 @@ def test_msgpack_limits_hold_for_declared_huge_containers():
 
 
 # -- decoders added with checkpoints, NAT presence and reputation --------------------------
-from p2ptrain import chunks, presence, providers, reputation  # noqa: E402
+from p2ptrain.run import reputation  # noqa: E402
+from p2ptrain.ckpt import chunks
+from p2ptrain.net import presence
+from p2ptrain.ckpt import providers
 
 VALID_CHUNKS = chunks.split(bytes(range(256)) * 64, 4096)[0].encode()
 VALID_PROVIDER = providers.encode(3, "ab" * 32, "cd" * 32, "ef" * 32, [ID_A.peer_id_str, ID_B.peer_id_str],

@@ -12,7 +12,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain.config import ConfigError, resolve
 from p2ptrain.identity import Identity, IdentityError, load_or_create, peer_id_from_str, verify
-from p2ptrain.node import NodeConfig
+from p2ptrain.net.node import NodeConfig
 
 
 def test_peer_id_matches_libp2p():

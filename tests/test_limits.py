@@ -15,7 +15,7 @@ from conftest import start_bootstrap
 from p2ptrain.dht.record import RecordError, make_record
 from p2ptrain.dht.storage import RecordStore
 from p2ptrain.identity import Identity
-from p2ptrain.limits import LimitsConfig, PeerLimits, Verdict
+from p2ptrain.net.limits import LimitsConfig, PeerLimits, Verdict
 
 A, B = b"peer-a", b"peer-b"
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from test_ring import make_ring, run_members
 
-from p2ptrain import ringvote
-from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
+from p2ptrain.reduce import ringvote
+from p2ptrain.reduce.bulk import FrameChannel, SocketIO, derive_key
 from p2ptrain.identity import Identity, verify
-from p2ptrain.links import OPEN_LEN, Link, LinkError, LinkTable, check_open, seal_open
-from p2ptrain.ring import ArenaPool, RingConfig, RingError, allreduce
+from p2ptrain.reduce.links import OPEN_LEN, Link, LinkError, LinkTable, check_open, seal_open
+from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError, allreduce
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import trio
 
-from p2ptrain.allreduce import AllReduceConfig, AllReduceService, RoundFailed
+from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.net.node import Node, NodeConfig
 
 pytestmark = pytest.mark.integration
 

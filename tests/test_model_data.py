@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from p2ptrain.data import (Dataset, evaluate, is_val_file, load_dataset, stdlib_files, train_batch,
+from p2ptrain.train.data import (Dataset, evaluate, is_val_file, load_dataset, stdlib_files, train_batch,
                            val_batches)
-from p2ptrain.model import PRESETS, ModelConfig, Transformer, build_model, param_count, params_sha256
+from p2ptrain.train.model import PRESETS, ModelConfig, Transformer, build_model, param_count, params_sha256
 
 RANGES = {"tiny": (0.5e6, 1.5e6), "small": (5e6, 15e6), "base": (50e6, 150e6)}
 MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn_hidden=96, max_seq_len=32)
@@ -99,7 +99,7 @@ def test_stdlib_split_is_by_file_and_stable(stdlib):
     assert stdlib.val[:len(first)].tobytes() == first
     assert stdlib.train.dtype == np.uint8
     # a second, uncached load gives the same bytes and hash
-    from p2ptrain import data as data_mod
+    from p2ptrain.train import data as data_mod
 
     data_mod._CACHE.clear()
     again = load_dataset("stdlib")

@@ -50,7 +50,7 @@ def start_probe(group: ProcessGroup, lab, ns: str, ip: str, baddr: str, name: st
     key = group.log_dir / f"{name}.key"
     pid = load_or_create(key).peer_id_str
     p = group.start(["--bootstrap", baddr, "--listen", f"/ip4/{ip}/tcp/{port}", "--key", str(key), "--json", *extra],
-                    name, module="p2ptrain.natprobe", stdin=True, prefix=lab.prefix(ns),
+                    name, module="p2ptrain.net.natprobe", stdin=True, prefix=lab.prefix(ns),
                     env={"P2PTRAIN_DEBUG": "1"} if os.environ.get("NAT_DEBUG") else None)
     return p, pid
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from p2ptrain.nat import NatConfig
-from p2ptrain.presence import MAX_CONNS, decode_presence, encode_presence
+from p2ptrain.net.nat import NatConfig
+from p2ptrain.net.presence import MAX_CONNS, decode_presence, encode_presence
 
 
 def test_nat_config_rejects_nonsense():

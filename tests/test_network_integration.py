@@ -16,8 +16,8 @@ from p2ptrain.clock import wall_time
 from p2ptrain.dht.libp2p_rpc import Libp2pRpc
 from p2ptrain.dht.record import Record, make_record, signing_payload
 from p2ptrain.identity import Identity, peer_id_from_str
-from p2ptrain.node import NodeConfig, build_host, parse_peer_maddr
-from p2ptrain.presence import presence_key
+from p2ptrain.net.node import NodeConfig, build_host, parse_peer_maddr
+from p2ptrain.net.presence import presence_key
 
 pytestmark = pytest.mark.integration
 N = 10

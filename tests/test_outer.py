@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from p2ptrain.model import ModelConfig, build_model
-from p2ptrain.outer import (OuterConfig, OuterOptimizer, flatten, lr_lambda, make_inner_optimizer,
+from p2ptrain.train.model import ModelConfig, build_model
+from p2ptrain.train.outer import (OuterConfig, OuterOptimizer, flatten, lr_lambda, make_inner_optimizer,
                             unflatten_into)
 
 MICRO = ModelConfig(d_model=32, n_layers=2, n_heads=2, ffn_hidden=96, max_seq_len=32)

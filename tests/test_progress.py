@@ -11,13 +11,13 @@ import os
 import multiaddr
 import trio
 
-from p2ptrain.connkinds import connection_kinds, kind_counts
-from p2ptrain.download import CheckpointServer, download as chunked_download
-from p2ptrain.fetch import BlobServer
-from p2ptrain.providers import Choice
+from p2ptrain.net.connkinds import connection_kinds, kind_counts
+from p2ptrain.ckpt.download import CheckpointServer, download as chunked_download
+from p2ptrain.ckpt.fetch import BlobServer
+from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import Identity
-from p2ptrain.node import NodeConfig, build_host
-from p2ptrain.progress import Progress, download, make
+from p2ptrain.net.node import NodeConfig, build_host
+from p2ptrain.train.progress import Progress, download, make
 
 
 def test_bar_on_a_terminal():
@@ -31,17 +31,17 @@ def test_bar_on_a_terminal():
 
 
 def test_log_lines_when_not_a_terminal(caplog):
-    caplog.set_level(logging.INFO, logger="p2ptrain.progress")
+    caplog.set_level(logging.INFO, logger="p2ptrain.train.progress")
     p = Progress("outer step 0", "inner steps", tty=False, out=io.StringIO())
     for i in range(1, 101):
         p(i, 100)
-    lines = [r.getMessage() for r in caplog.records if r.name == "p2ptrain.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "p2ptrain.train.progress"]
     assert lines == [f"outer step 0: {n}/100 inner steps ({n}%)" for n in (25, 50, 75, 100)]
     assert make("x", json_mode=True) is None and download("x", json_mode=True) is None
 
 
 def test_download_reports_progress_over_real_libp2p(caplog):
-    caplog.set_level(logging.INFO, logger="p2ptrain.progress")
+    caplog.set_level(logging.INFO, logger="p2ptrain.train.progress")
     blob = os.urandom(3_500_000)
     out = io.StringIO()
     seen: dict = {}
@@ -69,6 +69,6 @@ def test_download_reports_progress_over_real_libp2p(caplog):
     trio.run(main)
     assert seen["bar"] == blob and seen["log"] == blob
     assert out.getvalue().endswith("] 3.5 MB/3.5 MB\n")
-    lines = [r.getMessage() for r in caplog.records if r.name == "p2ptrain.progress"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "p2ptrain.train.progress"]
     assert len(lines) == 4 and lines[-1] == "state of step 0: 3.5 MB/3.5 MB (100%)", lines
     assert seen["kinds"] == {seen["server"]: "direct"} and seen["counts"] == {"direct": 1}

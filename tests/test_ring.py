@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
-from p2ptrain.ring import FrameId, RingConfig, RingError, allreduce, layout, wire_bytes
+from p2ptrain.reduce.bulk import FrameChannel, SocketIO, derive_key
+from p2ptrain.reduce.ring import FrameId, RingConfig, RingError, allreduce, layout, wire_bytes
 
 
 def tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -84,7 +84,7 @@ def test_bit_identical_and_accurate(world, mode):
 
 
 def test_wrong_session_and_forged_frames_are_dropped(caplog):
-    caplog.set_level(logging.WARNING, logger="p2ptrain.bulk")
+    caplog.set_level(logging.WARNING, logger="p2ptrain.reduce.bulk")
     world, n = 3, 50_000
     rng = np.random.default_rng(7)
     vecs = [rng.standard_normal(n).astype(np.float32) for _ in range(world)]

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ring import run_members, tcp_pair
 
-from p2ptrain import butterfly, robust
-from p2ptrain.bulk import FrameChannel, SocketIO, derive_key
-from p2ptrain.contribution import BadContribution, Header
-from p2ptrain.ring import RingConfig, RingError
+from p2ptrain.reduce import butterfly
+from p2ptrain.reduce import robust
+from p2ptrain.reduce.bulk import FrameChannel, SocketIO, derive_key
+from p2ptrain.run.contribution import BadContribution, Header
+from p2ptrain.reduce.ring import RingConfig, RingError
 
 
 def header(peer: str, digests=(), tokens: int = 100) -> Header:
@@ -174,7 +175,7 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
 
 # ----------------------------------------------------------------------------- reputation
 def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
-    from p2ptrain import reputation
+    from p2ptrain.run import reputation
 
     assert reputation.excluded({"a": {"x": 3}}) == {}
     assert reputation.excluded({"a": {"x": 3}, "b": {"x": 4}, "x": {"a": 4}}) == {"x": ["a", "b"]}
@@ -188,7 +189,7 @@ def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
 
 
 def test_reputation_report_decoding_is_bounded():
-    from p2ptrain import reputation
+    from p2ptrain.run import reputation
 
     flagged = {f"peer{i}": i for i in range(100)}
     data = reputation.encode_report(flagged)
@@ -201,7 +202,7 @@ def test_reputation_report_decoding_is_bounded():
 
 
 def test_outliers_spare_declared_zero_contributions():
-    from p2ptrain import reputation
+    from p2ptrain.run import reputation
 
     rows = [[0, 0, 0, 0.9]] * 4
     assert reputation.outliers(list("abcd"), {p: header(p) for p in "abcd"}, rows) == ["d"]
@@ -215,7 +216,7 @@ def test_reputation_records_travel_through_the_dht():
     from conftest import trio_test
     from test_dht_memory import join_all, make_swarm
 
-    from p2ptrain import reputation
+    from p2ptrain.run import reputation
 
     @trio_test()
     async def scenario():
@@ -250,7 +251,7 @@ def test_bench_summary_reports_the_goal_and_the_mean_damage():
 
 
 def test_manifest_aggregation_defaults_to_mean_for_old_manifests():
-    from p2ptrain import manifest as mf
+    from p2ptrain.run import manifest as mf
 
     assert mf.aggregation({"train": {"allreduce": "int8"}}) == "mean"
     assert mf.aggregation({"train": {"aggregation": "robust"}}) == "robust"

@@ -169,7 +169,7 @@ def test_robust_run_signflip_attacker_is_clipped_flagged_and_left_out(procs, tmp
 def test_local_state_that_does_not_fit_the_model_is_a_one_line_error(procs, run_dir, keys):
     """A checkpoint in the workdir that decodes but holds arrays of another shape (a damaged
     or foreign file): `join` refuses it with one line of advice and exit 2, never trains on it."""
-    from p2ptrain import checkpoint
+    from p2ptrain.ckpt import checkpoint
 
     run_path, rid = run_dir
     arrays, meta = checkpoint.decode((run_path / "genesis.p2ck").read_bytes())

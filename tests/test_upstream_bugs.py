@@ -1,4 +1,4 @@
-"""Tests that SHOW the py-libp2p bugs we work around (p2ptrain/libp2p_compat.py,
+"""Tests that SHOW the py-libp2p bugs we work around (p2ptrain/net/libp2p_compat.py,
 docs/UPSTREAM.md). When one of these starts failing, upstream fixed the bug: drop the
 matching workaround and this test."""
 
@@ -10,7 +10,7 @@ import multiaddr
 import trio
 
 from p2ptrain.identity import Identity
-from p2ptrain.node import NodeConfig, build_host
+from p2ptrain.net.node import NodeConfig, build_host
 
 
 def test_bug1_listen_on_taken_port_fails_silently():
@@ -68,8 +68,8 @@ def test_bug5_per_peer_stream_limits_are_never_enforced():
     """py-libp2p's ResourceManager accepts per-peer stream limits (per protocol or service),
     but the swarm only ever calls its node-wide `acquire_stream`; `acquire_scoped_stream`
     has no caller. So one peer can hold any number of streams up to the node-wide cap
-    (10,000 by default), starving everyone. Workaround: p2ptrain/peerguard.py counts
-    inbound streams per peer itself (p2ptrain/limits.py)."""
+    (10,000 by default), starving everyone. Workaround: p2ptrain/net/peerguard.py counts
+    inbound streams per peer itself (p2ptrain/net/limits.py)."""
     from libp2p import new_host
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.custom_types import TProtocol
@@ -116,7 +116,7 @@ def test_bug6_autonat_dial_back_reuses_the_askers_connection():
     from libp2p.host.autonat.pb.autonat_pb2 import Message
     from libp2p.peer.peerinfo import PeerInfo
 
-    from p2ptrain.libp2p_compat import fresh_dial_autonat
+    from p2ptrain.net.libp2p_compat import fresh_dial_autonat
 
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))

@@ -25,10 +25,10 @@ import time
 import numpy as np
 import trio
 
-from p2ptrain.allreduce import AllReduceConfig, AllReduceService, RoundFailed
+from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
 from p2ptrain.events import EventSink, setup_logging
 from p2ptrain.identity import Identity
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.net.node import Node, NodeConfig
 
 
 def make_tensor(seed: int, n: int) -> np.ndarray:

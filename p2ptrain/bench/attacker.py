@@ -23,7 +23,7 @@ async def streams(target: str, count: int, seconds: float) -> dict:
 
     from p2ptrain.dht.libp2p_rpc import PROTOCOL_ID
     from p2ptrain.identity import Identity
-    from p2ptrain.node import NodeConfig, build_host, parse_maddr, parse_peer_maddr
+    from p2ptrain.net.node import NodeConfig, build_host, parse_maddr, parse_peer_maddr
 
     pid, addr = parse_peer_maddr(target)
     host = build_host(Identity.generate(), NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -73,7 +73,7 @@ async def dht_flood(bootstrap: str, writers: int, seconds: float) -> dict:
     from p2ptrain.dht.transport import RpcError
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity
-    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.net.node import Node, NodeConfig
 
     me = Identity.generate()
     ids = [Identity.generate() for _ in range(writers)]

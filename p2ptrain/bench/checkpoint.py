@@ -4,7 +4,7 @@ Each donor is its own process (`p2ptrain.bench.checkpoint_worker`: a real libp2p
 serving the same `--mb` MiB blob as 4 MiB chunks), with its upload capped by its own
 serving limiter at `--rate` MB/s, like a home uplink: uncapped, all processes share this
 machine's 2 cores, so the figure would only measure the receiver's CPU. The fetcher is a
-real libp2p node in this process running `p2ptrain.download.download` (chunks verified,
+real libp2p node in this process running `p2ptrain.ckpt.download.download` (chunks verified,
 work stealing). Capped runs first (the goal: 3 donors >= 2.5x faster than 1), then the
 same with the caps lifted, reported beside. Seconds are wall time of the whole download
 (manifest, chunks, assembly and the final content hash), median of `--repeats`.
@@ -86,11 +86,11 @@ def run(args) -> int:
 async def _fetch_many(ready: list[dict], repeats: int) -> list[dict]:
     import trio
 
-    from p2ptrain import providers
-    from p2ptrain.download import download
+    from p2ptrain.ckpt import providers
+    from p2ptrain.ckpt.download import download
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity, peer_id_from_str
-    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.net.node import Node, NodeConfig
 
     identity = Identity.generate()
     node = Node(identity, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), EventSink(identity.peer_id_str, False))

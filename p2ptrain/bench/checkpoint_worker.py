@@ -18,11 +18,11 @@ import sys
 import numpy as np
 import trio
 
-from p2ptrain.download import CheckpointServer
+from p2ptrain.ckpt.download import CheckpointServer
 from p2ptrain.events import EventSink, setup_logging
-from p2ptrain.fetch import BlobServer, ServeConfig, TokenBucket
+from p2ptrain.ckpt.fetch import BlobServer, ServeConfig, TokenBucket
 from p2ptrain.identity import Identity
-from p2ptrain.node import Node, NodeConfig
+from p2ptrain.net.node import Node, NodeConfig
 
 
 def make_blob(mb: int, seed: int) -> bytes:

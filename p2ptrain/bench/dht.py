@@ -41,7 +41,7 @@ async def _measure(bootstrap: str, ops: int) -> dict:
 
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity
-    from p2ptrain.node import Node, NodeConfig
+    from p2ptrain.net.node import Node, NodeConfig
 
     cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[bootstrap])
     out: dict = {}

@@ -76,7 +76,7 @@ def _lr_warm(warmup: int):
 
 def _optimizer(model, st: Settings, total: int, opt_state=None):
     """AdamW + cosine schedule over `total` steps; continues a warm start's Adam moments."""
-    from p2ptrain.outer import make_inner_optimizer
+    from p2ptrain.train.outer import make_inner_optimizer
 
     warmup = 0 if opt_state is not None else min(st.warmup, total)
     opt, sched = make_inner_optimizer(model, st.inner_lr, st.weight_decay, warmup, total, "cosine")
@@ -100,7 +100,7 @@ def _step(model, opt, sched, batches) -> float:
 
 
 def _start(st: Settings, seed: int, warm):
-    from p2ptrain.model import ModelConfig, build_model
+    from p2ptrain.train.model import ModelConfig, build_model
 
     model = build_model(ModelConfig(**st.model), seed)
     if warm is None:
@@ -115,8 +115,8 @@ def warm_start_state(st: Settings, seed: int) -> dict | None:
         return None
     import torch
 
-    from p2ptrain.data import load_dataset, train_batch
-    from p2ptrain.model import ModelConfig, build_model
+    from p2ptrain.train.data import load_dataset, train_batch
+    from p2ptrain.train.model import ModelConfig, build_model
 
     ds = load_dataset(st.data)
     model = build_model(ModelConfig(**st.model), seed)
@@ -137,9 +137,9 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
     """Train one configuration for one seed; returns its final validation loss and counters."""
     import torch
 
-    from p2ptrain.data import evaluate, load_dataset, train_batch
+    from p2ptrain.train.data import evaluate, load_dataset, train_batch
     from p2ptrain.kernels import quantized_nbytes, reference, simulate_ring_mean
-    from p2ptrain.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
+    from p2ptrain.train.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
 
     t0 = time.perf_counter()
     ds = load_dataset(st.data)
@@ -238,8 +238,8 @@ def _init_worker(threads: int) -> None:
 def _measure_step_ms(st: Settings, threads: int) -> float:
     import torch
 
-    from p2ptrain.data import load_dataset, train_batch
-    from p2ptrain.model import ModelConfig, build_model
+    from p2ptrain.train.data import load_dataset, train_batch
+    from p2ptrain.train.model import ModelConfig, build_model
 
     torch.set_num_threads(threads)
     ds = load_dataset(st.data)
@@ -282,7 +282,7 @@ def settings_from_args(args) -> Settings:
     if args.quick:
         st.steps, st.batch, st.eval_batches, st.warmup, st.warm_start = 40, 8, 2, 10, 20
     if args.model:
-        from p2ptrain.model import ModelConfig
+        from p2ptrain.train.model import ModelConfig
 
         st.model = ModelConfig.preset(args.model).to_dict()
         st.seq_len = st.model["max_seq_len"]

@@ -4,7 +4,7 @@ Like `bench diloco`, one process simulates the workers in turn (6 by default) on
 data, from a shared warm start. After every H inner steps the pseudo-gradients are combined by
   mean     the int8 ring all-reduce, bit for bit as the network runs it (simulate_ring_mean)
   robust   the butterfly reduce-scatter of `aggregation = "robust"` runs, bit for bit as the
-           network runs it (`p2ptrain.butterfly.simulate`: each owner decodes every member's
+           network runs it (`p2ptrain.reduce.butterfly.simulate`: each owner decodes every member's
            int8 chunk, applies CenteredClip, quantizes once)
 with 0, 1 or 2 of the workers attacking every round:
   signflip  trains honestly, sends -10 x its pseudo-gradient
@@ -52,11 +52,12 @@ def run_config(st: Settings, H: int, rule: str, attack: str, n_bad: int, seed: i
     import numpy as np
     import torch
 
-    from p2ptrain import butterfly, robust
-    from p2ptrain.data import evaluate, load_dataset, train_batch
+    from p2ptrain.reduce import butterfly
+    from p2ptrain.reduce import robust
+    from p2ptrain.train.data import evaluate, load_dataset, train_batch
     from p2ptrain.kernels import reference, simulate_ring_mean
-    from p2ptrain.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
-    from p2ptrain.ring import RingConfig
+    from p2ptrain.train.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
+    from p2ptrain.reduce.ring import RingConfig
 
     t0 = time.perf_counter()
     ds = load_dataset(st.data)

@@ -15,7 +15,7 @@ def run(args) -> int:
     from p2ptrain.bootstrap.server import AddressFirstSink, RelayConfig, run_bootstrap
 
     cfg, toml = node_config(args, bootstrap=[])
-    from p2ptrain.limits import LimitsConfig
+    from p2ptrain.net.limits import LimitsConfig
 
     relay = section(RelayConfig, toml, "relay")
     limits = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*

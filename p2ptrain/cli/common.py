@@ -12,7 +12,7 @@ import trio
 
 from p2ptrain.config import ConfigError, load_toml, resolve
 from p2ptrain.identity import Identity, IdentityError, load_or_create
-from p2ptrain.node import NodeConfig, NodeError
+from p2ptrain.net.node import NodeConfig, NodeError
 
 DEFAULT_HOME = Path(os.environ.get("P2PTRAIN_HOME", "~/.p2ptrain")).expanduser()
 

@@ -178,8 +178,8 @@ def _dashboard_addr(addr: str, say) -> str:
 
 
 def _n_params(work: Path) -> int:
-    from p2ptrain import manifest as mf
-    from p2ptrain.model import ModelConfig
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.train.model import ModelConfig
 
     m, _ = mf.read(work / "run" / "run.toml")
     return ModelConfig.from_dict(m["model"]).num_params()
@@ -189,9 +189,9 @@ def _baseline(work: Path, steps: int) -> float:
     """One worker, same model, data and optimizer, `steps` AdamW steps from genesis."""
     import numpy as np
 
-    from p2ptrain import manifest as mf
+    from p2ptrain.run import manifest as mf
     from p2ptrain.identity import Identity
-    from p2ptrain.local import LocalModel, load_run_data
+    from p2ptrain.train.local import LocalModel, load_run_data
 
     m, _ = mf.read(work / "run" / "run.toml")
     m = dict(m, train=dict(m["train"], inner_steps=steps, planned_outer_steps=1))

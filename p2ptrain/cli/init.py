@@ -37,7 +37,7 @@ def add_parser(sub) -> None:
 
 
 def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -> dict:
-    from p2ptrain.model import ModelConfig
+    from p2ptrain.train.model import ModelConfig
 
     model = ModelConfig.preset(args.preset).to_dict()
     if args.seq_len > model["max_seq_len"]:
@@ -65,9 +65,10 @@ def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -
 
 
 def run(args) -> int:
-    from p2ptrain import checkpoint, manifest as mf
-    from p2ptrain.data import load_dataset
-    from p2ptrain.local import genesis_state
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.train.data import load_dataset
+    from p2ptrain.train.local import genesis_state
 
     out = Path(args.out).expanduser()
     if (out / "run.toml").exists():

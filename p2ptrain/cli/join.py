@@ -26,8 +26,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from p2ptrain.events import EventSink
-    from p2ptrain.node import Node
-    from p2ptrain.presence import Presence, PresenceConfig
+    from p2ptrain.net.node import Node
+    from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
     if not cfg.bootstrap:
@@ -40,22 +40,22 @@ def run(args) -> int:
     events = EventSink(identity.peer_id_str, args.json)
     manifest = run_id = None
     if args.manifest:
-        from p2ptrain import manifest as mf
+        from p2ptrain.run import manifest as mf
 
         try:
             manifest, run_id = mf.read(Path(args.manifest))
         except mf.ManifestError as exc:
             raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
-    from p2ptrain.nat import NatConfig
+    from p2ptrain.net.nat import NatConfig
 
     nat_cfg = section(NatConfig, toml, "nat")
     namespace = run_id or args.run or "lobby"
-    from p2ptrain.limits import LimitsConfig
+    from p2ptrain.net.limits import LimitsConfig
 
     limits_cfg = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
-        from p2ptrain.trainer import TrainerConfig
+        from p2ptrain.train.trainer import TrainerConfig
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
             "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers,
@@ -70,7 +70,7 @@ def run(args) -> int:
     async def main() -> None:
         import trio
 
-        from p2ptrain.nat import connection_kinds
+        from p2ptrain.net.nat import connection_kinds
 
         node = Node(identity, cfg, events, nat=nat_cfg, limits=limits_cfg)
         conns = lambda: connection_kinds(node.host)  # noqa: E731 - shown by `status`
@@ -82,7 +82,7 @@ def run(args) -> int:
                     await nursery.start(Dashboard(dashboard_cfg, events, node, namespace, run_id or args.run or "").run)
                 await nursery.start(node.run)
                 if args.run or manifest:
-                    from p2ptrain.runner import run_training
+                    from p2ptrain.run.runner import run_training
 
                     presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer",
                                         conns=conns)

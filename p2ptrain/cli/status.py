@@ -23,8 +23,8 @@ def run(args) -> int:
 
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity
-    from p2ptrain.node import Node
-    from p2ptrain.presence import read_peers
+    from p2ptrain.net.node import Node
+    from p2ptrain.net.presence import read_peers
 
     if not args.listen:
         args.listen = ["/ip4/127.0.0.1/tcp/0"]  # a client needs no reachable address
@@ -44,7 +44,7 @@ def run(args) -> int:
             await nursery.start(node.run)
             peers = await read_peers(node.dht, args.namespace)
             if args.run:
-                from p2ptrain.trainer import run_states
+                from p2ptrain.train.trainer import run_states
 
                 states.update(await run_states(node.dht, args.run))
             nursery.cancel_scope.cancel()

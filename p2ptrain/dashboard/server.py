@@ -17,10 +17,10 @@ from importlib import resources
 
 import trio
 
-from p2ptrain.connkinds import connection_kinds
+from p2ptrain.net.connkinds import connection_kinds
 from p2ptrain.dashboard.state import DashboardState
 from p2ptrain.events import EventSink
-from p2ptrain.node import NodeError
+from p2ptrain.net.node import NodeError
 
 log = logging.getLogger("p2ptrain.dashboard")
 STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; charset=utf-8",
@@ -158,7 +158,7 @@ class Dashboard:
         self.hub = Hub(DashboardState(events.peer, run_id))
         if node is not None:
             from p2ptrain.identity import peer_id_to_str
-            from p2ptrain.node import parse_peer_maddr
+            from p2ptrain.net.node import parse_peer_maddr
 
             self.hub.state.bootstraps = {peer_id_to_str(parse_peer_maddr(b)[0]) for b in node.config.bootstrap}
 
@@ -193,8 +193,8 @@ class Dashboard:
             server.server_close()
 
     async def _poll(self) -> None:
-        from p2ptrain.presence import read_peers
-        from p2ptrain.trainer import run_states
+        from p2ptrain.net.presence import read_peers
+        from p2ptrain.train.trainer import run_states
 
         tick = 0
         while True:

@@ -1,0 +1,238 @@
+"""Checkpoints: a safe binary format (no pickle), content hashes, atomic files.
+
+Checkpoints come from untrusted peers, so the format is data only: a length-prefixed msgpack
+header (metadata plus, per array, name, dtype, shape, offset, length) followed by raw array
+bytes. Decoding checks the header size before parsing it, allows only plain numeric dtypes,
+and checks every array lies inside the buffer. The content hash is SHA-256 of the bytes.
+
+Files are written atomically (temporary file, fsync, rename, fsync of the directory), so a
+crash mid-write leaves the previous checkpoint intact. `AsyncWriter` does that in a thread
+of its own: training hands over the bytes of an in-memory snapshot and goes on; the writer
+keeps the last K files and removes temporary files a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+
+log = logging.getLogger("p2ptrain.ckpt.checkpoint")
+MAGIC = b"P2CK"
+MAX_HEADER = 1 << 20
+DTYPES = {"float32", "float16", "int8", "uint8", "int32", "int64", "uint16"}
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def encode(arrays: dict[str, np.ndarray], meta: dict) -> bytes:
+    entries, offset, blobs = [], 0, []
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        if a.dtype.name not in DTYPES:
+            raise CheckpointError(f"dtype {a.dtype} of {name} is not allowed")
+        entries.append([name, a.dtype.name, list(a.shape), offset, a.nbytes])
+        blobs.append(a.tobytes())
+        offset += a.nbytes
+    header = msgpack.packb({"meta": meta, "arrays": entries}, use_bin_type=True)
+    return MAGIC + struct.pack(">I", len(header)) + header + b"".join(blobs)
+
+
+def decode(data: bytes | memoryview, max_bytes: int = 1 << 34) -> tuple[dict[str, np.ndarray], dict]:
+    data = memoryview(data)
+    if len(data) > max_bytes:
+        raise CheckpointError(f"checkpoint of {len(data)} bytes is over the limit {max_bytes}")
+    if len(data) < 8 or bytes(data[:4]) != MAGIC:
+        raise CheckpointError("not a p2ptrain checkpoint")
+    (hlen,) = struct.unpack(">I", data[4:8])
+    if hlen > MAX_HEADER or 8 + hlen > len(data):
+        raise CheckpointError("checkpoint header is too large or truncated")
+    try:
+        header = msgpack.unpackb(data[8:8 + hlen], raw=False, max_array_len=100_000, max_map_len=1024,
+                                 max_str_len=hlen, max_bin_len=hlen, max_ext_len=0)
+        meta, entries = header["meta"], header["arrays"]
+    except Exception:
+        raise CheckpointError("checkpoint header is malformed") from None
+    if not isinstance(meta, dict) or not isinstance(entries, list) or not all(isinstance(k, str) for k in meta):
+        raise CheckpointError("checkpoint header is malformed: meta must be a map, arrays a list")
+    body = data[8 + hlen:]
+    arrays: dict[str, np.ndarray] = {}
+    for entry in entries:
+        name, dt, shape, off, count = _check_entry(entry, len(body))
+        if name in arrays:
+            raise CheckpointError(f"checkpoint array {name!r} appears twice")
+        arrays[name] = np.frombuffer(body, dtype=dt, count=count, offset=off).reshape(shape)
+    return arrays, meta
+
+
+def _check_entry(entry: object, body_len: int) -> tuple[str, np.dtype, tuple[int, ...], int, int]:
+    """One array entry, checked field by field: entries come from untrusted peers, so a
+    negative dimension, an overflowing shape or a non-integer offset must be a rejection,
+    not an exception from numpy (or a silent read of the whole buffer, as count=-1 does)."""
+    if not (isinstance(entry, list) and len(entry) == 5):
+        raise CheckpointError("checkpoint array entry is malformed")
+    name, dtype, shape, off, nbytes = entry
+    if not (isinstance(name, str) and isinstance(dtype, str) and dtype in DTYPES and isinstance(shape, list)
+            and len(shape) <= 8 and all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+            and type(off) is int and type(nbytes) is int and off >= 0 and nbytes >= 0):
+        raise CheckpointError(f"checkpoint array entry {str(name)[:40]!r} has bad fields")
+    dt = np.dtype(dtype)
+    count = 1
+    for d in shape:  # Python ints: no int64 overflow for hostile shapes
+        count *= d
+    if nbytes != count * dt.itemsize or off + nbytes > body_len:
+        raise CheckpointError(f"checkpoint array {name!r} is out of bounds")
+    return name, dt, tuple(shape), off, count
+
+
+def state_size_limit(manifest: dict) -> int:
+    """Most bytes a state checkpoint of this run may have: fetches stop before reading more.
+
+    States hold the same arrays as genesis (whose size the signed manifest records) plus
+    a few metadata fields, so twice that and a MiB of slack is generous."""
+    try:
+        return 2 * int(manifest["genesis"]["bytes"]) + (1 << 20)
+    except (KeyError, TypeError, ValueError):
+        return 1 << 32
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_atomic(path: Path, data: bytes, pause=None) -> None:
+    """`pause` (TEST ONLY) is called once half of the data is in the temporary file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    view = memoryview(data)
+    with open(tmp, "wb") as f:
+        if pause is not None:
+            f.write(view[:len(view) // 2])
+            f.flush()
+            pause()
+            f.write(view[len(view) // 2:])
+        else:
+            f.write(view)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AsyncWriter:
+    """Writes `step-NNNNNN.p2ck` files in a background thread, keeping the newest `keep`.
+
+    One write runs at a time; if training commits faster than the disk writes, only the
+    newest waiting snapshot is written (an older one would be deleted right after anyway).
+    `on_written(step, seconds, path)` is called from the writer thread.
+    """
+
+    def __init__(self, directory: Path, keep: int = 3, on_written=None, pause_at: tuple[int, float] | None = None) -> None:
+        if keep < 1:
+            raise ValueError("keep must be >= 1")
+        self.dir = Path(directory)
+        self.keep = keep
+        self.on_written = on_written
+        self.pause_at = pause_at  # TEST ONLY: (step, seconds) to stall that write midway
+        self.on_pause = None
+        self._cond = threading.Condition()
+        self._waiting: tuple[int, bytes] | None = None
+        self._busy = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
+        self._remove_stale_tmp()
+        self._thread.start()
+
+    def _remove_stale_tmp(self) -> None:
+        for tmp in self.dir.glob(".step-*.p2ck.tmp.*"):
+            log.info("removing %s, a write interrupted by a crash", tmp)
+            tmp.unlink(missing_ok=True)
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{step:06d}.p2ck"
+
+    def submit(self, step: int, data: bytes) -> None:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("checkpoint writer is closed")
+            self._waiting = (step, data)
+            self._cond.notify_all()
+
+    def flush(self, timeout: float = 120.0) -> bool:
+        """Wait until everything submitted is on disk; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._waiting is not None or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 120.0) -> bool:
+        ok = self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        return ok
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._closed:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                (step, data), self._waiting = self._waiting, None
+                self._busy = True
+            try:
+                t0 = time.perf_counter()
+                pause = None
+                if self.pause_at and self.pause_at[0] == step:
+                    pause = self._pause
+                write_atomic(self.path(step), data, pause)
+                for old in sorted(self.dir.glob("step-*.p2ck"))[:-self.keep]:
+                    old.unlink(missing_ok=True)
+                if self.on_written is not None:
+                    self.on_written(step, time.perf_counter() - t0, str(self.path(step)))
+            except Exception:
+                log.exception("checkpoint for step %d could not be written", step)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _pause(self) -> None:
+        if self.on_pause is not None:
+            self.on_pause(self.pause_at[0])
+        time.sleep(self.pause_at[1])
+
+
+def pause_from_env(value: str | None) -> tuple[int, float] | None:
+    """TEST ONLY: P2PTRAIN_TEST_CKPT_PAUSE="STEP:SECONDS" stalls the write of that step's
+    checkpoint halfway, so a test can SIGKILL the process mid-write."""
+    if not value:
+        return None
+    try:
+        step, seconds = value.split(":")
+        return int(step), float(seconds)
+    except ValueError:
+        raise ValueError("P2PTRAIN_TEST_CKPT_PAUSE must look like STEP:SECONDS") from None
+
+
+def outer_state_arrays(params: np.ndarray, momentum: np.ndarray) -> dict[str, np.ndarray]:
+    return {"params": np.asarray(params, np.float32), "momentum": np.asarray(momentum, np.float32)}

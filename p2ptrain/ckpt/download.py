@@ -1,0 +1,312 @@
+"""Checkpoints between peers: serving them as chunks, finding them, fetching from many donors.
+
+Serving side (`CheckpointServer`): after each committed outer step a member splits its
+checkpoint into chunks (`p2ptrain.ckpt.chunks`), serves them and the chunk manifest through its
+`BlobServer` (bounded, rate-limited), drops the previous step's chunks, and stores its
+signed provider record (`p2ptrain.ckpt.providers`).
+
+Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
+group attests, gets the chunk manifest (verified against the attested hash), then pulls
+chunks from every provider at once. Each donor has `per_donor` request slots; a free slot
+takes the next missing chunk, and once none is left it steals a chunk that has been in
+flight on another donor for over twice the typical chunk time (the first verified copy
+wins and the other request is cancelled), so a slow or dead donor never stalls the
+download, while donors of equal speed do not duplicate each other's work. A donor whose chunk fails verification is
+excluded for the rest of the download; one that fails `max_failures` requests is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import trio
+
+from p2ptrain.ckpt import checkpoint
+from p2ptrain.ckpt import chunks
+from p2ptrain.train import progress
+from p2ptrain.ckpt import providers
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, request
+from p2ptrain.identity import peer_id_from_str, peer_id_to_str
+
+log = logging.getLogger("p2ptrain.ckpt.download")
+
+
+def providers_key(run_id: str) -> str:
+    return f"/p2ptrain/{run_id}/providers"
+
+
+@dataclass
+class DownloadConfig:
+    per_donor: int = 2
+    """Chunk requests in flight per donor (hides per-request latency)."""
+    chunk_timeout: float = 60.0
+    """Seconds one chunk request may take before the donor is counted as failing."""
+    max_failures: int = 3
+    """Failed (not wrong) requests after which a donor is dropped for this download."""
+
+    def __post_init__(self) -> None:
+        if self.per_donor < 1 or self.chunk_timeout <= 0 or self.max_failures < 1:
+            raise ValueError("per_donor >= 1, chunk_timeout > 0 and max_failures >= 1 are required")
+
+
+@dataclass
+class DownloadReport:
+    bytes: int = 0
+    seconds: float = 0.0
+    chunks: int = 0
+    per_donor: dict[str, int] = field(default_factory=dict)   # verified chunks delivered
+    excluded: dict[str, str] = field(default_factory=dict)    # donor -> reason
+    stolen: int = 0                                           # duplicate (stealing) requests
+
+    def summary(self) -> dict:
+        return {"bytes": self.bytes, "seconds": round(self.seconds, 3), "chunks": self.chunks,
+                "per_donor": self.per_donor, "excluded": self.excluded, "stolen": self.stolen}
+
+
+class CheckpointServer:
+    """Serves the latest committed checkpoint as chunks and advertises it."""
+
+    def __init__(self, blobs: BlobServer, chunk_bytes: int = chunks.CHUNK_BYTES, keep: int = 2) -> None:
+        self.blobs = blobs
+        self.chunk_bytes = chunk_bytes
+        # The previous step's chunks stay served too: a newcomer that chose it just before
+        # we committed the next step can still finish its download.
+        self.keep = keep
+        self.served: list[set[str]] = []
+        self.current: tuple[int, str] | None = None
+
+    def serve(self, data: bytes) -> tuple[chunks.ChunkManifest, str]:
+        """Split and serve `data` (blocking: hashing; call it in a thread)."""
+        manifest, parts = chunks.split(data, self.chunk_bytes)
+        raw = manifest.encode()
+        digest = manifest.digest()
+        new = {digest, *manifest.chunks}
+        for h, part in zip(manifest.chunks, parts):
+            self.blobs.add_known(h, part)
+        self.blobs.add_known(digest, raw)
+        self.served = [*self.served, new][-self.keep:]
+        live = set().union(*self.served)
+        for old in list(self.blobs.chunk_digests - live):
+            self.blobs.remove(old)
+        self.blobs.chunk_digests = live
+        return manifest, digest
+
+    async def publish(self, dht, run_id: str, data: bytes, step: int, params: str, members: list[str],
+                      addrs: list[str], ttl: float = 600.0) -> chunks.ChunkManifest:
+        """Serve `data` as chunks and advertise it; returns its chunk manifest (whose
+        `sha256` is the whole checkpoint's hash)."""
+        manifest, digest = await trio.to_thread.run_sync(self.serve, data)
+        value = providers.encode(step, digest, manifest.sha256, params, members, addrs)
+        await dht.store(providers_key(run_id), value, ttl=ttl)
+        self.current = (step, digest)
+        return manifest
+
+
+async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
+               max_group: int = providers.MAX_MEMBERS) -> providers.Choice | None:
+    """The newest attested checkpoint of the run (see `providers.choose`); providers'
+    addresses go to the address book so their chunks can be fetched."""
+    recs = []
+    for sub, rec in (await dht.get(providers_key(run_id))).items():
+        try:
+            p = providers.decode(peer_id_to_str(sub), rec.value)
+        except providers.ProviderError as exc:
+            log.info("provider record from %s dropped: %s", peer_id_to_str(sub), exc)
+            continue
+        dht.transport.learn_addrs(sub, list(p.addrs))
+        recs.append(p)
+    return providers.choose(recs, genesis_sha256, min_step, max_group)
+
+
+async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
+                   config: DownloadConfig | None = None, exclude: set[str] | None = None,
+                   on_exclude=None, progress=None) -> tuple[bytes, DownloadReport]:
+    """The checkpoint `choice` names, every chunk verified; raises FetchError.
+    `progress(done_bytes, total_bytes)` is called as verified chunks arrive."""
+    config = config or DownloadConfig()
+    t0 = time.perf_counter()
+    donors = [p for p in choice.providers if p not in (exclude or set())]
+    if not donors:
+        raise FetchError("no providers")
+    report = DownloadReport(per_donor={d: 0 for d in donors})
+    manifest = None
+    for donor in donors:  # the manifest: from the first donor that serves the attested one
+        try:
+            raw = await request(host, peer_id_from_str(donor), choice.manifest, chunks.MAX_MANIFEST_BYTES,
+                                config.chunk_timeout)
+        except FetchError as exc:
+            log.info("chunk manifest from %s failed: %s", donor, exc)
+            continue
+        try:
+            manifest = chunks.decode_manifest(raw, choice.manifest, max_bytes)
+        except chunks.ChunkError as exc:
+            _exclude(report, donor, f"chunk manifest rejected: {exc}", on_exclude)
+            continue
+        break
+    if manifest is None:
+        raise FetchError(f"no provider served the chunk manifest {choice.manifest[:12]}...")
+    if manifest.sha256 != choice.sha256:
+        raise FetchError("chunk manifest names another checkpoint than the attested one")
+    fetcher = _Download(host, manifest, [d for d in donors if d not in report.excluded], config, on_exclude,
+                        progress)
+    fetcher.report.excluded.update(report.excluded)
+    await fetcher.run()
+    data = await trio.to_thread.run_sync(fetcher.asm.result)
+    rep = fetcher.report
+    rep.bytes, rep.chunks, rep.seconds = len(data), len(manifest.chunks), time.perf_counter() - t0
+    return data, rep
+
+
+def _exclude(report: DownloadReport, donor: str, reason: str, on_exclude) -> None:
+    report.excluded[donor] = reason
+    log.warning("donor %s excluded from this download: %s", donor, reason)
+    if on_exclude is not None:
+        on_exclude(donor, reason)
+
+
+class _Download:
+    def __init__(self, host, manifest: chunks.ChunkManifest, donors: list[str], config: DownloadConfig,
+                 on_exclude, progress=None) -> None:
+        self.host = host
+        self.progress = progress
+        self.done_bytes = 0
+        self.manifest = manifest
+        self.donors = donors
+        self.config = config
+        self.on_exclude = on_exclude
+        self.asm = chunks.Assembler(manifest)
+        self.pending: deque[int] = deque(range(len(manifest.chunks)))
+        self.inflight: dict[int, dict[str, trio.CancelScope]] = {}
+        self.started: dict[int, float] = {}  # chunk -> when its first request started
+        self.times: list[float] = []         # seconds of verified chunk requests
+        self.failures: dict[str, int] = {}
+        self.report = DownloadReport(per_donor={d: 0 for d in donors})
+        self.changed = trio.Event()
+
+    def _notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def _exclude(self, donor: str, reason: str) -> None:
+        if donor in self.report.excluded:
+            return
+        _exclude(self.report, donor, reason, self.on_exclude)
+        for requesters in self.inflight.values():
+            scope = requesters.get(donor)
+            if scope is not None:
+                scope.cancel()
+        self._notify()
+
+    def _next(self, donor: str) -> int | None:
+        if not self.pending and not self.inflight:
+            self.pending.extend(self.asm.missing())  # never lose a chunk, whatever the path
+        while self.pending:
+            i = self.pending.popleft()
+            if i not in self.asm.have:
+                return i
+        # Endgame: help with the chunk in flight longest, once it is clearly late.
+        now = trio.current_time()
+        typical = sorted(self.times)[len(self.times) // 2] if self.times else 1.0
+        late = [(self.started.get(i, now), i) for i, r in self.inflight.items()
+                if donor not in r and i not in self.asm.have
+                and now - self.started.get(i, now) > max(0.5, 2 * typical)]
+        if late:
+            self.report.stolen += 1
+            return min(late)[1]
+        return None
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for donor in self.donors:
+                for _ in range(self.config.per_donor):
+                    nursery.start_soon(self._worker, donor)
+        if not self.asm.done():
+            raise FetchError(f"{len(self.asm.missing())} chunks could not be fetched "
+                             f"(donors excluded: {self.report.excluded})")
+
+    async def _worker(self, donor: str) -> None:
+        pid = peer_id_from_str(donor)
+        while not self.asm.done() and donor not in self.report.excluded:
+            i = self._next(donor)
+            if i is None:
+                with trio.move_on_after(0.25):
+                    await self.changed.wait()
+                continue
+            scope = trio.CancelScope()
+            self.inflight.setdefault(i, {})[donor] = scope
+            t0 = trio.current_time()
+            self.started.setdefault(i, t0)
+            start, end = self.manifest.span(i)
+            data, err = None, None
+            with scope:
+                try:
+                    data = await request(self.host, pid, self.manifest.chunks[i], end - start,
+                                         self.config.chunk_timeout)
+                except FetchError as exc:
+                    err = str(exc)
+            requesters = self.inflight.get(i, {})
+            requesters.pop(donor, None)
+            if data is not None:
+                if i in self.asm.have:
+                    pass  # a stolen duplicate that lost the race
+                elif self.asm.put(i, data):
+                    self.report.per_donor[donor] = self.report.per_donor.get(donor, 0) + 1
+                    self.times.append(trio.current_time() - t0)
+                    self.done_bytes += end - start
+                    if self.progress is not None:
+                        self.progress(self.done_bytes, self.manifest.size)
+                    for other in requesters.values():
+                        other.cancel()  # someone else's duplicate of a chunk we now have
+                    self.inflight.pop(i, None)
+                else:
+                    self._exclude(donor, f"chunk {i} failed verification")
+                    self._requeue(i)
+            elif scope.cancelled_caught:
+                self._requeue(i)  # our donor was excluded mid-request: the chunk is still needed
+            else:
+                self.failures[donor] = self.failures.get(donor, 0) + 1
+                log.info("chunk %d from %s failed: %s", i, donor, err)
+                self._requeue(i)
+                if self.failures[donor] >= self.config.max_failures:
+                    self._exclude(donor, f"unresponsive ({err})")
+                else:
+                    await trio.sleep(0.2)  # a transient failure (e.g. a stream refused under load)
+            if not self.inflight.get(i):
+                self.inflight.pop(i, None)
+            self._notify()
+        if not any(d not in self.report.excluded for d in self.donors) and not self.asm.done():
+            self._notify()
+
+    def _requeue(self, i: int) -> None:
+        if i not in self.asm.have and not self.inflight.get(i) and i not in self.pending:
+            self.started.pop(i, None)
+            self.pending.appendleft(i)
+
+
+async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_step: int = 0,
+                           have_step: int = -1, config: DownloadConfig | None = None) -> tuple[int, bytes | None] | None:
+    """Find and download the run's newest attested checkpoint at `min_step` or later.
+
+    None when nothing acceptable is advertised yet; (step, None) when it is not newer than
+    `have_step`; (step, bytes) otherwise. Raises FetchError when the download fails."""
+    # The library API's runs have no genesis hash (everyone starts from the same model).
+    genesis = run_manifest.get("genesis", {}).get("sha256", "")
+    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]))
+    if choice is None:
+        return None
+    if choice.step <= have_step:
+        return choice.step, None
+
+    def excluded(donor: str, reason: str) -> None:
+        events.emit("donor_excluded", remote=donor, reason=reason)
+
+    data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
+                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
+                               progress=progress.download(f"checkpoint of step {choice.step}",
+                                                          getattr(events, "json_mode", True)))
+    events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
+                attesters=len(choice.attesters), **rep.summary())
+    return choice.step, data

@@ -1,0 +1,174 @@
+"""Content-addressed blobs between peers: manifests and checkpoints, fetched by hash.
+
+A peer serves the blobs it holds (`/p2ptrain/fetch/1.0.0`, request {sha256}); `request`
+names the hash it wants and enforces a size limit before reading. The caller checks the
+hash of what arrived (`p2ptrain.ckpt.download` verifies every chunk and tells a lying donor from
+a failing one), so a provider can waste a fetcher's time but never feed it wrong bytes.
+
+Serving is bounded so it never starves the node's own rounds (hivemind's donors time out
+newcomers, or their own averaging, when both compete): at most `max_concurrent` requests
+at a time, and all of them together share a token bucket of `upload_mbps` (a bandwidth
+share, like a home uplink). Bytes leave in 256 KiB slices, each paced by the bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import msgpack
+import trio
+from libp2p.custom_types import TProtocol
+from libp2p.peer.id import ID
+
+from p2ptrain.dht.libp2p_rpc import read_exactly
+
+log = logging.getLogger("p2ptrain.ckpt.fetch")
+PROTOCOL = TProtocol("/p2ptrain/fetch/1.0.0")
+
+
+SLICE = 256 << 10
+
+
+MAX_REQUEST = 256
+
+
+class FetchError(Exception):
+    pass
+
+
+@dataclass
+class ServeConfig:
+    max_concurrent: int = 4
+    """Blob/chunk requests served at once; more wait their turn."""
+    upload_mbps: float = 25.0
+    """Upload cap in MB/s shared by all requests served (0 = uncapped): the share of the
+    uplink a peer gives newcomers; its own rounds keep the rest."""
+    burst_mb: float = 4.0
+    """Bytes (MB) the bucket may send at once after being idle."""
+    chunk_kib: int = 4096
+    """Checkpoints are served as chunks of this many KiB (p2ptrain.ckpt.chunks)."""
+
+    def __post_init__(self) -> None:
+        if self.max_concurrent < 1 or self.upload_mbps < 0 or self.burst_mb <= 0:
+            raise ValueError("max_concurrent must be >= 1, upload_mbps >= 0, burst_mb > 0")
+        if not 4 <= self.chunk_kib <= 65536:
+            raise ValueError("chunk_kib must be in [4, 65536]")
+
+
+class TokenBucket:
+    """Paces bytes to `rate` bytes/s with a burst allowance; shared by all serving tasks."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.next_free = 0.0  # trio time at which the bucket is empty again
+
+    async def take(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        now = trio.current_time()
+        start = max(now - self.burst / self.rate, self.next_free)
+        self.next_free = start + n / self.rate
+        if self.next_free > now:
+            await trio.sleep(self.next_free - now)
+
+
+def decode_request(body: bytes) -> str:
+    """The hex digest a fetcher asks for (pure); raises FetchError for anything else."""
+    if len(body) > MAX_REQUEST:
+        raise FetchError("oversize request")
+    try:
+        req = msgpack.unpackb(body, raw=False, max_str_len=128, max_bin_len=0, max_array_len=4,
+                              max_map_len=4, max_ext_len=0)
+    except Exception as exc:  # msgpack raises several unrelated types on garbage
+        raise FetchError(f"malformed request: {type(exc).__name__}") from None
+    digest = req.get("sha256") if isinstance(req, dict) else None
+    if not isinstance(digest, str) or len(digest) != 64:
+        raise FetchError("malformed request: no sha256")
+    return digest
+
+
+class BlobServer:
+    def __init__(self, host, max_concurrent: int = 4, config: ServeConfig | None = None, tamper=None) -> None:
+        self.host = host
+        self.config = config or ServeConfig(max_concurrent=max_concurrent)
+        self.blobs: dict[str, bytes | memoryview] = {}
+        self.limiter = trio.CapacityLimiter(self.config.max_concurrent)
+        self.bucket = TokenBucket(self.config.upload_mbps * 1e6, self.config.burst_mb * 1e6)
+        self.tamper = tamper  # TEST ONLY (p2ptrain.bench.adversary "chunk"): alters served bytes
+        self.served_bytes = 0
+        self.served_requests = 0
+        self.chunk_digests: set[str] = set()  # owned by p2ptrain.ckpt.download.CheckpointServer
+        host.set_stream_handler(PROTOCOL, self._handle)
+
+    def add(self, data: bytes) -> str:
+        digest = hashlib.sha256(data).hexdigest()
+        self.blobs[digest] = data
+        return digest
+
+    def add_known(self, digest: str, data: bytes | memoryview) -> None:
+        """Serve `data` under `digest` already computed by the caller (chunks)."""
+        self.blobs[digest] = data
+
+    def remove(self, digest: str) -> None:
+        self.blobs.pop(digest, None)
+
+    async def _handle(self, stream) -> None:
+        try:
+            async with self.limiter:
+                with trio.fail_after(60):
+                    n = int.from_bytes(await read_exactly(stream, 2), "big")
+                    if n > MAX_REQUEST:
+                        raise FetchError("oversize request")
+                    blob = self.blobs.get(decode_request(await read_exactly(stream, n)))
+                    size = len(blob) if blob is not None else -1
+                    await stream.write(size.to_bytes(8, "big", signed=True))
+                    if blob is not None:
+                        self.served_requests += 1
+                        view = memoryview(blob)
+                        if self.tamper is not None:
+                            view = memoryview(self.tamper(bytes(view)))
+                        for off in range(0, len(view), SLICE):
+                            piece = bytes(view[off:off + SLICE])
+                            await self.bucket.take(len(piece))
+                            await stream.write(piece)
+                            self.served_bytes += len(piece)
+            await stream.close()
+        except Exception as exc:
+            log.info("fetch request from %s failed: %r", stream.muxed_conn.peer_id, exc)
+            with trio.move_on_after(1):
+                await stream.reset()
+
+
+async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
+    """The bytes `peer` serves under `digest`, NOT verified (callers that need to tell a
+    lying donor from a failing one verify themselves); raises FetchError. A request
+    abandoned (cancelled) midway resets its stream, so the donor stops sending at once."""
+    stream = None
+    try:
+        with trio.fail_after(timeout):
+            stream = await host.new_stream(ID(peer), [PROTOCOL])
+            req = msgpack.packb({"sha256": digest})
+            await stream.write(len(req).to_bytes(2, "big") + req)
+            size = int.from_bytes(await read_exactly(stream, 8), "big", signed=True)
+            if size < 0:
+                raise FetchError("provider does not have it")
+            if size > max_bytes:
+                raise FetchError(f"provider offers {size} bytes, over the limit {max_bytes}")
+            data = await read_exactly(stream, size)
+            await stream.close()
+            stream = None
+            return data
+    except FetchError:
+        raise
+    except (Exception, trio.TooSlowError) as exc:
+        raise FetchError(f"{type(exc).__name__}: {exc}") from None
+    finally:
+        if stream is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                try:
+                    await stream.reset()
+                except Exception:
+                    pass

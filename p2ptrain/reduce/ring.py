@@ -1,0 +1,397 @@
+"""The ring all-reduce data plane: reduce-scatter then all-gather, pipelined, int8 or fp32.
+
+Synchronous on purpose: a round runs in one worker thread (`trio.to_thread`), which also
+receives, plus a sender thread, so the bytes never pass through the trio scheduler. The numba
+kernels and AES-GCM both release the GIL, so quantizing sub-chunk i+1 overlaps sealing/sending i.
+
+Schedule for world W, rank r (ring order is the caller's), tensor split into W chunks, each
+into k sub-chunks on super-block boundaries:
+  reduce-scatter step s = 0..W-2: send chunk (r-s) mod W, receive chunk (r-s-1) mod W.
+    What arrives is the running sum of s+1 peers; the hop kernel adds ours (fp32) and
+    re-quantizes what goes out at step s+1. At s = W-2 we own chunk (r+1) mod W: the owner
+    hop quantizes the mean ONCE and writes its dequantized value into our result, so the
+    owner ends with exactly what everyone else decodes.
+  all-gather step s = 0..W-2: send chunk (r+1-s) mod W, receive chunk (r-s) mod W, decode
+    it into the result and forward the received bytes unchanged.
+Every peer therefore decodes the same bytes for every chunk: bit-identical results.
+
+Nothing here touches the caller's tensor: the result is a new array, handed back only when
+every frame arrived and verified. Whether to apply it is the commit protocol's decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from blake3 import blake3
+
+from p2ptrain import kernels as K
+
+
+class RingError(Exception):
+    """The data plane failed (peer gone, timeout, too many bad frames); nothing was changed.
+
+    `blame` names a member caught sending bad data (by the caller's frame check)."""
+
+    def __init__(self, message: str, blame: str | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.blame = blame
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FrameId:
+    step: int
+    """0..W-2 reduce-scatter, W-1..2W-3 all-gather."""
+    chunk: int
+    """chunk index * k + sub-chunk index."""
+
+
+class Channel(Protocol):
+    """One direction of an authenticated, encrypted frame pipe (see p2ptrain/reduce/bulk.py)."""
+
+    def send(self, fid: FrameId, payload: memoryview) -> None: ...
+
+    def recv(self, fid: FrameId, out: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    mode: str = "int8"
+    """'int8' (quantized wire, fp32 accumulation) or 'fp32' (exact, 4x the bytes)."""
+    block: int = K.DEFAULT_BLOCK
+    """Quantization sub-block size (see p2ptrain.kernels)."""
+    sub_chunk_bytes: int = 4 << 20
+    """Target fp32 bytes per pipelined sub-chunk (one frame). Every member must use the same."""
+    kernel_threads: int = 1
+    """numba threads per kernel call. One is right: the ring already overlaps compute with
+    two I/O threads, a serial kernel outruns any internet link, and parallel regions stall
+    badly when cores are oversubscribed (measured: 4 ring peers on 2 cores ran ~5x slower)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("int8", "fp32"):
+            raise ValueError("mode must be 'int8' or 'fp32'")
+        if self.sub_chunk_bytes < 4096:
+            raise ValueError("sub_chunk_bytes must be >= 4096")
+
+
+def layout(n: int, world: int, cfg: RingConfig) -> list[list[tuple[int, int]]]:
+    """[chunk][sub] -> (start, end) element ranges; identical on every member."""
+    bounds = K.split_bounds(n, world, cfg.block)
+    out = []
+    for c in range(world):
+        lo, hi = bounds[c], bounds[c + 1]
+        k = max(1, -(-(hi - lo) * 4 // cfg.sub_chunk_bytes))
+        sub = K.split_bounds(hi - lo, k, cfg.block)
+        out.append([(lo + sub[j], lo + sub[j + 1]) for j in range(k)])
+    return out
+
+
+def wire_bytes(n_elems: int, cfg: RingConfig) -> int:
+    return n_elems * 4 if cfg.mode == "fp32" else K.quantized_nbytes(n_elems, cfg.block)
+
+
+def payload_views(m: int, cfg: RingConfig) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
+    """A fresh frame payload and the array views kernels write into (no copies)."""
+    buf = bytearray(wire_bytes(m, cfg))
+    if cfg.mode == "fp32":
+        return buf, np.frombuffer(buf, np.float32), None
+    return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
+
+
+def encode_payload(x: np.ndarray, cfg: RingConfig) -> bytearray:
+    buf, a, meta = payload_views(x.size, cfg)
+    if cfg.mode == "fp32":
+        a[:] = x
+    else:
+        K.quantize(x, cfg.block, q=a, meta=meta)
+    return buf
+
+
+def own_payloads(vec: np.ndarray, rank: int, world: int, cfg: RingConfig) -> list[bytearray]:
+    """This rank's step-0 frames: its own chunk, encoded sub-chunk by sub-chunk."""
+    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    return [encode_payload(vec[lo:hi], cfg) for lo, hi in layout(vec.size, world, cfg)[rank]]
+
+
+def schedule(rank: int, world: int, lay: list[list[tuple[int, int]]]):
+    """(sends, recvs): ordered lists of (FrameId, chunk, sub) for this rank."""
+    sends, recvs = [], []
+    for s in range(world - 1):
+        c_send, c_recv = (rank - s) % world, (rank - s - 1) % world
+        sends += [(FrameId(s, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
+        recvs += [(FrameId(s, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
+    for s in range(world - 1):
+        c_send, c_recv = (rank + 1 - s) % world, (rank - s) % world
+        step = world - 1 + s
+        sends += [(FrameId(step, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
+        recvs += [(FrameId(step, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
+    return sends, recvs
+
+
+class _Pump(threading.Thread):
+    """Moves frames between a channel and a queue so the compute thread never blocks on the
+    network: a ring whose members all block in send() while nobody reads deadlocks."""
+
+    def __init__(self, name: str, fn) -> None:
+        super().__init__(daemon=True, name=name)
+        self.fn = fn
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.fn()
+        except BaseException as exc:  # reported to the compute thread
+            self.error = exc
+
+
+class _Sender(threading.Thread):
+    """Seals and sends queued frames in order, so the compute thread never blocks on send:
+    a ring whose members all block in send() while nobody reads deadlocks. On failure it
+    closes the receive channel too, which wakes the compute thread out of recv()."""
+
+    def __init__(self, ch: Channel, recv_ch: Channel) -> None:
+        super().__init__(daemon=True, name="ring-send")
+        self.ch, self.recv_ch = ch, recv_ch
+        self.q: "queue.Queue" = queue.Queue()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            if self.error is not None:
+                continue
+            try:
+                self.ch.send(*item)
+            except BaseException as exc:  # reported to the compute thread
+                self.error = exc
+                self.recv_ch.close()
+
+
+class _Arena:
+    """One preallocated wire buffer holding a payload per (chunk, sub), in (chunk, sub)
+    order. np.empty, not bytearray: nothing is zero-filled, every byte is written before it
+    is read or sent."""
+
+    def __init__(self, lay: list[list[tuple[int, int]]], cfg: RingConfig) -> None:
+        self.cfg = cfg
+        self.at: dict[tuple[int, int], tuple[int, int, int]] = {}  # (c, j) -> (offset, nbytes, m)
+        off = 0
+        for c, subs in enumerate(lay):
+            for j, (lo, hi) in enumerate(subs):
+                nb = wire_bytes(hi - lo, cfg)
+                self.at[(c, j)] = (off, nb, hi - lo)
+                off += nb
+        self.buf = np.empty(off, np.uint8)
+
+    def view(self, c: int, j: int) -> memoryview:
+        off, nb, _ = self.at[(c, j)]
+        return memoryview(self.buf[off:off + nb])
+
+    def parts(self, c: int, j: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Array views of one payload: (fp32 values, None) or (int8 q, uint8 meta)."""
+        off, nb, m = self.at[(c, j)]
+        if self.cfg.mode == "fp32":
+            return self.buf[off:off + nb].view(np.float32), None
+        return self.buf[off:off + m].view(np.int8), self.buf[off + m:off + nb]
+
+
+class ArenaPool:
+    """Keeps a round's wire arenas for the next round of the same shape (thread-safe).
+
+    Fresh buffers cost a page fault per 4 KiB on every round: ~8 ms of a member's ~100 ms of
+    CPU in a 64 MiB round here. The raw-socket ceiling allocates once too. Holds at most
+    `limit` arenas (two per ring round, about half the fp32 tensor's size between them)."""
+
+    def __init__(self, limit: int = 2) -> None:
+        self.limit = limit
+        self._free: list[tuple[tuple, _Arena]] = []
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple, lay, cfg: RingConfig) -> _Arena:
+        with self._lock:
+            for i, (k, arena) in enumerate(self._free):
+                if k == key:
+                    return self._free.pop(i)[1]
+        return _Arena(lay, cfg)
+
+    def give(self, key: tuple, arena: _Arena | None) -> None:
+        if arena is None:
+            return
+        with self._lock:
+            self._free.append((key, arena))
+            if len(self._free) > self.limit:
+                del self._free[:len(self._free) - self.limit]
+
+
+def _split(buf, m: int) -> tuple[np.ndarray, np.ndarray]:
+    a = np.frombuffer(buf, np.uint8)
+    return a[:m].view(np.int8), a[m:]
+
+
+def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, recv_ch: Channel | None,
+              cfg: RingConfig, timeout: float = 30.0, own: list[bytearray] | None = None,
+              check=None, out: np.ndarray | None = None,
+              pool: ArenaPool | None = None) -> tuple[np.ndarray, int, str]:
+    """Mean of every member's `vec` as a new array (or in `out`, which then holds garbage
+    if the round fails), the payload bytes this rank sent, and the result's digest.
+
+    The digest is BLAKE3 over the BLAKE3 of every final sub-chunk payload in (chunk, sub)
+    order. Every member decodes its result from exactly those bytes, so equal digests mean
+    equal results; hashing each one right after it is forwarded keeps the digest off the
+    critical path (hashing the 64 MiB fp32 result afterwards cost ~12 % of a round). It must
+    be collision-resistant: it is how honest members catch a forwarder that changed bytes
+    (each hop's AES-GCM tag cannot, every member holds a key). BLAKE3 rather than SHA-256:
+    2.85 against 1.54 GB/s on one core here, ~6 % of a member's CPU per 64 MiB round.
+
+    `own`: this rank's step-0 payloads (its own chunk, already encoded, e.g. so their digests
+    could be signed first). `check(step, chunk, sub, payload, values)`: called on every
+    received frame with the fp32 values it decodes to, before anything is mixed in; an
+    exception with a `peer` attribute aborts the round blaming that peer. It must not keep
+    `payload`: the buffer is reused. `pool` lends the wire buffers (see ArenaPool).
+
+    Like the raw-socket ceiling (p2ptrain/bench/raw_ring.py), this thread receives straight
+    into preallocated buffers and only sending has its own thread: no receive pump, no
+    per-frame allocation.
+
+    Raises RingError on any failure (including no frame for `timeout` seconds, which the
+    channels enforce per operation); `vec` is never modified."""
+    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    if out is not None and (out.dtype != np.float32 or out.shape != vec.shape or not out.flags.c_contiguous
+                            or np.shares_memory(out, vec)):
+        raise ValueError("out must be a C-contiguous float32 array shaped like vec, not sharing its memory")
+    if world == 1:
+        return vec.copy(), 0, hashlib.sha256(vec.data).hexdigest()
+    _set_kernel_threads(cfg.kernel_threads)
+    lay = layout(vec.size, world, cfg)
+    sends, recvs = schedule(rank, world, lay)
+    fp32 = cfg.mode == "fp32"
+    result = np.empty_like(vec) if out is None else out
+    inv = np.float32(1.0 / world)
+    # Reduce-scatter payloads we send (each (chunk, sub) is sent once) and, in int8 mode, the
+    # owners' final payloads that the all-gather receives and forwards. fp32 all-gather
+    # frames land straight in `result`.
+    pool = pool or ArenaPool(0)
+    key = (vec.size, world, cfg.mode, cfg.block, cfg.sub_chunk_bytes)
+    rs = pool.take(key, lay, cfg)
+    fin = None if fp32 else pool.take(key, lay, cfg)
+    scratch = np.empty(max(nb for _, nb, _ in rs.at.values()), np.uint8)
+    sender = _Sender(send_ch, recv_ch)
+    ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
+    final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
+    si = sent = 0
+
+    def flush() -> None:
+        """Queue every send whose payload exists, in schedule order."""
+        nonlocal si, sent
+        while si < len(sends):
+            fid, c, j = sends[si]
+            if fid.step == 0:
+                lo, hi = lay[c][j]
+                if own is not None:
+                    payload = memoryview(own[j])
+                elif fp32:
+                    payload = memoryview(vec[lo:hi]).cast("B")
+                else:
+                    q, meta = rs.parts(c, j)
+                    K.quantize(vec[lo:hi], cfg.block, q=q, meta=meta)
+                    payload = rs.view(c, j)
+            elif (c, j) in ready:
+                payload = ready.pop((c, j))
+            else:
+                return
+            sender.q.put((fid, payload))
+            sent += len(payload)
+            si += 1
+
+    try:
+        sender.start()
+        flush()
+        for fid, c, j in recvs:
+            lo, hi = lay[c][j]
+            m, local = hi - lo, vec[lo:hi]
+            gather = fid.step >= world - 1
+            if not gather:
+                buf = memoryview(scratch[:wire_bytes(m, cfg)])
+            elif fp32:
+                buf = memoryview(result[lo:hi]).cast("B")
+            else:
+                buf = fin.view(c, j)
+            got = recv_ch.recv(fid, buf)
+            if got != len(buf):
+                raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
+            if check is not None:
+                values = np.frombuffer(buf, np.float32) if fp32 else K.dequantize(*_split(buf, m), cfg.block)
+                try:
+                    check(fid.step, c, j, buf, values)
+                except Exception as exc:
+                    if getattr(exc, "peer", None):
+                        raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
+                    raise
+            if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
+                if fp32:
+                    np.add(np.frombuffer(buf, np.float32), local, out=rs.parts(c, j)[0])
+                else:
+                    q, meta = rs.parts(c, j)
+                    K.ring_hop(*_split(buf, m), local, cfg.block, q_out=q, meta_out=meta)
+                ready[(c, j)] = rs.view(c, j)
+                flush()
+            elif fid.step == world - 2:  # we own this chunk: the mean, quantized once
+                if fp32:
+                    out = result[lo:hi]
+                    np.add(np.frombuffer(buf, np.float32), local, out=out)
+                    np.multiply(out, inv, out=out)
+                    payload = memoryview(out).cast("B")
+                else:
+                    q, meta = fin.parts(c, j)
+                    K.owner_hop(*_split(buf, m), local, float(inv), cfg.block, q_out=q, meta_out=meta,
+                                out=result[lo:hi])
+                    payload = fin.view(c, j)
+                ready[(c, j)] = payload
+                flush()
+                final[(c, j)] = blake3(payload).digest()
+            else:  # all-gather: forward the very same bytes first, then decode
+                if fid.step < 2 * world - 3:
+                    ready[(c, j)] = buf
+                    flush()
+                if not fp32:
+                    K.dequantize(*_split(buf, m), cfg.block, out=result[lo:hi])
+                final[(c, j)] = blake3(buf).digest()
+        if si != len(sends):
+            raise RingError(f"schedule incomplete: {len(sends) - si} frames never sent")
+        sender.q.put(None)
+        sender.join(timeout)
+        if sender.is_alive() or sender.error is not None:
+            raise RingError(f"send failed: {sender.error or 'timeout'}")
+    except RingError as exc:
+        if sender.error is not None and "send failed" not in str(exc):
+            raise RingError(f"send failed: {sender.error}") from exc
+        raise
+    except Exception as exc:
+        raise RingError(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        sender.error = sender.error or RingError("round over")  # drops anything still queued
+        sender.q.put(None)
+        if not sender.is_alive():  # else it may still read them: let them go
+            pool.give(key, rs)
+            pool.give(key, fin)
+    if len(final) != sum(len(subs) for subs in lay):
+        raise RingError("result incomplete")
+    return result, sent, blake3(b"".join(final[k] for k in sorted(final))).hexdigest()
+
+
+def _set_kernel_threads(n: int) -> None:
+    """numba's thread count is per calling thread, so this affects only this round."""
+    if K.BACKEND == "numba":
+        import numba
+
+        numba.set_num_threads(max(1, min(n, numba.config.NUMBA_NUM_THREADS)))

@@ -1,0 +1,131 @@
+"""Joining a run: get and verify the manifest, data and starting state, then train.
+
+`p2ptrain join --manifest` has everything locally; `--run ID` gets the manifest from the
+DHT (checked against the id: any peer may serve it) and the state from peers by hash. A
+restarted peer resumes from its newest local checkpoint and catches up if the run moved on.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import trio
+
+from p2ptrain.ckpt import checkpoint
+from p2ptrain.run import manifest as mf
+from p2ptrain.reduce.service import AllReduceConfig, AllReduceService
+from p2ptrain.config import ConfigError, resolve
+from p2ptrain.ckpt.download import fetch_checkpoint
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, ServeConfig
+from p2ptrain.net.node import NodeError
+from p2ptrain.train.trainer import Trainer, TrainerConfig, run_key
+
+log = logging.getLogger("p2ptrain.run.runner")
+
+
+async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
+    with trio.move_on_after(timeout):
+        while True:
+            for rec in (await dht.get(run_key(run_id, "manifest"))).values():
+                try:
+                    m = mf.decode(rec.value)
+                    mf.verify_manifest(m, run_id)
+                    return m
+                except mf.ManifestError as exc:
+                    log.warning("manifest from a peer rejected: %s", exc)
+            await trio.sleep(1.0)
+    raise NodeError(f"no peer served a valid manifest for run {run_id[:16]}... within {timeout:.0f}s",
+                    "check the run id, and that a peer of that run is online")
+
+
+def newest_local_checkpoint(workdir: Path, run_id: str) -> bytes | None:
+    d = workdir / "checkpoints" / run_id[:16]
+    for path in sorted(d.glob("step-*.p2ck"), reverse=True):
+        data = path.read_bytes()
+        try:
+            checkpoint.decode(data)
+            return data
+        except checkpoint.CheckpointError:
+            log.warning("checkpoint %s is damaged; trying an older one", path)
+    return None
+
+
+async def starting_state(node, manifest: dict, run_id: str, manifest_path: str | None, workdir: Path,
+                         events) -> bytes:
+    local = await trio.to_thread.run_sync(newest_local_checkpoint, workdir, run_id)
+    if local is not None:
+        return local
+    genesis = manifest["genesis"]["sha256"]
+    if manifest_path:
+        path = Path(manifest_path).parent / "genesis.p2ck"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise NodeError(f"{path} is missing", "keep genesis.p2ck next to run.toml") from None
+        if checkpoint.sha256(data) != genesis:
+            raise NodeError(f"{path} does not match the manifest's genesis hash", "re-run `p2ptrain init`")
+        return data
+    with trio.move_on_after(120):
+        while True:
+            try:
+                got = await fetch_checkpoint(node, run_id, manifest, events)
+            except FetchError as exc:
+                log.warning("state fetch failed: %s", exc)
+                got = None
+            if got is not None and got[1] is not None:
+                return got[1]
+            await trio.sleep(1.0)
+    raise NodeError("could not fetch the run's state from any peer within 120s", "try again later")
+
+
+async def run_training(node, manifest: dict | None, run_id: str, manifest_path: str | None, workdir: Path,
+                       events, config: TrainerConfig) -> None:
+    from p2ptrain.train.local import DataMismatch, LocalModel, load_run_data
+
+    if manifest is None:
+        manifest = await get_manifest(node.dht, run_id)
+    try:
+        mf.aggregation(manifest)
+    except mf.ManifestError as exc:
+        raise NodeError(str(exc), "upgrade p2ptrain to join this run") from None
+    try:
+        serve_cfg = resolve(ServeConfig, section="serve")
+    except ConfigError as exc:
+        raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None
+    from p2ptrain.bench import adversary
+
+    blobs = BlobServer(node.host, config=serve_cfg, tamper=adversary.make(config.adversary).tamper)
+    blobs.add(mf.encode(manifest))
+    await node.dht.store(run_key(run_id, "manifest"), mf.encode(manifest), ttl=3600)
+    try:
+        ds = await trio.to_thread.run_sync(load_run_data, manifest)
+    except (DataMismatch, ValueError) as exc:
+        raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
+    state = await starting_state(node, manifest, run_id, manifest_path, workdir, events)
+    try:
+        local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
+    except checkpoint.CheckpointError as exc:
+        # Hash-checked bytes that still do not fit this run's model: a broken local
+        # checkpoint, or a state its group attested wrongly. Say so; never train on it.
+        raise NodeError(f"the run's state does not load: {exc}",
+                        "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
+    tm = manifest["timeouts"]
+    svc = AllReduceService(node.host, node.identity, AllReduceConfig(
+        mode=manifest["train"]["allreduce"], setup_timeout=float(tm["exchange"]) * 2,
+        frame_timeout=float(tm["exchange"]) * 4, commit_timeout=float(tm["exchange"]) * 2),
+        listen_ip=_listen_ip(node))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(svc.run)
+        trainer = Trainer(node, svc, blobs, manifest, run_id, local, events, workdir, config)
+        await trainer.run()
+        await trio.to_thread.run_sync(trainer.writer.close)
+        nursery.cancel_scope.cancel()
+
+
+def _listen_ip(node) -> str:
+    for addr in node.config.listen:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] == "ip4":
+            return parts[2]
+    return "0.0.0.0"

@@ -1,0 +1,134 @@
+"""The model side of a peer: inner steps, pseudo-gradients, outer steps, evaluation.
+
+Everything here is blocking torch work; the trainer calls it through `trio.to_thread`.
+Given the same manifest, peer id, outer state and step, it computes bit-identical numbers
+(seeded data windows, deterministic init, fixed thread count), which is what lets tests
+compare parameter hashes instead of "close enough".
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from p2ptrain.ckpt import checkpoint
+from p2ptrain.train.data import Dataset, evaluate, load_dataset, train_batch
+from p2ptrain.train.model import ModelConfig, build_model
+from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
+
+
+class DataMismatch(ValueError):
+    pass
+
+
+def load_run_data(manifest: dict) -> Dataset:
+    ds = load_dataset(manifest["data"]["spec"], int(manifest["model"]["vocab_size"]))
+    if ds.content_hash != manifest["data"]["content_hash"]:
+        raise DataMismatch(
+            f"this machine's data for spec {manifest['data']['spec']!r} hashes to {ds.content_hash[:16]}..., "
+            f"the run was started with {manifest['data']['content_hash'][:16]}...")
+    return ds
+
+
+def genesis_state(manifest_body: dict) -> bytes:
+    """The step-0 checkpoint implied by the model config and seed (what `init` writes)."""
+    cfg = ModelConfig.from_dict(manifest_body["model"])
+    model = build_model(cfg, int(manifest_body["train"]["seed"]))
+    outer = OuterOptimizer(model, OuterConfig(float(manifest_body["train"]["outer_lr"]),
+                                              float(manifest_body["train"]["outer_momentum"])))
+    return encode_state(outer, 0)
+
+
+def decode_state(data: bytes) -> tuple[dict, int]:
+    """(OuterOptimizer state dict, outer step) from checkpoint bytes (see `encode_state`)."""
+    arrays, meta = checkpoint.decode(data)
+    step = meta.get("outer_step", 0)
+    if type(step) is not int or not 0 <= step < 1 << 40:
+        raise checkpoint.CheckpointError("checkpoint outer_step is not a small non-negative integer")
+    if not {"outer", "momentum"} <= set(arrays):
+        raise checkpoint.CheckpointError("checkpoint holds no outer state (outer, momentum)")
+    sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
+    sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+    return sd, step
+
+
+def encode_state(outer: OuterOptimizer, step: int) -> bytes:
+    sd = outer.state_dict()
+    arrays = {k: np.asarray(v.detach().cpu().numpy() if torch.is_tensor(v) else v) for k, v in sd.items()
+              if torch.is_tensor(v) or isinstance(v, np.ndarray)}
+    meta = {k: v for k, v in sd.items() if not (torch.is_tensor(v) or isinstance(v, np.ndarray))}
+    meta["outer_step"] = step
+    return checkpoint.encode(arrays, meta)
+
+
+class LocalModel:
+    def __init__(self, manifest: dict, ds: Dataset, peer_id: bytes, state: bytes, threads: int = 1) -> None:
+        torch.set_num_threads(max(1, threads))
+        tr = manifest["train"]
+        self.manifest = manifest
+        self.ds = ds
+        self.peer_id = peer_id
+        self.H = int(tr["inner_steps"])
+        self.batch = int(tr["batch_size"])
+        self.seq_len = int(tr["seq_len"])
+        self.seed = int(tr["seed"])
+        cfg = ModelConfig.from_dict(manifest["model"])
+        self.model = build_model(cfg, self.seed)
+        self.outer = OuterOptimizer(self.model, OuterConfig(float(tr["outer_lr"]), float(tr["outer_momentum"])))
+        self.step = self.load_state(state)
+        total = self.H * int(tr["planned_outer_steps"])
+        self.inner_opt, self.sched = make_inner_optimizer(
+            self.model, float(tr["inner_lr"]), float(tr["weight_decay"]), int(tr["warmup"]), total,
+            tr.get("schedule", "cosine"))
+        self.inner_done = 0
+        self.n_params = int(sum(p.numel() for p in self.model.parameters()))
+
+    def load_state(self, data: bytes) -> int:
+        """Raises CheckpointError for bytes that are not a state of this run's model: a
+        peer can publish any bytes under a matching hash, so nothing here may crash."""
+        sd, step = decode_state(data)
+        try:
+            self.outer.load_state_dict(sd)
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise checkpoint.CheckpointError(f"checkpoint does not fit this run's model: {exc}") from None
+        return step
+
+    def state_bytes(self) -> bytes:
+        return encode_state(self.outer, self.step)
+
+    def inner(self, progress=None) -> tuple[float, int, float]:
+        """H AdamW steps on this peer's own data; (mean loss, tokens, seconds)."""
+        t0 = time.perf_counter()
+        self.model.train()
+        losses = []
+        for i in range(self.H):
+            global_step = self.step * self.H + i
+            tokens = train_batch(self.ds, self.peer_id, global_step, self.batch, self.seq_len, self.seed)
+            loss = self.model.loss(tokens)
+            self.inner_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.inner_opt.step()
+            self.sched.step()
+            losses.append(float(loss.detach()))
+            if progress is not None:
+                progress(i + 1, self.H)
+        self.inner_done += self.H
+        return float(np.mean(losses)), self.H * self.batch * self.seq_len, time.perf_counter() - t0
+
+    def pseudo_gradient(self) -> np.ndarray:
+        return np.ascontiguousarray(self.outer.pseudo_gradient(self.model).detach().cpu().numpy(), np.float32)
+
+    def outer_step(self, avg: np.ndarray) -> str:
+        self.outer.step(torch.from_numpy(np.array(avg, dtype=np.float32)))
+        self.step += 1
+        return self.outer.params_sha256()
+
+    def evaluate(self, max_batches: int = 8) -> float:
+        return float(evaluate(self.model, self.ds, batch=16, seq_len=self.seq_len, max_batches=max_batches))
+
+    def load_state_at(self, data: bytes) -> None:
+        """Adopt a state fetched from peers (catch-up): outer params, momentum and step."""
+        self.step = self.load_state(data)
