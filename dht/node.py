@@ -18,7 +18,7 @@ import trio
 
 from p2ptrain.clock import wall_time
 from p2ptrain.dht import protocol
-from p2ptrain.dht.record import Record, RecordError, decode_and_validate, make_record, validate
+from p2ptrain.dht.record import MAX_ADDRS, Record, RecordError, decode_and_validate, make_record, validate
 from p2ptrain.dht.routing import RoutingTable, dht_id, distance
 from p2ptrain.dht.storage import RecordStore
 from p2ptrain.dht.transport import RpcError, RpcReject, RpcTransport
@@ -300,7 +300,7 @@ class DHTNode:
         if body.get("srv") is True:
             addrs = body.get("addrs")
             if isinstance(addrs, list):
-                self.transport.learn_addrs(sender, [a for a in addrs[:16] if isinstance(a, str)])
+                self.transport.learn_addrs(sender, [a for a in addrs[:MAX_ADDRS] if isinstance(a, str)])
             self.routing.seen(sender, trio.current_time())
         if method == "ping":
             return {}

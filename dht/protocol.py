@@ -13,6 +13,8 @@ import struct
 
 import msgpack
 
+from p2ptrain.dht.record import MAX_ADDRS
+
 HEADER = struct.Struct(">I")
 DEFAULT_MAX_FRAME = 512 * 1024
 METHODS = frozenset({"ping", "find", "get", "store"})
@@ -77,6 +79,6 @@ def decode_peers(obj: object, limit: int = 64) -> list[tuple[bytes, list[str]]]:
     for item in obj[:limit]:
         if (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
                 and isinstance(item[1], list)):
-            addrs = [a for a in item[1][:16] if isinstance(a, str) and len(a) < 512]
+            addrs = [a for a in item[1][:MAX_ADDRS] if isinstance(a, str) and len(a) < 512]
             out.append((item[0], addrs))
     return out

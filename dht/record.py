@@ -22,6 +22,10 @@ from p2ptrain.identity import Identity, peer_id_bytes_from_public, verify
 
 VERSION = 1
 NAMESPACE = "/p2ptrain/"
+"""Every key starts here; the names under it are built in one place, `p2ptrain.run.keys`."""
+MAX_ADDRS = 16
+"""Most addresses one peer advertises in any record or reply (DHT contacts, presence, ready,
+state, providers): enough for every interface and relay, small enough to bound a record."""
 MAX_RECORD_BYTES = 64 * 1024
 MAX_KEY_CHARS = 256
 _SIGN_DOMAIN = b"p2ptrain-dht-record-v1"

@@ -12,8 +12,12 @@ It runs the same network side as `p2ptrain join` (node, DHT, election, verified 
 Nesterov outer step: `p2ptrain.train.trainer.Trainer`) in a background thread with its own trio
 loop. The only difference is who drives the inner steps: here your loop does, and
 `step()` blocks on the H-th call until the outer step is done (or skipped) and the model
-holds the new outer parameters. All peers of a run must start from identical parameters;
-the run id includes their hash, so peers that did not are never grouped together.
+holds the new outer parameters. The run is a `p2ptrain.run.spec.RunSpec` like any other:
+its id (the SHA-256 of the spec's canonical encoding, `p2ptrain.run.manifest.run_id`) covers
+every setting members must share (inner steps, group size, outer lr and momentum, all-reduce
+mode, aggregation, timeouts) and the genesis hash of the starting parameters, so peers that
+differ in any of them are never grouped together, and a checkpoint fetch is bounded by the
+genesis size. There is no initiator: every peer derives the same id from the same arguments.
 
 Import p2ptrain before torch (or set OMP_WAIT_POLICY=passive): see p2ptrain/__init__.py for
 why an active OpenMP wait policy makes torch ~27x slower next to the ring's numba kernels.
@@ -21,7 +25,6 @@ why an active OpenMP wait policy makes torch ~27x slower next to the ring's numb
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 import time
@@ -30,7 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p2ptrain.train.outer import OuterConfig, OuterOptimizer, sha256_f32, flatten
+from p2ptrain.ckpt import checkpoint
+from p2ptrain.run import manifest as mf
+from p2ptrain.run.spec import USER, DataSpec, GenesisSpec, ModelSpec, RunSpec, TimeoutsSpec, TrainSpec
+from p2ptrain.train.outer import OuterConfig, OuterOptimizer
 
 
 class _UserModel:
@@ -94,7 +100,8 @@ class _UserModel:
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
                  bootstrap: list[str], inner_steps: int = 100, group_size: int = 8, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, allreduce: str = "int8", join_window: float = 30.0,
+                 outer_momentum: float = 0.9, allreduce: str = "int8", aggregation: str = "mean",
+                 join_window: float = 30.0,
                  listen: str = "/ip4/0.0.0.0/tcp/0", key: str | Path | None = None,
                  workdir: str | Path | None = None, evaluate=None, tokens_per_step: int = 0,
                  json_events: bool = False, min_peers: int = 1, timeout: float = 120.0) -> None:
@@ -103,12 +110,17 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.tokens_per_step = tokens_per_step
         self.local = _UserModel(model, inner_steps, OuterConfig(outer_lr, outer_momentum), evaluate)
-        start_hash = sha256_f32(flatten(list(model.parameters())))
-        self.run_id = hashlib.sha256(f"{run}\0{start_hash}\0{inner_steps}\0{allreduce}".encode()).hexdigest()
+        genesis = self.local.state_bytes()  # step 0: the starting parameters, zero momentum
+        self.spec = RunSpec(
+            name=run, created=0, model=ModelSpec({"source": USER, "n_params": self.local.n_params}),
+            data=DataSpec(USER, ""),
+            train=TrainSpec(inner_steps=int(inner_steps), group_size=int(group_size), outer_lr=float(outer_lr),
+                            outer_momentum=float(outer_momentum), allreduce=allreduce, aggregation=aggregation),
+            timeouts=TimeoutsSpec(join_window=float(join_window), exchange=5.0),
+            genesis=GenesisSpec(checkpoint.sha256(genesis), len(genesis)))
+        self.run_id = mf.run_id(self.spec.to_dict())
         self.identity = load_or_create(Path(key)) if key else Identity.generate()
         self.workdir = Path(workdir) if workdir else Path.home() / ".p2ptrain" / "lib" / self.run_id[:16]
-        self._spec = {"timeouts": {"join_window": float(join_window), "exchange": 5.0},
-                      "train": {"group_size": int(group_size), "allreduce": allreduce}}
         self._bootstrap, self._listen, self._json = list(bootstrap), listen, json_events
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -178,7 +190,7 @@ class DiLoCo:
         from p2ptrain.events import EventSink
         from p2ptrain.ckpt.fetch import BlobServer
         from p2ptrain.net.node import Node, NodeConfig
-        from p2ptrain.train.trainer import Trainer, TrainerConfig
+        from p2ptrain.train.trainer import Trainer, TrainerConfig, make_writer
 
         self._token = trio.lowlevel.current_trio_token()
         events = EventSink(self.identity.peer_id_str, self._json)
@@ -190,11 +202,11 @@ class DiLoCo:
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(node.run)
-            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self._spec["train"]["allreduce"]),
+            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self.spec.train.allreduce),
                                    listen_ip=self._listen.split("/")[2])
             await nursery.start(svc.run)
-            trainer = Trainer(node, svc, BlobServer(node.host), self._spec, self.run_id, self.local, events,
-                              self.workdir, TrainerConfig(min_peers=self._min_peers))
+            trainer = Trainer(node, svc, BlobServer(node.host), make_writer(self.workdir, self.run_id, events), self.spec, self.run_id,
+                              self.local, events, TrainerConfig(min_peers=self._min_peers))
             self._ready.set()
             try:
                 await trainer.run()

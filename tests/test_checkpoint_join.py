@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import fakes
 from conftest import start_bootstrap
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.identity import load_or_create
@@ -36,13 +37,16 @@ def run(tmp_path_factory) -> tuple[Path, str, list[Path]]:
     return d / "run", out.stdout.strip().splitlines()[-1], keys
 
 
-def start(procs, baddr, run, i, steps, min_peers=3, first=False, env=None):
+def start(procs, baddr, run, i, steps, min_peers=3, first=False, hostile: str = ""):
+    """A real `join` process; with `hostile`, built with that fake part (tests/fakes/hostile_peer.py)."""
     run_path, rid, keys = run
     which = ["--manifest", str(run_path / "run.toml")] if first else ["--run", rid]
-    return procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[i]),
-                        "--workdir", str(procs.log_dir / f"p{i}"), *which, "--max-outer-steps", str(steps),
-                        "--min-peers", str(min_peers), "--threads", "1", "--json"], f"p{i}",
-                       env={**ENV, **(env or {})})
+    args = ["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[i]),
+            "--workdir", str(procs.log_dir / f"p{i}"), *which, "--max-outer-steps", str(steps),
+            "--min-peers", str(min_peers), "--threads", "1", "--json"]
+    if hostile:
+        return procs.start([hostile, *args], f"p{i}", env=fakes.env(ENV), module="fakes.hostile_peer")
+    return procs.start(args, f"p{i}", env=ENV)
 
 
 def seen(peer, pred, timeout: float) -> dict:
@@ -64,9 +68,9 @@ def at_step(peer, step: int, timeout: float = 240) -> dict:
 
 def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run, report):
     boot, baddr = start_bootstrap(procs)
-    # p2 serves corrupted chunks (TEST ONLY switch, p2ptrain/bench/adversary.py) but trains honestly.
+    # p2 serves corrupted chunks (a fake BlobServer, tests/fakes/adversary.py) but trains honestly.
     group = [start(procs, baddr, run, 0, GROUP_STEPS, first=True), start(procs, baddr, run, 1, GROUP_STEPS),
-             start(procs, baddr, run, 2, GROUP_STEPS, env={"P2PTRAIN_ADVERSARY": "chunk"})]
+             start(procs, baddr, run, 2, GROUP_STEPS, hostile="chunk")]
     liar = seen(group[2], lambda e: e["event"] == "run_joined", 120)["peer"]
     before = [committed(p, 3)["t"] for p in group]  # steps 1..3 without the newcomer
     newcomer = start(procs, baddr, run, 3, 10)
@@ -97,9 +101,9 @@ def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run, repo
 
 def test_sigkill_during_checkpoint_write_resumes_from_last_complete(procs, run):
     boot, baddr = start_bootstrap(procs)
-    # p2 stalls halfway through writing its step-2 checkpoint (TEST ONLY hook), and is killed there.
+    # p2 stalls halfway through writing its step-2 checkpoint (a fake writer), and is killed there.
     group = [start(procs, baddr, run, 0, GROUP_STEPS, first=True), start(procs, baddr, run, 1, GROUP_STEPS),
-             start(procs, baddr, run, 2, GROUP_STEPS, env={"P2PTRAIN_TEST_CKPT_PAUSE": "2:120"})]
+             start(procs, baddr, run, 2, GROUP_STEPS, hostile="ckpt-pause:2:120")]
     c1 = [committed(p, 1) for p in group]
     seen(group[2], lambda e: e["event"] == "checkpoint_write_paused" and e["step"] == 2, 120)
     c2 = committed(group[2], 2, 5)

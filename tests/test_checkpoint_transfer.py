@@ -14,7 +14,7 @@ import trio
 from conftest import LOOPBACK
 from p2ptrain.ckpt import chunks
 from p2ptrain.ckpt import providers
-from p2ptrain.bench.adversary import flip_one_byte
+from fakes.adversary import CorruptBlobServer, flip_one_byte
 from p2ptrain.ckpt.download import CheckpointServer, DownloadConfig, download
 from p2ptrain.events import EventSink
 from p2ptrain.ckpt.fetch import BlobServer, FetchError, ServeConfig
@@ -117,7 +117,7 @@ async def _swarm(nursery, data, donor_cfgs, chunk_bytes):
     fetcher, donors = nodes[0], nodes[1:]
     servers, digest = [], None
     for node, (cfg, tamper) in zip(donors, donor_cfgs):
-        blobs = BlobServer(node.host, config=cfg, tamper=tamper)
+        blobs = CorruptBlobServer(node.host, config=cfg, corrupt=tamper) if tamper else BlobServer(node.host, config=cfg)
         _, digest = CheckpointServer(blobs, chunk_bytes).serve(data)
         servers.append(blobs)
         fetcher.rpc.learn_addrs(node.identity.peer_id, node.rpc.local_addrs())
@@ -200,13 +200,18 @@ def test_download_fails_cleanly_when_every_donor_lies():
 
 # -- async checkpoint writer ------------------------------------------------------------
 def test_async_writer_keeps_last_k_and_cleans_torn_writes(tmp_path):
+    from fakes.adversary import PausingWriter
     from p2ptrain.ckpt import checkpoint
 
     (tmp_path / ".step-000009.p2ck.tmp.123").write_bytes(b"torn")  # a killed process's leftover
     written, paused = [], []
-    w = checkpoint.AsyncWriter(tmp_path, keep=2, on_written=lambda s, sec, p: written.append(s),
-                               pause_at=(3, 0.2))
-    w.on_pause = paused.append
+
+    class Events:
+        def emit(self, event, step):
+            paused.append(step)
+
+    w = PausingWriter(tmp_path, keep=2, on_written=lambda s, sec, p: written.append(s), events=Events(),
+                      pause_step=3, seconds=0.2)
     assert not list(tmp_path.glob(".step-*"))
     for step in range(1, 5):
         w.submit(step, checkpoint.encode({"x": __import__("numpy").full(3, step, "float32")}, {"outer_step": step}))

@@ -318,7 +318,7 @@ def test_state_of_wrong_shape_is_a_checkpoint_error():
             decode_state(checkpoint.encode(ARRAYS, meta))
     with pytest.raises(checkpoint.CheckpointError):
         decode_state(checkpoint.encode({"x": ARRAYS["outer"]}, {"outer_step": 1}))
-    assert checkpoint.state_size_limit({"genesis": {"bytes": 1000}}) == 2000 + (1 << 20)
+    assert checkpoint.state_size_limit(1000) == 2000 + (1 << 20)
 
 
 # -- blob fetch requests -----------------------------------------------------------------

@@ -252,8 +252,10 @@ def test_bench_summary_reports_the_goal_and_the_mean_damage():
 
 def test_manifest_aggregation_defaults_to_mean_for_old_manifests():
     from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import TrainSpec
 
-    assert mf.aggregation({"train": {"allreduce": "int8"}}) == "mean"
-    assert mf.aggregation({"train": {"aggregation": "robust"}}) == "robust"
-    with pytest.raises(mf.ManifestError):
-        mf.aggregation({"train": {"aggregation": "median"}})
+    base = {"inner_steps": 2, "group_size": 2, "outer_lr": 0.7, "outer_momentum": 0.9, "allreduce": "int8"}
+    assert TrainSpec(**base).aggregation == "mean"
+    assert TrainSpec(**base, aggregation="robust").aggregation == "robust"
+    with pytest.raises(mf.ManifestError, match="unknown aggregation 'median'"):
+        TrainSpec(**base, aggregation="median")

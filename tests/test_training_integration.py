@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import fakes
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
 
@@ -47,10 +48,13 @@ def start_trainers(procs, baddr: str, run: tuple[Path, str], keys: list[Path], n
         work = procs.log_dir / f"p{i}"
         work.mkdir(parents=True, exist_ok=True)
         which = ["--manifest", str(run_path / "run.toml")] if i == 0 else ["--run", rid]
-        env = {"P2PTRAIN_ADVERSARY": adversary} if (adversary and i == n - 1) else None
-        peers.append(procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key",
-                                  str(keys[i]), "--workdir", str(work), *which, "--max-outer-steps", str(steps),
-                                  "--min-peers", str(n), "--threads", "1", "--json"], f"p{i}", env=env))
+        args = ["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[i]),
+                "--workdir", str(work), *which, "--max-outer-steps", str(steps), "--min-peers", str(n),
+                "--threads", "1", "--json"]
+        if adversary and i == n - 1:  # a real peer built with a hostile contributor (tests/fakes/)
+            peers.append(procs.start([adversary, *args], f"p{i}", env=fakes.env(), module="fakes.hostile_peer"))
+        else:
+            peers.append(procs.start(args, f"p{i}"))
     return peers
 
 

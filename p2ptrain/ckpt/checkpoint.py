@@ -94,35 +94,29 @@ def _check_entry(entry: object, body_len: int) -> tuple[str, np.dtype, tuple[int
     return name, dt, tuple(shape), off, count
 
 
-def state_size_limit(manifest: dict) -> int:
+def state_size_limit(genesis_bytes: int) -> int:
     """Most bytes a state checkpoint of this run may have: fetches stop before reading more.
 
-    States hold the same arrays as genesis (whose size the signed manifest records) plus
-    a few metadata fields, so twice that and a MiB of slack is generous."""
-    try:
-        return 2 * int(manifest["genesis"]["bytes"]) + (1 << 20)
-    except (KeyError, TypeError, ValueError):
-        return 1 << 32
+    States hold the same arrays as genesis (whose size the run's spec records) plus a few
+    metadata fields, so twice that and a MiB of slack is generous."""
+    return 2 * int(genesis_bytes) + (1 << 20)
 
 
 def sha256(data: bytes | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def write_atomic(path: Path, data: bytes, pause=None) -> None:
-    """`pause` (TEST ONLY) is called once half of the data is in the temporary file."""
+def tmp_path(path: Path) -> Path:
+    """Where `write_atomic` writes `path` before the rename (a crash leaves it behind)."""
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    view = memoryview(data)
+    tmp = tmp_path(path)
     with open(tmp, "wb") as f:
-        if pause is not None:
-            f.write(view[:len(view) // 2])
-            f.flush()
-            pause()
-            f.write(view[len(view) // 2:])
-        else:
-            f.write(view)
+        f.write(memoryview(data))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -141,14 +135,12 @@ class AsyncWriter:
     `on_written(step, seconds, path)` is called from the writer thread.
     """
 
-    def __init__(self, directory: Path, keep: int = 3, on_written=None, pause_at: tuple[int, float] | None = None) -> None:
+    def __init__(self, directory: Path, keep: int = 3, on_written=None) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.dir = Path(directory)
         self.keep = keep
         self.on_written = on_written
-        self.pause_at = pause_at  # TEST ONLY: (step, seconds) to stall that write midway
-        self.on_pause = None
         self._cond = threading.Condition()
         self._waiting: tuple[int, bytes] | None = None
         self._busy = False
@@ -201,10 +193,7 @@ class AsyncWriter:
                 self._busy = True
             try:
                 t0 = time.perf_counter()
-                pause = None
-                if self.pause_at and self.pause_at[0] == step:
-                    pause = self._pause
-                write_atomic(self.path(step), data, pause)
+                self._write(step, data)
                 for old in sorted(self.dir.glob("step-*.p2ck"))[:-self.keep]:
                     old.unlink(missing_ok=True)
                 if self.on_written is not None:
@@ -216,22 +205,9 @@ class AsyncWriter:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _pause(self) -> None:
-        if self.on_pause is not None:
-            self.on_pause(self.pause_at[0])
-        time.sleep(self.pause_at[1])
-
-
-def pause_from_env(value: str | None) -> tuple[int, float] | None:
-    """TEST ONLY: P2PTRAIN_TEST_CKPT_PAUSE="STEP:SECONDS" stalls the write of that step's
-    checkpoint halfway, so a test can SIGKILL the process mid-write."""
-    if not value:
-        return None
-    try:
-        step, seconds = value.split(":")
-        return int(step), float(seconds)
-    except ValueError:
-        raise ValueError("P2PTRAIN_TEST_CKPT_PAUSE must look like STEP:SECONDS") from None
+    def _write(self, step: int, data: bytes) -> None:
+        """One step's file (in the writer thread); tests subclass this to stall midway."""
+        write_atomic(self.path(step), data)
 
 
 def outer_state_arrays(params: np.ndarray, momentum: np.ndarray) -> dict[str, np.ndarray]:

@@ -30,12 +30,9 @@ from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
 from p2ptrain.ckpt.fetch import BlobServer, FetchError, request
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
+from p2ptrain.run import keys
 
 log = logging.getLogger("p2ptrain.ckpt.download")
-
-
-def providers_key(run_id: str) -> str:
-    return f"/p2ptrain/{run_id}/providers"
 
 
 @dataclass
@@ -100,7 +97,7 @@ class CheckpointServer:
         `sha256` is the whole checkpoint's hash)."""
         manifest, digest = await trio.to_thread.run_sync(self.serve, data)
         value = providers.encode(step, digest, manifest.sha256, params, members, addrs)
-        await dht.store(providers_key(run_id), value, ttl=ttl)
+        await dht.store(keys.providers(run_id), value, ttl=ttl)
         self.current = (step, digest)
         return manifest
 
@@ -110,7 +107,7 @@ async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
     """The newest attested checkpoint of the run (see `providers.choose`); providers'
     addresses go to the address book so their chunks can be fetched."""
     recs = []
-    for sub, rec in (await dht.get(providers_key(run_id))).items():
+    for sub, rec in (await dht.get(keys.providers(run_id))).items():
         try:
             p = providers.decode(peer_id_to_str(sub), rec.value)
         except providers.ProviderError as exc:
@@ -286,15 +283,14 @@ class _Download:
             self.pending.appendleft(i)
 
 
-async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_step: int = 0,
+async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
                            have_step: int = -1, config: DownloadConfig | None = None) -> tuple[int, bytes | None] | None:
     """Find and download the run's newest attested checkpoint at `min_step` or later.
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
     `have_step`; (step, bytes) otherwise. Raises FetchError when the download fails."""
-    # The library API's runs have no genesis hash (everyone starts from the same model).
-    genesis = run_manifest.get("genesis", {}).get("sha256", "")
-    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]))
+    # `spec`: the run's p2ptrain.run.spec.RunSpec (genesis anchor and bound, group size).
+    choice = await find(node.dht, run_id, spec.genesis.sha256, min_step, spec.train.group_size)
     if choice is None:
         return None
     if choice.step <= have_step:
@@ -304,7 +300,7 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
         events.emit("donor_excluded", remote=donor, reason=reason)
 
     data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
-                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
+                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(spec.genesis.bytes),
                                progress=progress.download(f"checkpoint of step {choice.step}",
                                                           getattr(events, "json_mode", True)))
     events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,

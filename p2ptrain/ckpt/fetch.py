@@ -91,13 +91,12 @@ def decode_request(body: bytes) -> str:
 
 
 class BlobServer:
-    def __init__(self, host, max_concurrent: int = 4, config: ServeConfig | None = None, tamper=None) -> None:
+    def __init__(self, host, max_concurrent: int = 4, config: ServeConfig | None = None) -> None:
         self.host = host
         self.config = config or ServeConfig(max_concurrent=max_concurrent)
         self.blobs: dict[str, bytes | memoryview] = {}
         self.limiter = trio.CapacityLimiter(self.config.max_concurrent)
         self.bucket = TokenBucket(self.config.upload_mbps * 1e6, self.config.burst_mb * 1e6)
-        self.tamper = tamper  # TEST ONLY (p2ptrain.bench.adversary "chunk"): alters served bytes
         self.served_bytes = 0
         self.served_requests = 0
         self.chunk_digests: set[str] = set()  # owned by p2ptrain.ckpt.download.CheckpointServer
@@ -115,6 +114,10 @@ class BlobServer:
     def remove(self, digest: str) -> None:
         self.blobs.pop(digest, None)
 
+    def view(self, blob: bytes | memoryview) -> memoryview:
+        """The bytes served for `blob` (tests subclass this to serve corrupt ones)."""
+        return memoryview(blob)
+
     async def _handle(self, stream) -> None:
         try:
             async with self.limiter:
@@ -127,9 +130,7 @@ class BlobServer:
                     await stream.write(size.to_bytes(8, "big", signed=True))
                     if blob is not None:
                         self.served_requests += 1
-                        view = memoryview(blob)
-                        if self.tamper is not None:
-                            view = memoryview(self.tamper(bytes(view)))
+                        view = self.view(blob)
                         for off in range(0, len(view), SLICE):
                             piece = bytes(view[off:off + SLICE])
                             await self.bucket.take(len(piece))

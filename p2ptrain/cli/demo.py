@@ -193,8 +193,12 @@ def _baseline(work: Path, steps: int) -> float:
     from p2ptrain.identity import Identity
     from p2ptrain.train.local import LocalModel, load_run_data
 
-    m, _ = mf.read(work / "run" / "run.toml")
-    m = dict(m, train=dict(m["train"], inner_steps=steps, planned_outer_steps=1))
+    from dataclasses import replace
+
+    from p2ptrain.run.spec import RunSpec
+
+    spec = RunSpec.from_dict(mf.read(work / "run" / "run.toml")[0])
+    m = replace(spec, train=replace(spec.train, inner_steps=steps, planned_outer_steps=1))
     ds = load_run_data(m)
     genesis = (work / "run" / "genesis.p2ck").read_bytes()
     local = LocalModel(m, ds, Identity.from_seed(b"\x07" * 32).peer_id, genesis, threads=1)

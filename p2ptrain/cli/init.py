@@ -36,32 +36,28 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -> dict:
+def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int = 0):
+    """The run these arguments describe (`p2ptrain.run.spec.RunSpec` owns the schema)."""
+    from p2ptrain.run.spec import DataSpec, GenesisSpec, ModelSpec, RunSpec, SpecError, TimeoutsSpec, TrainSpec
     from p2ptrain.train.model import ModelConfig
 
     model = ModelConfig.preset(args.preset).to_dict()
     if args.seq_len > model["max_seq_len"]:
         raise CLIError(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {model['max_seq_len']}",
                        "use a smaller --seq-len")
-    for name in ("inner_steps", "group_size", "batch_size", "seq_len", "planned_outer_steps"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
-    if not (0 <= args.outer_momentum < 1 and args.outer_lr > 0 and args.inner_lr > 0):
-        raise CLIError("learning rates must be > 0 and --outer-momentum in [0, 1)")
-    return {
-        "version": 1,
-        "name": args.name or f"run-{int(time.time())}",
-        "created": int(time.time()),
-        "model": model,
-        "data": {"spec": args.data, "content_hash": data_hash},
-        "train": {"seed": args.seed, "inner_steps": args.inner_steps, "inner_lr": args.inner_lr,
-                  "warmup": args.warmup, "weight_decay": args.weight_decay, "batch_size": args.batch_size,
-                  "seq_len": args.seq_len, "schedule": "cosine", "planned_outer_steps": args.planned_outer_steps,
-                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
-                  "group_size": args.group_size, "allreduce": args.allreduce, "aggregation": args.aggregation},
-        "timeouts": {"join_window": args.join_window, "exchange": 5.0},
-        "genesis": {"sha256": genesis_sha, "bytes": genesis_bytes},
-    }
+    try:
+        return RunSpec(
+            name=args.name or f"run-{int(time.time())}", created=int(time.time()), model=ModelSpec(model),
+            data=DataSpec(args.data, data_hash),
+            train=TrainSpec(seed=args.seed, inner_steps=args.inner_steps, inner_lr=args.inner_lr, warmup=args.warmup,
+                            weight_decay=args.weight_decay, batch_size=args.batch_size, seq_len=args.seq_len,
+                            schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=args.outer_lr,
+                            outer_momentum=args.outer_momentum, group_size=args.group_size,
+                            allreduce=args.allreduce, aggregation=args.aggregation),
+            timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
+            genesis=GenesisSpec(genesis_sha, genesis_bytes))
+    except SpecError as exc:
+        raise CLIError(str(exc), "see `p2ptrain init --help`") from None
 
 
 def run(args) -> int:
@@ -78,11 +74,9 @@ def run(args) -> int:
         ds = load_dataset(args.data)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    draft = build_manifest(args, ds.content_hash, "", 0)
+    draft = build_spec(args, ds.content_hash)
     genesis = genesis_state(draft)
-    body = build_manifest(args, ds.content_hash, checkpoint.sha256(genesis), len(genesis))
-    body["created"], body["name"] = draft["created"], draft["name"]
-    signed = mf.sign(body, identity)
+    signed = mf.sign(draft.with_genesis(checkpoint.sha256(genesis), len(genesis)).to_dict(), identity)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.write_atomic(out / "genesis.p2ck", genesis)
     rid = mf.write(signed, out)

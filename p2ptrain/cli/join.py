@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from p2ptrain.cli.common import DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_service, section
@@ -58,8 +57,7 @@ def run(args) -> int:
         from p2ptrain.train.trainer import TrainerConfig
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
-            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers,
-            "adversary": os.environ.get("P2PTRAIN_ADVERSARY", "")})
+            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers})
 
     dashboard_cfg = None
     if args.dashboard:

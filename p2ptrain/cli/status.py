@@ -44,7 +44,7 @@ def run(args) -> int:
             await nursery.start(node.run)
             peers = await read_peers(node.dht, args.namespace)
             if args.run:
-                from p2ptrain.train.trainer import run_states
+                from p2ptrain.run.states import run_states
 
                 states.update(await run_states(node.dht, args.run))
             nursery.cancel_scope.cancel()

@@ -194,7 +194,7 @@ class Dashboard:
 
     async def _poll(self) -> None:
         from p2ptrain.net.presence import read_peers
-        from p2ptrain.train.trainer import run_states
+        from p2ptrain.run.states import run_states
 
         tick = 0
         while True:

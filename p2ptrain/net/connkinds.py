@@ -8,6 +8,8 @@ only counts and checks them.
 from __future__ import annotations
 
 from p2ptrain.net.nat import DIRECT, HOLE_PUNCHED, RELAYED, connection_kinds
+# Decoding published counts is the state record's codec (no libp2p needed to read one).
+from p2ptrain.run.records import parse_counts
 
 __all__ = ["KINDS", "connection_kinds", "kind_counts", "parse_counts"]
 KINDS = (DIRECT, HOLE_PUNCHED, RELAYED)
@@ -19,11 +21,3 @@ def kind_counts(host) -> dict[str, int]:
     for kind in connection_kinds(host).values():
         counts[kind] = counts.get(kind, 0) + 1
     return counts
-
-
-def parse_counts(value) -> dict[str, int]:
-    """A peer's published counts, checked: known kinds only, small non-negative ints."""
-    if not isinstance(value, dict):
-        return {}
-    return {k: v for k, v in value.items()
-            if k in KINDS and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 20}

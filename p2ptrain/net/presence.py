@@ -17,15 +17,12 @@ import trio
 from p2ptrain.dht.node import DHTNode
 from p2ptrain.events import EventSink
 from p2ptrain.identity import peer_id_to_str
+from p2ptrain.run import keys
 
 log = logging.getLogger("p2ptrain.net.presence")
 MAX_PRESENCE_BYTES = 4096
 MAX_CONNS = 32  # neighbours listed in a record: keeps it well under MAX_PRESENCE_BYTES
 CONN_KINDS = ("direct", "hole-punched", "relayed")
-
-
-def presence_key(namespace: str) -> str:
-    return f"/p2ptrain/{namespace}/peers"
 
 
 @dataclass
@@ -47,7 +44,7 @@ class PresenceConfig:
 
 def encode_presence(addrs: list[str], role: str, conns: dict[str, str] | None = None) -> bytes:
     """`conns`: neighbour peer id -> connection kind (p2ptrain.net.nat.connection_kinds)."""
-    obj = {"addrs": addrs[:16], "role": role}
+    obj = {"addrs": addrs[:keys.MAX_ADDRS], "role": role}
     if conns:
         obj["conns"] = dict(sorted(conns.items())[:MAX_CONNS])
     return msgpack.packb(obj, use_bin_type=True)
@@ -57,7 +54,7 @@ def decode_presence(value: bytes) -> dict | None:
     if len(value) > MAX_PRESENCE_BYTES:
         return None
     try:
-        obj = msgpack.unpackb(value, raw=False, max_array_len=16, max_map_len=MAX_CONNS, max_str_len=512)
+        obj = msgpack.unpackb(value, raw=False, max_array_len=keys.MAX_ADDRS, max_map_len=MAX_CONNS, max_str_len=512)
     except Exception:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("addrs"), list):
@@ -70,7 +67,7 @@ def decode_presence(value: bytes) -> dict | None:
 async def read_peers(dht: DHTNode, namespace: str) -> dict[str, dict]:
     """peer id (str) -> {"addrs", "role"} for every live, verified presence record."""
     out = {}
-    for subkey, rec in (await dht.get(presence_key(namespace))).items():
+    for subkey, rec in (await dht.get(keys.presence(namespace))).items():
         info = decode_presence(rec.value)
         if info is None:
             log.warning("presence of %s dropped: malformed value", peer_id_to_str(subkey))
@@ -104,7 +101,7 @@ class Presence:
 
     async def _publish(self) -> None:
         conns = self._neighbour_conns()
-        await self.dht.store(presence_key(self.config.namespace), encode_presence(self.addrs, self.role, conns),
+        await self.dht.store(keys.presence(self.config.namespace), encode_presence(self.addrs, self.role, conns),
                              self.config.ttl)
         self._published = conns
 

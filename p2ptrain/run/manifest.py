@@ -25,7 +25,6 @@ MAX_MANIFEST_BYTES = 32 * 1024
 MAX_DEPTH = 6
 """A manifest is sections of scalars and short lists: 3 levels; 6 leaves room to grow."""
 _DOMAIN = b"p2ptrain-manifest-v1"
-AGGREGATIONS = ("mean", "robust")
 
 
 class ManifestError(ValueError):
@@ -76,16 +75,6 @@ def verify_manifest(manifest: dict, expected_id: str | None = None) -> str:
     if expected_id is not None and rid != expected_id:
         raise ManifestError(f"manifest hashes to {rid[:16]}..., not the run id {expected_id[:16]}...")
     return rid
-
-
-def aggregation(manifest: dict) -> str:
-    """train.aggregation: 'mean' (the int8 ring) or 'robust' (butterfly + CenteredClip, see
-    p2ptrain/reduce/butterfly.py). Manifests written before the field existed mean 'mean'."""
-    train = manifest.get("train")
-    value = train.get("aggregation", "mean") if isinstance(train, dict) else "mean"
-    if value not in AGGREGATIONS:
-        raise ManifestError(f"unknown aggregation {value!r} (this version knows {', '.join(AGGREGATIONS)})")
-    return value
 
 
 def encode(manifest: dict) -> bytes:

@@ -24,6 +24,7 @@ import logging
 import msgpack
 
 from p2ptrain.identity import peer_id_to_str
+from p2ptrain.run import keys
 
 log = logging.getLogger("p2ptrain.run.reputation")
 
@@ -31,10 +32,6 @@ MAX_REPORT_BYTES = 8 * 1024
 MAX_FLAGGED = 64
 MIN_REPORTERS = 2
 TTL = 3600.0
-
-
-def key(run_id: str) -> str:
-    return f"/p2ptrain/{run_id}/reputation"
 
 
 def encode_report(flagged: dict[str, int]) -> bytes:
@@ -89,7 +86,7 @@ def outliers(roster: list[str], headers: dict, scores: list) -> list[str]:
 async def read(dht, run_id: str) -> dict[str, dict[str, int]]:
     """Every reporter's verified entry: {reporter: {peer: step}}; malformed ones are dropped."""
     out = {}
-    for sub, rec in (await dht.get(key(run_id))).items():
+    for sub, rec in (await dht.get(keys.reputation(run_id))).items():
         try:
             out[peer_id_to_str(sub)] = decode_report(rec.value)
         except ValueError as exc:
@@ -99,4 +96,4 @@ async def read(dht, run_id: str) -> dict[str, dict[str, int]]:
 
 async def publish(dht, run_id: str, flagged: dict[str, int]) -> int:
     """Store our report (signed by the DHT with our key); returns the replicas that acked."""
-    return await dht.store(key(run_id), encode_report(flagged), ttl=TTL)
+    return await dht.store(keys.reputation(run_id), encode_report(flagged), ttl=TTL)

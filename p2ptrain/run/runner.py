@@ -8,6 +8,7 @@ restarted peer resumes from its newest local checkpoint and catches up if the ru
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -19,15 +20,29 @@ from p2ptrain.config import ConfigError, resolve
 from p2ptrain.ckpt.download import fetch_checkpoint
 from p2ptrain.ckpt.fetch import BlobServer, FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
-from p2ptrain.train.trainer import Trainer, TrainerConfig, run_key
+from p2ptrain.run import keys
+from p2ptrain.run.round import Contributor
+from p2ptrain.run.spec import RunSpec
+from p2ptrain.train.trainer import Trainer, TrainerConfig, make_writer
 
 log = logging.getLogger("p2ptrain.run.runner")
+
+
+@dataclass(frozen=True)
+class Parts:
+    """The components a trainer is built from. The product uses these defaults; tests
+    (tests/fakes/hostile_peer.py) pass subclasses that misbehave, so no test switch lives in
+    the product."""
+    contributor: type = Contributor
+    blob_server: type = BlobServer
+    writer: object = make_writer
+    """(workdir, run_id, events) -> p2ptrain.ckpt.checkpoint.AsyncWriter"""
 
 
 async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
     with trio.move_on_after(timeout):
         while True:
-            for rec in (await dht.get(run_key(run_id, "manifest"))).values():
+            for rec in (await dht.get(keys.manifest(run_id))).values():
                 try:
                     m = mf.decode(rec.value)
                     mf.verify_manifest(m, run_id)
@@ -51,12 +66,12 @@ def newest_local_checkpoint(workdir: Path, run_id: str) -> bytes | None:
     return None
 
 
-async def starting_state(node, manifest: dict, run_id: str, manifest_path: str | None, workdir: Path,
+async def starting_state(node, spec: RunSpec, run_id: str, manifest_path: str | None, workdir: Path,
                          events) -> bytes:
     local = await trio.to_thread.run_sync(newest_local_checkpoint, workdir, run_id)
     if local is not None:
         return local
-    genesis = manifest["genesis"]["sha256"]
+    genesis = spec.genesis.sha256
     if manifest_path:
         path = Path(manifest_path).parent / "genesis.p2ck"
         try:
@@ -69,7 +84,7 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
     with trio.move_on_after(120):
         while True:
             try:
-                got = await fetch_checkpoint(node, run_id, manifest, events)
+                got = await fetch_checkpoint(node, run_id, spec, events)
             except FetchError as exc:
                 log.warning("state fetch failed: %s", exc)
                 got = None
@@ -80,44 +95,42 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
 
 
 async def run_training(node, manifest: dict | None, run_id: str, manifest_path: str | None, workdir: Path,
-                       events, config: TrainerConfig) -> None:
+                       events, config: TrainerConfig, parts: Parts = Parts()) -> None:
     from p2ptrain.train.local import DataMismatch, LocalModel, load_run_data
 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
     try:
-        mf.aggregation(manifest)
+        spec = RunSpec.from_dict(manifest)
     except mf.ManifestError as exc:
         raise NodeError(str(exc), "upgrade p2ptrain to join this run") from None
     try:
         serve_cfg = resolve(ServeConfig, section="serve")
     except ConfigError as exc:
         raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None
-    from p2ptrain.bench import adversary
-
-    blobs = BlobServer(node.host, config=serve_cfg, tamper=adversary.make(config.adversary).tamper)
+    blobs = parts.blob_server(node.host, config=serve_cfg)
     blobs.add(mf.encode(manifest))
-    await node.dht.store(run_key(run_id, "manifest"), mf.encode(manifest), ttl=3600)
+    await node.dht.store(keys.manifest(run_id), mf.encode(manifest), ttl=3600)
     try:
-        ds = await trio.to_thread.run_sync(load_run_data, manifest)
+        ds = await trio.to_thread.run_sync(load_run_data, spec)
     except (DataMismatch, ValueError) as exc:
         raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
-    state = await starting_state(node, manifest, run_id, manifest_path, workdir, events)
+    state = await starting_state(node, spec, run_id, manifest_path, workdir, events)
     try:
-        local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
+        local = await trio.to_thread.run_sync(LocalModel, spec, ds, node.identity.peer_id, state, config.threads)
     except checkpoint.CheckpointError as exc:
         # Hash-checked bytes that still do not fit this run's model: a broken local
         # checkpoint, or a state its group attested wrongly. Say so; never train on it.
         raise NodeError(f"the run's state does not load: {exc}",
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
-    tm = manifest["timeouts"]
+    exchange = float(spec.timeouts.exchange)
     svc = AllReduceService(node.host, node.identity, AllReduceConfig(
-        mode=manifest["train"]["allreduce"], setup_timeout=float(tm["exchange"]) * 2,
-        frame_timeout=float(tm["exchange"]) * 4, commit_timeout=float(tm["exchange"]) * 2),
-        listen_ip=_listen_ip(node))
+        mode=spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
+        commit_timeout=exchange * 2), listen_ip=_listen_ip(node))
     async with trio.open_nursery() as nursery:
         await nursery.start(svc.run)
-        trainer = Trainer(node, svc, blobs, manifest, run_id, local, events, workdir, config)
+        trainer = Trainer(node, svc, blobs, parts.writer(workdir, run_id, events), spec, run_id, local, events,
+                          config, parts.contributor())
         await trainer.run()
         await trio.to_thread.run_sync(trainer.writer.close)
         nursery.cancel_scope.cancel()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from p2ptrain.ckpt import checkpoint
+from p2ptrain.run.spec import RunSpec
 from p2ptrain.train.data import Dataset, evaluate, load_dataset, train_batch
 from p2ptrain.train.model import ModelConfig, build_model
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
@@ -23,21 +24,19 @@ class DataMismatch(ValueError):
     pass
 
 
-def load_run_data(manifest: dict) -> Dataset:
-    ds = load_dataset(manifest["data"]["spec"], int(manifest["model"]["vocab_size"]))
-    if ds.content_hash != manifest["data"]["content_hash"]:
+def load_run_data(spec: RunSpec) -> Dataset:
+    ds = load_dataset(spec.data.spec, int(spec.model.config["vocab_size"]))
+    if ds.content_hash != spec.data.content_hash:
         raise DataMismatch(
-            f"this machine's data for spec {manifest['data']['spec']!r} hashes to {ds.content_hash[:16]}..., "
-            f"the run was started with {manifest['data']['content_hash'][:16]}...")
+            f"this machine's data for spec {spec.data.spec!r} hashes to {ds.content_hash[:16]}..., "
+            f"the run was started with {spec.data.content_hash[:16]}...")
     return ds
 
 
-def genesis_state(manifest_body: dict) -> bytes:
+def genesis_state(spec: RunSpec) -> bytes:
     """The step-0 checkpoint implied by the model config and seed (what `init` writes)."""
-    cfg = ModelConfig.from_dict(manifest_body["model"])
-    model = build_model(cfg, int(manifest_body["train"]["seed"]))
-    outer = OuterOptimizer(model, OuterConfig(float(manifest_body["train"]["outer_lr"]),
-                                              float(manifest_body["train"]["outer_momentum"])))
+    model = build_model(ModelConfig.from_dict(spec.model.config), spec.train.seed)
+    outer = OuterOptimizer(model, OuterConfig(float(spec.train.outer_lr), float(spec.train.outer_momentum)))
     return encode_state(outer, 0)
 
 
@@ -64,24 +63,22 @@ def encode_state(outer: OuterOptimizer, step: int) -> bytes:
 
 
 class LocalModel:
-    def __init__(self, manifest: dict, ds: Dataset, peer_id: bytes, state: bytes, threads: int = 1) -> None:
+    def __init__(self, spec: RunSpec, ds: Dataset, peer_id: bytes, state: bytes, threads: int = 1) -> None:
         torch.set_num_threads(max(1, threads))
-        tr = manifest["train"]
-        self.manifest = manifest
+        tr = spec.train
+        self.spec = spec
         self.ds = ds
         self.peer_id = peer_id
-        self.H = int(tr["inner_steps"])
-        self.batch = int(tr["batch_size"])
-        self.seq_len = int(tr["seq_len"])
-        self.seed = int(tr["seed"])
-        cfg = ModelConfig.from_dict(manifest["model"])
-        self.model = build_model(cfg, self.seed)
-        self.outer = OuterOptimizer(self.model, OuterConfig(float(tr["outer_lr"]), float(tr["outer_momentum"])))
+        self.H = tr.inner_steps
+        self.batch = tr.batch_size
+        self.seq_len = tr.seq_len
+        self.seed = tr.seed
+        self.model = build_model(ModelConfig.from_dict(spec.model.config), self.seed)
+        self.outer = OuterOptimizer(self.model, OuterConfig(float(tr.outer_lr), float(tr.outer_momentum)))
         self.step = self.load_state(state)
-        total = self.H * int(tr["planned_outer_steps"])
+        total = self.H * tr.planned_outer_steps
         self.inner_opt, self.sched = make_inner_optimizer(
-            self.model, float(tr["inner_lr"]), float(tr["weight_decay"]), int(tr["warmup"]), total,
-            tr.get("schedule", "cosine"))
+            self.model, float(tr.inner_lr), float(tr.weight_decay), tr.warmup, total, tr.schedule)
         self.inner_done = 0
         self.n_params = int(sum(p.numel() for p in self.model.parameters()))
 

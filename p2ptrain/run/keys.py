@@ -1,0 +1,48 @@
+"""Every DHT key a run (and the lobby) uses, named in one place.
+
+All keys live under `p2ptrain.dht.record.NAMESPACE` (the DHT refuses others). A run's keys
+are `/p2ptrain/<run id>/<what>`; the lobby's presence uses a namespace in the run id's place.
+Records under these keys are multi-writer: each peer writes its own subkey (its peer id).
+
+  manifest    the signed run manifest (`p2ptrain.run.manifest`), served by every member
+  ready/<t>   "ready for outer step t" (`p2ptrain.run.records.encode_ready`), read by election
+  state       each member's newest state (`p2ptrain.run.records.encode_state`)
+  providers   checkpoint provider records (`p2ptrain.ckpt.providers`)
+  reputation  robust-rule reports (`p2ptrain.run.reputation`)
+  peers       presence, per run or lobby (`p2ptrain.net.presence`)
+"""
+
+from __future__ import annotations
+
+from p2ptrain.dht.record import MAX_ADDRS, NAMESPACE
+
+__all__ = ["MAX_ADDRS", "NAMESPACE", "manifest", "ready", "state", "providers", "reputation", "presence"]
+
+
+def _key(scope: str, what: str) -> str:
+    return f"{NAMESPACE}{scope}/{what}"
+
+
+def manifest(run_id: str) -> str:
+    return _key(run_id, "manifest")
+
+
+def ready(run_id: str, step: int) -> str:
+    return _key(run_id, f"ready/{step}")
+
+
+def state(run_id: str) -> str:
+    return _key(run_id, "state")
+
+
+def providers(run_id: str) -> str:
+    return _key(run_id, "providers")
+
+
+def reputation(run_id: str) -> str:
+    return _key(run_id, "reputation")
+
+
+def presence(namespace: str) -> str:
+    """A run id, or 'lobby' before joining a run."""
+    return _key(namespace, "peers")

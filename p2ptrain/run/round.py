@@ -1,0 +1,197 @@
+"""One contribution round: a group's verified reduction of its members' pseudo-gradients.
+
+Attempts, each with a fresh roster (members this peer still trusts):
+  1. confirm the roster with every member: its hash, the params we start from and the frame
+     size must all agree (`exchange`); members that disagree are dropped and we try again;
+  2. encode our contribution (int8 ring payloads, or the butterfly's per-chunk copies), sign
+     a header describing it (`p2ptrain.run.contribution`), exchange headers and verify
+     them; members with a bad header are rejected (`Ledger.reject`) and we try again;
+  3. run the all-reduce with every frame held to those headers; a `RoundFailed` naming
+     culprits rejects them and we try again.
+Alone (every other member dropped out) a trainer commits its own step unless it is a
+newcomer or its group did not confirm it: both skip and catch up instead (see `run`).
+
+The all-reduce service is reached through `ReduceService` (two calls), so tests drive this
+logic with a fake service in memory. What this peer sends and signs is a `Contributor`: the
+product uses the honest one; hostile-peer tests pass a subclass.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import trio
+
+from p2ptrain.reduce import butterfly, ring
+from p2ptrain.reduce.robust import RobustConfig
+from p2ptrain.reduce.service import RoundFailed
+from p2ptrain.run import election
+from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
+from p2ptrain.run.ledger import Ledger
+
+log = logging.getLogger("p2ptrain.run.round")
+
+
+class ReduceService(Protocol):
+    """The slice of `p2ptrain.reduce.service.AllReduceService` a round uses."""
+
+    async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
+                       timeout: float) -> dict[str, bytes | None]: ...
+
+    async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
+                        own=None, check=None, robust=None): ...
+    """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed."""
+
+
+class Contributor:
+    """What this peer puts into a round: its pseudo-gradient, under a true signed header."""
+
+    def payload(self, delta: np.ndarray) -> np.ndarray:
+        return delta
+
+    def sign(self, header: Header, identity) -> bytes:
+        return sign_header(header, identity)
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    mode: str
+    """'int8' or 'fp32' (the run's train.allreduce)."""
+    sub_chunk_bytes: int
+    """Must be the service's data-plane frame size: members cut the tensor the same way."""
+    exchange_timeout: float
+    robust: RobustConfig | None = None
+    """Robust runs: butterfly + CenteredClip instead of the ring's mean."""
+    max_attempts: int = 4
+
+    def __post_init__(self) -> None:
+        ring.RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
+        if not (self.exchange_timeout > 0 and self.max_attempts >= 1):
+            raise ValueError("exchange_timeout must be > 0 and max_attempts >= 1")
+
+
+@dataclass
+class Outcome:
+    result: np.ndarray | None
+    """The committed average; None when no round committed (the step is skipped)."""
+    members: list[str]
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    headers: dict = field(default_factory=dict)
+    scores: list | None = None
+
+
+@dataclass
+class _Prepared:
+    send: np.ndarray
+    own: list
+    digests: tuple[str, ...]
+    norms: tuple[float, ...]
+    norm: float
+    lay: list
+
+
+def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: ring.RingConfig,
+            robust: bool) -> _Prepared:
+    """Encode and hash what we send, and the norms we sign (blocking: numba and SHA-256)."""
+    if not robust:
+        own = ring.own_payloads(send, rank, world, cfg)
+        digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
+    else:  # a copy of every chunk, each signed: every owner checks what it receives
+        own = butterfly.own_payloads(send, world, cfg)
+        digests = butterfly.chunk_digests(own)
+    lay = ring.layout(delta.size, world, cfg)
+    norms = tuple(float(np.linalg.norm(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
+    return _Prepared(send, own, digests, norms, float(np.linalg.norm(delta)), lay)
+
+
+class ContributionRound:
+    def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
+                 contributor: Contributor | None = None) -> None:
+        self.run_id = run_id
+        self.identity = identity
+        self.me = identity.peer_id_str
+        self.svc = service
+        self.config = config
+        self.ledger = ledger
+        self.contributor = contributor or Contributor()
+        self.ring_cfg = ring.RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
+
+    async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
+                  joining: bool = False) -> Outcome:
+        """Reduce `delta` with `group` (ring order), starting from params hash `base`."""
+        out = Outcome(None, list(group))
+        roster, unconfirmed = list(group), False
+        for attempt in range(self.config.max_attempts):
+            roster = [p for p in roster if p not in self.ledger.ignored]
+            out.members = roster
+            if roster == [self.me]:
+                # Alone. A newcomer that missed its group's round must not commit alone: its
+                # zero step would move its params (momentum) away from the group's. Nor may a
+                # member whose group did not confirm it (it saw another group, or another
+                # base): the others may be committing this step without it, and its own step
+                # would fork it from them for good (its base hash would never match again).
+                # Both skip the step and catch up to what the group commits.
+                if not (joining or unconfirmed):
+                    out.result = delta.copy()
+                return out
+            rh = election.roster_hash(self.run_id, t, attempt, roster)
+            agreeing = await self._confirm(f"{t}/{attempt}", roster, rh, base)
+            if agreeing != roster:
+                unconfirmed = True
+                log.info("step %d attempt %d: roster not confirmed by %s", t, attempt, sorted(set(roster) - set(agreeing)))
+                roster = agreeing
+                continue
+            if await self._attempt(out, t, attempt, roster, rh, delta, tokens, inner_steps):
+                return out
+            roster = [p for p in roster if p not in self.ledger.ignored]
+        return out
+
+    async def _confirm(self, rid: str, roster: list[str], rh: str, base: str) -> list[str]:
+        """Members that start from the same roster, params and frame size as we do: a peer
+        that forked (or caught up to another fork's state) is left out rather than averaged
+        with, and one that cuts the tensor differently (another version) is left out
+        instead of failing every round."""
+        mine = f"{rh}/{base}/{self.config.sub_chunk_bytes}".encode()
+        got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.config.exchange_timeout)
+        return [p for p in roster if got.get(p) == mine]
+
+    async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
+                       tokens: int, inner_steps: int) -> bool:
+        """Headers, then the reduction; True once a round committed (filled into `out`)."""
+        rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
+        robust = self.config.robust is not None
+        send = self.contributor.payload(delta)
+        prep = await trio.to_thread.run_sync(prepare, delta, send, rank, world, self.ring_cfg, robust)
+        header = Header(self.run_id, t, attempt, rh, self.me, prep.norms, prep.digests, prep.norm, inner_steps, tokens)
+        signed = await trio.to_thread.run_sync(self.contributor.sign, header, self.identity)
+        raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
+        # Robust runs bound every member's influence whatever its norm: no norm filter.
+        ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
+                                 norm_factor=math.inf if robust else 10.0)
+        for peer, reason in bad.items():
+            self.ledger.reject(t, peer, reason)
+        if bad:
+            return False
+        subs = [len(s) for s in prep.lay]
+        checker = butterfly.Checker(roster, ok, subs) if robust else FrameChecker(roster, ok, rank, subs)
+        try:
+            res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker.check,
+                                           robust=self.config.robust)
+        except RoundFailed as exc:
+            log.info("step %d attempt %d failed: %s", t, attempt, exc)
+            for peer, reason in exc.blamed.items():
+                self.ledger.reject(t, peer, reason)
+            return False
+        out.bytes_sent += res.sent_bytes
+        # What the ring schedule delivered to us (the ring counts only what it sends).
+        out.bytes_recv += sum(ring.wire_bytes(prep.lay[c][j][1] - prep.lay[c][j][0], self.ring_cfg)
+                              for _, c, j in ring.schedule(rank, world, prep.lay)[1])
+        self.ledger.remember(ok)
+        out.result, out.headers, out.scores = res.result, ok, res.scores
+        return True
