@@ -97,6 +97,22 @@ class _UserModel:
         self.outer.load_state_dict(sd)
 
 
+def library_spec(outer: OuterOptimizer, *, run: str, inner_steps: int, group_size: int, outer_lr: float,
+                 outer_momentum: float, allreduce: str, aggregation: str, join_window: float) -> RunSpec:
+    """The run a library user's arguments describe; `outer` holds the starting parameters.
+    No timestamp, no initiator: peers given the same arguments and model derive the same id."""
+    from p2ptrain.train.local import encode_state
+
+    genesis = encode_state(outer, 0)  # step 0: the starting parameters, zero momentum
+    return RunSpec(
+        name=run, created=0, model=ModelSpec({"source": USER, "n_params": int(outer.numel)}),
+        data=DataSpec(USER, ""),
+        train=TrainSpec(inner_steps=int(inner_steps), group_size=int(group_size), outer_lr=float(outer_lr),
+                        outer_momentum=float(outer_momentum), allreduce=allreduce, aggregation=aggregation),
+        timeouts=TimeoutsSpec(join_window=float(join_window), exchange=5.0),
+        genesis=GenesisSpec(checkpoint.sha256(genesis), len(genesis)))
+
+
 class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *, run: str,
                  bootstrap: list[str], inner_steps: int = 100, group_size: int = 8, outer_lr: float = 0.7,
@@ -110,14 +126,9 @@ class DiLoCo:
         self.inner_optimizer = inner_optimizer
         self.tokens_per_step = tokens_per_step
         self.local = _UserModel(model, inner_steps, OuterConfig(outer_lr, outer_momentum), evaluate)
-        genesis = self.local.state_bytes()  # step 0: the starting parameters, zero momentum
-        self.spec = RunSpec(
-            name=run, created=0, model=ModelSpec({"source": USER, "n_params": self.local.n_params}),
-            data=DataSpec(USER, ""),
-            train=TrainSpec(inner_steps=int(inner_steps), group_size=int(group_size), outer_lr=float(outer_lr),
-                            outer_momentum=float(outer_momentum), allreduce=allreduce, aggregation=aggregation),
-            timeouts=TimeoutsSpec(join_window=float(join_window), exchange=5.0),
-            genesis=GenesisSpec(checkpoint.sha256(genesis), len(genesis)))
+        self.spec = library_spec(self.local.outer, run=run, inner_steps=inner_steps, group_size=group_size,
+                                 outer_lr=outer_lr, outer_momentum=outer_momentum, allreduce=allreduce,
+                                 aggregation=aggregation, join_window=join_window)
         self.run_id = mf.run_id(self.spec.to_dict())
         self.identity = load_or_create(Path(key)) if key else Identity.generate()
         self.workdir = Path(workdir) if workdir else Path.home() / ".p2ptrain" / "lib" / self.run_id[:16]

@@ -1,0 +1,171 @@
+"""Election I/O (p2ptrain.run.elect) and state records (p2ptrain.run.states) over the
+in-memory DHT under trio's autojump clock: the deadline, the early close, the give-up, and
+hostile records dropped. Also the pure rule (p2ptrain.run.election)."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import trio
+
+from conftest import trio_test
+from p2ptrain.run import election, elect, keys, records, states
+from test_dht_memory import join_all, make_swarm
+
+RUN = "ab" * 32
+CFG = elect.ElectConfig(window=30.0, group_size=4, give_up=100.0)
+
+
+async def swarm(n: int):
+    net, nodes = make_swarm(n)
+    await join_all(nodes)
+    return nodes
+
+
+def me(node) -> str:
+    return node.identity.peer_id_str
+
+
+async def ready_later(node, step: int, delay: float, joining: bool = False) -> None:
+    await trio.sleep(delay)
+    await elect.publish_ready(node, RUN, step, ["/ip4/127.0.0.1/tcp/1"], joining, CFG.window)
+
+
+@trio_test()
+async def test_step_closes_at_the_deadline_and_a_late_peer_is_left_out():
+    a, b, c, *_ = await swarm(6)
+    learned = {}
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(ready_later, a, 3, 0.0)
+        nursery.start_soon(ready_later, b, 3, 5.0)
+        nursery.start_soon(ready_later, c, 3, 40.0)  # after the deadline (0 + 30)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 3, me(a), CFG, set(), set(), lambda p, addrs: learned.update({p: addrs}))
+        closed = trio.current_time() - t0
+    assert 30.0 <= closed <= 31.0, closed  # deadline + margin, no earlier (nobody was expected)
+    assert sorted(group) == sorted([me(a), me(b)])
+    assert group == election.ring_order(RUN, 3, group)
+    assert set(learned) == {me(a), me(b)} and learned[me(b)] == ["/ip4/127.0.0.1/tcp/1"]
+
+
+@trio_test()
+async def test_step_closes_early_once_every_expected_peer_is_ready():
+    a, b, c, *_ = await swarm(6)
+    for node in (a, b):  # both published a state at step 2: they are training it
+        await states.publish(node, RUN, records.State(2, "p" * 64, "c" * 64))
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(ready_later, a, 2, 0.0)
+        nursery.start_soon(ready_later, b, 2, 3.0)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 2, me(a), CFG, set(), set())
+        closed = trio.current_time() - t0
+    assert closed < 5.0, closed
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
+async def test_expected_peer_from_last_roster_holds_the_step_until_the_deadline():
+    a, b, c, *_ = await swarm(6)
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(ready_later, a, 4, 0.0)
+        nursery.start_soon(ready_later, b, 4, 1.0)
+        await trio.sleep(0.1)
+        # c was in our last roster but never posts: the step waits out the window, once.
+        group = await elect.elect(a, RUN, 4, me(a), CFG, set(), {me(b), me(c)})
+        closed = trio.current_time() - t0
+    assert 30.0 <= closed <= 31.0, closed
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
+async def test_only_newcomers_ready_gives_up_after_the_bound():
+    a, b, *_ = await swarm(5)
+    t0 = trio.current_time()
+    await elect.publish_ready(b, RUN, 7, [], True, CFG.window)  # joining: never starts the clock
+    group = await elect.elect(a, RUN, 7, me(a), CFG, set(), set())
+    assert group == []
+    assert CFG.give_up <= trio.current_time() - t0 <= CFG.give_up + 1
+
+
+@trio_test()
+async def test_ignored_and_malformed_ready_records_are_left_out(caplog):
+    a, b, c, d, *_ = await swarm(6)
+    for node in (a, b, c):
+        await elect.publish_ready(node, RUN, 1, [], False, CFG.window)
+    await d.store(keys.ready(RUN, 1), b"\xc1not msgpack", ttl=60)  # hostile value: dropped, logged
+    recs = await elect.read_ready(a, RUN, 1)
+    assert {r.peer for r in recs} == {me(a), me(b), me(c)}
+    group = await elect.elect(a, RUN, 1, me(a), CFG, {me(c)}, set())
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
+async def test_latest_state_prefers_the_newest_step_then_the_most_providers():
+    nodes = await swarm(6)
+    for i, node in enumerate(nodes[:5]):
+        step, ckpt = (5, "x" * 64) if i < 2 else (5, "y" * 64) if i < 3 else (4, "z" * 64)
+        await states.publish(node, RUN, records.State(step, "p" * 64, ckpt, loss=1.5, addrs=("/ip4/1.2.3.4/tcp/9",)))
+    step, ckpt, providers = await states.latest_state(nodes[5], RUN)
+    assert (step, ckpt, len(providers)) == (5, "x" * 64, 2)
+    assert await states.peers_at_step(nodes[5], RUN, 4) == {me(nodes[3]), me(nodes[4])}
+    view = await states.run_states(nodes[5], RUN)
+    assert view[me(nodes[0])]["loss"] == 1.5 and view[me(nodes[0])]["addrs"] == ["/ip4/1.2.3.4/tcp/9"]
+
+
+# -- the pure rule ------------------------------------------------------------------------
+def R(peer, at, joining=False):
+    return election.Ready(peer, at, (), joining)
+
+
+def test_deadline_ignores_newcomers():
+    assert election.deadline([], 10) is None
+    assert election.deadline([R("a", 5.0, True)], 10) is None
+    assert election.deadline([R("a", 5.0, True), R("b", 7.0), R("c", 6.0)], 10) == 16.0
+
+
+def test_candidates_are_those_ready_by_the_deadline_minus_excluded():
+    recs = [R("a", 0.0), R("b", 9.0), R("c", 10.0), R("d", 10.5), R("n", 3.0, True)]
+    assert [r.peer for r in election.candidates(recs, 10, set())] == ["a", "b", "c", "n"]
+    # Excluding the earliest moves the deadline: it is computed without them.
+    assert [r.peer for r in election.candidates(recs, 10, {"a"})] == ["b", "c", "d", "n"]
+    assert election.candidates([R("n", 0.0, True)], 10) == []
+
+
+@pytest.mark.parametrize("n,g", [(1, 4), (4, 4), (5, 4), (9, 4), (10, 3)])
+def test_groups_partition_everyone_with_near_equal_sizes(n, g):
+    peers = [f"p{i}" for i in range(n)]
+    gs = election.groups(RUN, 1, peers, g)
+    assert sorted(p for grp in gs for p in grp) == sorted(peers)
+    assert max(map(len, gs)) <= g and max(map(len, gs)) - min(map(len, gs)) <= 1
+    for p in peers:  # every member computes the same group for itself, in ring order
+        mine = election.my_group(RUN, 1, list(reversed(peers)), g, p)
+        assert p in mine and mine == election.ring_order(RUN, 1, mine) and sorted(mine) in [sorted(x) for x in gs]
+    assert election.my_group(RUN, 1, peers, g, "stranger") == []
+    with pytest.raises(ValueError):
+        election.groups(RUN, 1, peers, 0)
+
+
+def test_groups_are_redrawn_every_step():
+    peers = [f"p{i}" for i in range(12)]
+    assert election.groups(RUN, 1, peers, 4) != election.groups(RUN, 2, peers, 4)
+
+
+def test_roster_hash_binds_run_step_attempt_and_order():
+    h = election.roster_hash(RUN, 3, 0, ["a", "b"])
+    assert len(h) == 64 and h == election.roster_hash(RUN, 3, 0, ["a", "b"])
+    others = {election.roster_hash(RUN, 3, 1, ["a", "b"]), election.roster_hash(RUN, 4, 0, ["a", "b"]),
+              election.roster_hash(RUN, 3, 0, ["b", "a"]), election.roster_hash("cd" * 32, 3, 0, ["a", "b"]),
+              election.roster_hash(RUN, 3, 0, ["a"])}
+    assert h not in others and len(others) == 5
+
+
+def test_ready_record_codec_bounds_and_rejects():
+    rec = records.decode_ready("peer", records.encode_ready(12.5, [f"/ip4/1.1.1.1/tcp/{i}" for i in range(40)], True))
+    assert rec.ready_at == 12.5 and rec.joining and len(rec.addrs) == keys.MAX_ADDRS
+    for bad in (b"", b"\xc1", msgpack.packb([1]), msgpack.packb({"ready_at": float("nan")}),
+                msgpack.packb({"ready_at": "x"}), b"\x00" * (records.MAX_READY_BYTES + 1)):
+        with pytest.raises(records.RecordError):
+            records.decode_ready("peer", bad)

@@ -1,0 +1,218 @@
+"""The contribution round's retry logic (p2ptrain.run.round), members in one trio run over a
+fake all-reduce service that implements the round's narrow interface (`ReduceService`):
+roster not confirmed -> shrink; bad header -> reject and retry; RoundFailed with blame ->
+reject and retry; alone -> skip (newcomer, unconfirmed) or commit. The real service is
+exercised by tests/test_allreduce_integration.py and the trainer's real-process tests."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from fakes.adversary import HostileContributor
+from p2ptrain.identity import Identity
+from p2ptrain.reduce.service import RoundFailed
+from p2ptrain.run import election
+from p2ptrain.run.ledger import Ledger
+from p2ptrain.run.round import ContributionRound, RoundConfig, prepare
+from p2ptrain.reduce import ring
+
+RUN = "ef" * 32
+N = 3000
+CFG = RoundConfig("fp32", sub_chunk_bytes=4096, exchange_timeout=5.0)
+
+
+@dataclasses.dataclass
+class Result:
+    result: np.ndarray
+    sent_bytes: int
+    scores: list | None = None
+
+
+class Hub:
+    """What the members' fake services share: mailboxes per (round, sender, receiver)."""
+
+    def __init__(self) -> None:
+        self.box: dict[tuple, bytes] = {}
+        self.vecs: dict[str, dict[str, np.ndarray]] = {}
+        self.changed = trio.Event()
+        self.fail: dict[str, dict[str, str]] = {}  # round id -> blamed, raised once per member
+        self.calls: list[tuple[str, str, tuple]] = []
+
+    def poke(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+    async def wait_for(self, ready, timeout: float) -> None:
+        with trio.move_on_after(timeout):
+            while not ready():
+                await self.changed.wait()
+
+
+class FakeService:
+    """Delivers like AllReduceService: a payload reaches the sender's roster only; the
+    all-reduce is the exact mean once every member of the roster called it."""
+
+    def __init__(self, hub: Hub, me: str) -> None:
+        self.hub, self.me = hub, me
+
+    async def exchange(self, run_id, round_id, members, payload, timeout):
+        for p in members:
+            self.hub.box[(round_id, self.me, p)] = payload
+        self.hub.poke()
+        others = [p for p in members if p != self.me]
+        await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others), timeout)
+        out = {p: self.hub.box.get((round_id, p, self.me)) for p in others}
+        out[self.me] = payload
+        return out
+
+    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None):
+        self.hub.calls.append((self.me, round_id, tuple(members)))
+        if round_id in self.hub.fail:
+            raise RoundFailed("fake abort", dict(self.hub.fail[round_id]))
+        got = self.hub.vecs.setdefault(round_id, {})
+        got[self.me] = np.array(vec, np.float32)
+        self.hub.poke()
+        await self.hub.wait_for(lambda: set(members) <= set(got), 10.0)
+        if not set(members) <= set(got):
+            raise RoundFailed("a member never came", {})
+        return Result(np.mean([got[p] for p in members], axis=0).astype(np.float32), vec.nbytes)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+
+    def emit(self, event: str, **fields) -> None:
+        self.seen.append((event, fields))
+
+
+def member(hub: Hub, seed: int, contributor=None):
+    ident = Identity.from_seed(bytes([seed]) * 32)
+    events = Events()
+    ledger = Ledger(ident.peer_id_str, events)
+    return ContributionRound(RUN, ident, FakeService(hub, ident.peer_id_str), CFG, ledger, contributor), events
+
+
+def deltas(k: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(k)
+    return [rng.standard_normal(N).astype(np.float32) for _ in range(k)]
+
+
+def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None):
+    """Every member's `run` at once; their Outcomes in member order."""
+    ids = [r.me for r in rounds]
+    group = group or election.ring_order(RUN, t, ids)
+    outs = [None] * len(rounds)
+
+    async def one(i: int) -> None:
+        outs[i] = await rounds[i].run(t, ds[i], group, (bases or ["base"] * len(rounds))[i], 100, 4,
+                                      bool(joining and joining[i]))
+
+    async def main() -> None:
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(rounds)):
+                    nursery.start_soon(one, i)
+
+    # The encode/hash work runs in worker threads: let the clock jump only when they are
+    # idle too (50 ms of real idleness), so timeouts never fire while one is computing.
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+    return outs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_kernels():
+    prepare(np.ones(N, np.float32), np.ones(N, np.float32), 0, 2, ring.RingConfig("fp32", sub_chunk_bytes=4096), False)
+
+
+def test_honest_group_commits_the_exact_mean_on_every_member():
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ds = deltas(3)
+    outs = run_rounds(rounds, ds)
+    want = np.mean(ds, axis=0)
+    for o in outs:
+        assert np.array_equal(o.result, outs[0].result) and np.allclose(o.result, want, atol=1e-6)
+        assert sorted(o.members) == sorted(r.me for r in rounds) and o.bytes_sent > 0 and o.bytes_recv > 0
+        assert set(o.headers) == set(o.members)
+    for r in rounds:  # the committed headers are remembered: the same digests again are a replay
+        assert all(len(r.ledger.history[p]) == 1 for p in o.members)
+
+
+def test_unconfirmed_roster_shrinks_and_the_forked_member_skips():
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ds = deltas(3)
+    outs = run_rounds(rounds, ds, bases=["base", "base", "forked"])
+    forked = rounds[2].me
+    for o in outs[:2]:
+        assert o.result is not None and forked not in o.members and len(o.members) == 2
+        assert np.allclose(o.result, np.mean(ds[:2], axis=0), atol=1e-6)
+    # Alone after its group did not confirm it: it must not commit alone (that would fork it).
+    assert outs[2].result is None and outs[2].members == [forked]
+    assert not any(r.ledger.ignored for r in rounds)  # disagreeing is not cheating
+
+
+@pytest.mark.parametrize("attack,reason", [("forge", "bad-signature"), ("replay", "wrong-step")])
+def test_bad_header_is_rejected_and_the_rest_retry_without_it(attack, reason):
+    hub = Hub()
+    made = [member(hub, i + 1, HostileContributor(attack) if i == 2 else None) for i in range(3)]
+    rounds = [m[0] for m in made]
+    ds = deltas(3)
+    outs = run_rounds(rounds, ds)
+    evil = rounds[2].me
+    for (r, events), o in zip(made[:2], outs[:2]):
+        assert evil in r.ledger.ignored and evil not in o.members
+        assert np.allclose(o.result, np.mean(ds[:2], axis=0), atol=1e-6)
+        rej = [f for e, f in events.seen if e == "contribution_rejected"]
+        assert [(f["remote"], f["reason"]) for f in rej] == [(evil, reason)]
+    assert outs[2].result is None  # the others moved on without it: unconfirmed, alone, skipped
+
+
+def test_round_failed_blame_rejects_the_culprit_and_retries():
+    hub = Hub()
+    made = [member(hub, i + 1) for i in range(4)]
+    rounds = [m[0] for m in made]
+    ids = [r.me for r in rounds]
+    culprit = ids[1]
+    hub.fail["1/0"] = {culprit: "payload does not match its signed digest"}
+    ds = deltas(4)
+    outs = run_rounds(rounds, ds)
+    honest = [i for i in range(4) if ids[i] != culprit]
+    for i in honest:
+        assert culprit in rounds[i].ledger.ignored and culprit not in outs[i].members
+        assert np.allclose(outs[i].result, np.mean([ds[j] for j in honest], axis=0), atol=1e-6)
+        assert [f["reason"] for e, f in made[i][1].seen if e == "contribution_rejected"] == [
+            "payload does not match its signed digest"]
+    assert outs[1].result is None
+    attempts = {rid for _, rid, _ in hub.calls}
+    assert attempts == {"1/0", "1/1"}, hub.calls
+
+
+def test_alone_a_trainer_commits_its_own_step_a_newcomer_skips():
+    hub = Hub()
+    solo, _ = member(hub, 9)
+    d = deltas(1)[0]
+    [out] = run_rounds([solo], [d])
+    assert np.array_equal(out.result, d) and out.result is not d and out.members == [solo.me]
+    [out] = run_rounds([solo], [d], joining=[True])
+    assert out.result is None and out.members == [solo.me]
+    assert hub.calls == []  # no all-reduce alone
+
+
+def test_a_member_that_never_shows_up_is_dropped_at_the_next_confirmation():
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ids = [r.me for r in rounds]
+    ds = deltas(3)
+    ghost = Identity.from_seed(b"\x63" * 32).peer_id_str  # elected, but never runs
+    group = election.ring_order(RUN, 1, [*ids, ghost])
+    outs = run_rounds(rounds, ds, group=group)
+    for o in outs:
+        assert ghost not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+        assert len(o.members) == 3
