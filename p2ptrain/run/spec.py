@@ -48,6 +48,12 @@ def _num(v, name: str, lo: float = 0.0, strict: bool = True) -> None:
     _need(ok, f"{name} must be a finite number {'>' if strict else '>='} {lo}, got {v!r}")
 
 
+class _Section:
+    def to_dict(self) -> dict:
+        """The manifest table: every field, except inner-loop fields a library run leaves None."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     config: dict
@@ -67,7 +73,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class DataSpec:
+class DataSpec(_Section):
     spec: str
     content_hash: str
 
@@ -75,12 +81,9 @@ class DataSpec:
         _need(isinstance(self.spec, str) and bool(self.spec), "data.spec must be a non-empty string")
         _need(isinstance(self.content_hash, str), "data.content_hash must be a string")
 
-    def to_dict(self) -> dict:
-        return {"spec": self.spec, "content_hash": self.content_hash}
-
 
 @dataclass(frozen=True)
-class TrainSpec:
+class TrainSpec(_Section):
     inner_steps: int
     group_size: int
     outer_lr: float
@@ -123,12 +126,9 @@ class TrainSpec:
     def has_inner(self) -> bool:
         return self.seed is not None
 
-    def to_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
 
 @dataclass(frozen=True)
-class TimeoutsSpec:
+class TimeoutsSpec(_Section):
     join_window: float = 30.0
     exchange: float = 5.0
 
@@ -136,21 +136,15 @@ class TimeoutsSpec:
         _num(self.join_window, "timeouts.join_window")
         _num(self.exchange, "timeouts.exchange")
 
-    def to_dict(self) -> dict:
-        return {"join_window": self.join_window, "exchange": self.exchange}
-
 
 @dataclass(frozen=True)
-class GenesisSpec:
+class GenesisSpec(_Section):
     sha256: str
     bytes: int
 
     def __post_init__(self) -> None:
         _need(isinstance(self.sha256, str) and len(self.sha256) in (0, 64), "genesis.sha256 must be a hex SHA-256")
         _int(self.bytes, "genesis.bytes")
-
-    def to_dict(self) -> dict:
-        return {"sha256": self.sha256, "bytes": self.bytes}
 
 
 @dataclass(frozen=True)
