@@ -201,7 +201,8 @@ class DiLoCo:
         from p2ptrain.events import EventSink
         from p2ptrain.ckpt.fetch import BlobServer
         from p2ptrain.net.node import Node, NodeConfig
-        from p2ptrain.train.trainer import Trainer, TrainerConfig, make_writer
+        from p2ptrain.run.runner import make_writer
+        from p2ptrain.train.trainer import Trainer, TrainerConfig
 
         self._token = trio.lowlevel.current_trio_token()
         events = EventSink(self.identity.peer_id_str, self._json)

@@ -179,10 +179,11 @@ def _dashboard_addr(addr: str, say) -> str:
 
 def _n_params(work: Path) -> int:
     from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import RunSpec
     from p2ptrain.train.model import ModelConfig
 
-    m, _ = mf.read(work / "run" / "run.toml")
-    return ModelConfig.from_dict(m["model"]).num_params()
+    spec = RunSpec.from_dict(mf.read(work / "run" / "run.toml")[0])
+    return ModelConfig.from_dict(spec.model.config).num_params()
 
 
 def _baseline(work: Path, steps: int) -> float:

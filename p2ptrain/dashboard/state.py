@@ -11,6 +11,8 @@ import math
 import time
 from typing import Any
 
+from p2ptrain.run.keys import MAX_ADDRS
+
 MAX_STEPS = 2000  # curve points kept; a long run shows its most recent part
 MAX_REJECTED = 200
 MAX_PEERS = 512  # a hostile DHT cannot grow the page without bound
@@ -49,7 +51,7 @@ class DashboardState:
         kind = ev.get("event")
         if kind == "listening":
             self.me = str(ev.get("peer", self.me))
-            self.addrs = [str(a) for a in ev.get("addrs", [])][:16]
+            self.addrs = [str(a) for a in ev.get("addrs", [])][:MAX_ADDRS]
         elif kind == "run_joined":
             self.run_id = str(ev.get("run", self.run_id))
             self.step, self.n_params = ev.get("step"), ev.get("params")

@@ -23,9 +23,20 @@ from p2ptrain.net.node import NodeError
 from p2ptrain.run import keys
 from p2ptrain.run.round import Contributor
 from p2ptrain.run.spec import RunSpec
-from p2ptrain.train.trainer import Trainer, TrainerConfig, make_writer
+from p2ptrain.train.trainer import Trainer, TrainerConfig
 
 log = logging.getLogger("p2ptrain.run.runner")
+KEEP_CHECKPOINTS = 3
+
+
+def checkpoint_dir(workdir: Path, run_id: str) -> Path:
+    return Path(workdir) / "checkpoints" / run_id[:16]
+
+
+def make_writer(workdir: Path, run_id: str, events, cls=checkpoint.AsyncWriter) -> checkpoint.AsyncWriter:
+    """The run's checkpoint directory, written in a background thread (newest 3 kept)."""
+    return cls(checkpoint_dir(workdir, run_id), KEEP_CHECKPOINTS,
+               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)))
 
 
 @dataclass(frozen=True)
@@ -55,7 +66,7 @@ async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
 
 
 def newest_local_checkpoint(workdir: Path, run_id: str) -> bytes | None:
-    d = workdir / "checkpoints" / run_id[:16]
+    d = checkpoint_dir(workdir, run_id)
     for path in sorted(d.glob("step-*.p2ck"), reverse=True):
         data = path.read_bytes()
         try:

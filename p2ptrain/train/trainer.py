@@ -17,7 +17,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import trio
@@ -35,7 +34,6 @@ from p2ptrain.identity import peer_id_from_str
 from p2ptrain.train import progress
 
 log = logging.getLogger("p2ptrain.train.trainer")
-KEEP_CHECKPOINTS = 3
 
 
 @dataclass
@@ -53,13 +51,6 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1:
             raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1")
-
-
-def make_writer(workdir: Path, run_id: str, events, cls=checkpoint.AsyncWriter) -> checkpoint.AsyncWriter:
-    """The run's checkpoint directory, written in a background thread (newest 3 kept)."""
-    return cls(
-        Path(workdir) / "checkpoints" / run_id[:16], KEEP_CHECKPOINTS,
-        on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)))
 
 
 class Trainer:

@@ -15,8 +15,7 @@ import p2ptrain  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 
 def parts_for(mode: str):
     from fakes import adversary
-    from p2ptrain.run.runner import Parts
-    from p2ptrain.train.trainer import make_writer
+    from p2ptrain.run.runner import Parts, make_writer
 
     if mode == "chunk":
         return Parts(blob_server=adversary.CorruptBlobServer)
