@@ -44,8 +44,8 @@ class ReduceService(Protocol):
                        timeout: float) -> dict[str, bytes | None]: ...
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
-                        own=None, check=None, robust=None): ...
-    """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed."""
+                        own=None, check=None, robust=None):
+        """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed."""
 
 
 class Contributor:
