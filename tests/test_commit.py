@@ -175,6 +175,7 @@ async def test_votes_only_from_members_and_bounded_early_grace():
         assert len(boards[0]._early[ids[1]]) == CommitConfig().early_per_sender
         r9 = boards[0].open(session_tag("run", "9/9"), ids, ring=True)
         assert list(r9.votes) == [ids[1]]
+        assert len(boards[0]._early[ids[1]]) == 3  # its votes for other rounds stay
         # A forged ok vote (signature of another key) is dropped.
         fake = {"kind": "vote", "tag": TAG, "ok": True, "digest": DIGEST, "sig": boards[2].sign_vote(rnd, DIGEST)}
         await boards[0].handle(ids[1], fake)

@@ -112,8 +112,10 @@ class CommitBoard:
     def open(self, tag: bytes, ids: list[bytes], ring: bool) -> Round:
         rnd = Round(tag, ids, ids.index(self.me), ring)
         for sender in ids:
-            for t, vote in self._early.pop(sender, ()):
+            q = self._early.get(sender)
+            for t, vote in list(q or ()):
                 if t == tag:
+                    q.remove((t, vote))
                     self._store(rnd, sender, vote)
         self.rounds[tag] = rnd
         self.expect(ids)

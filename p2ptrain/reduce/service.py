@@ -146,8 +146,8 @@ class AllReduceService:
         return self.sessions.port
 
     def suspects(self) -> dict[str, int]:
-        """Blamers with repeated uncorroborated accusations (peer id -> count)."""
-        return self.board.ledger.suspects()
+        """Blamers with repeated uncorroborated accusations (peer id -> count); never us."""
+        return {p: n for p, n in self.board.ledger.suspects().items() if p != self.identity.peer_id_str}
 
     def expect_roster(self, members: list[str]) -> None:
         """Members we are about to reduce or exchange with: their early votes and messages are
