@@ -52,7 +52,7 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
         for i, w in enumerate(ws):
             w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
         prepared = [w.wait_event(lambda e: e["event"] == "prepared", 120)["rss_mib"] for w in ws]
-        secs, own, digests, rss, cpu, reused = [], [], set(), [], [], []
+        secs, own, digests, rss, cpu, reused, phases = [], [], set(), [], [], [], {}
         for k in range(rounds + 1):
             rid = f"{mode}-{k}"
             # A barrier like the ceiling's: all members start at one CLOCK_MONOTONIC instant
@@ -70,6 +70,8 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
                 own.append(max(r["seconds"] for r in res))  # each member's own clock, for comparison
                 cpu.append(statistics.mean(r["cpu_s"] for r in res))
                 reused.append(all(r["reused"] for r in res))
+                for key in res[0]["phases"]:  # the slowest member's seconds in each phase
+                    phases.setdefault(key, []).append(max(r["phases"].get(key, 0.0) for r in res))
                 digests |= {r["digest"] for r in res}
                 rss = [max(a, r["rss_mib"]) for a, r in zip(rss or [0] * peers, res)]
         dump = work / f"{name}.npy"
@@ -93,6 +95,7 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
             "round_s": {"median": round(statistics.median(secs), 4), "all": [round(x, 4) for x in secs]},
             # The longest any member's own allreduce() call took (the pre-barrier measure).
             "member_round_s_max": {"median": round(statistics.median(own), 4)},
+            "phases_s_max": {k: round(statistics.median(v), 4) for k, v in phases.items()},
             "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
             # What the all-reduce itself adds on top of a process holding its input tensor

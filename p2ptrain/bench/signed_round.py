@@ -33,10 +33,16 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
         header = Header(run, 0, 0, roster, me, norms, digests, float(np.linalg.norm(vec)), 1, 0)
         return own, sign_header(header, svc.identity)
 
+    t0 = trio.current_time()
     own, signed = await trio.to_thread.run_sync(prepare)
+    t1 = trio.current_time()
     raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
+    t2 = trio.current_time()
     ok, bad = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
     if bad:
         raise RoundFailed(f"contribution headers rejected: {bad}", bad)
     checker = FrameChecker(members, ok, rank, [len(s) for s in lay])
-    return await svc.allreduce(vec, run, rid, members, own=own, check=checker.check, out=out)
+    res = await svc.allreduce(vec, run, rid, members, own=own, check=checker.check, out=out)
+    res.phases.update({"sign": round(t1 - t0, 4), "exchange": round(t2 - t1, 4)})
+    res.seconds += t2 - t0
+    return res

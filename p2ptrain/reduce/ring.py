@@ -164,7 +164,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     could be signed first). `check(step, chunk, sub, payload, values)`: called on every
     received frame with the fp32 values it decodes to, before anything is mixed in; an
     exception with a `peer` attribute aborts the round blaming that peer. It must not keep
-    `payload`: the buffer is reused. `pool` lends the wire buffers (see ArenaPool).
+    `payload` or `values`: both buffers are reused. `pool` lends the wire buffers (see ArenaPool).
 
     Like the raw-socket ceiling (p2ptrain/bench/raw_ring.py), this thread receives straight
     into preallocated buffers and only sending has its own thread: no receive pump, no
@@ -199,6 +199,9 @@ class _RingRound:
         self.rs = pool.take(self.key, self.lay, cfg)
         self.fin = None if self.fp32 else pool.take(self.key, self.lay, cfg)
         self.scratch = np.empty(max(nb for _, nb, _ in self.rs.at.values()), np.uint8)
+        # What `check` sees of an int8 frame, decoded into one reused buffer: a fresh 4 MiB
+        # array per frame cost page faults on every frame of the verified path.
+        self.values = np.empty(max(m for _, _, m in self.rs.at.values()), np.float32) if check else None
         self.sender = _Sender(send_ch, recv_ch)
         self.ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
         self.final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
@@ -271,7 +274,8 @@ class _RingRound:
         if got != len(buf):
             raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
         if self.check is not None:
-            values = np.frombuffer(buf, np.float32) if self.fp32 else K.dequantize(*_split(buf, m), self.cfg.block)
+            values = (np.frombuffer(buf, np.float32) if self.fp32
+                      else K.dequantize(*_split(buf, m), self.cfg.block, out=self.values[:m]))
             try:
                 self.check(fid.step, c, j, buf, values)
             except Exception as exc:
