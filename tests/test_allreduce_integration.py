@@ -143,3 +143,20 @@ def test_non_member_and_wrong_round_frames_cannot_touch_the_result(procs):
     logs = "".join(w.stderr_text() for w in ws)
     assert "not our ring predecessor" in logs
     assert "bulk connection dropped: reason=unknown-token" in logs
+
+
+def test_verified_round_as_training_runs_it_commits_identical_result(procs):
+    """Signed headers exchanged, every frame checked (bench.signed_round): the bench's main row."""
+    n = 1_000_003
+    ws, members = start_workers(procs, 3)
+    res = run_round(ws, members, "v1", n, verified=True)
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res
+    assert len({r["digest"] for r in res}) == 1
+
+
+def test_robust_round_commits_through_signed_votes(procs):
+    """Butterfly rounds vote over libp2p (p2ptrain.reduce.commit.collect): identical on all."""
+    ws, members = start_workers(procs, 3)
+    res = run_round(ws, members, "b1", 300_007, robust=True)
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res
+    assert len({r["digest"] for r in res}) == 1

@@ -117,3 +117,37 @@ def test_dead_member_fails_everyone_without_touching_inputs():
     results, errors = run_ring([v for v in vecs], RingConfig(sub_chunk_bytes=16 * 1024), sends, recvs, timeout=3.0)
     assert all(isinstance(e, RingError) for e in errors), errors
     assert all(np.array_equal(v, o) for v, o in zip(vecs, originals))
+
+
+def test_check_sees_each_frames_decoded_values_and_can_blame():
+    """`check` gets every received frame's exact decoded values (in a reused buffer) before
+    anything is mixed in; an exception with `peer` fails the round blaming that peer."""
+    from p2ptrain import kernels as K
+
+    world, n = 3, 300_007
+    cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
+    vecs = [np.random.default_rng(i).standard_normal(n).astype(np.float32) for i in range(world)]
+    sends, recvs = make_ring(world)
+    seen, wrong, errors = [0] * world, [0] * world, [None] * world
+
+    class Bad(Exception):
+        peer, reason = "evil", "made up"
+
+    def member(i):
+        def check(step, c, j, payload, values):
+            m = layout(n, world, cfg)[c][j][1] - layout(n, world, cfg)[c][j][0]
+            a = np.frombuffer(payload, np.uint8)
+            wrong[i] += not np.array_equal(values, K.dequantize(a[:m].view(np.int8), a[m:], cfg.block))
+            seen[i] += 1
+            if i == 2 and step == world:  # an all-gather frame
+                raise Bad()
+        try:
+            allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, check=check)
+        except Exception as exc:
+            errors[i] = exc
+            for ch in (sends[i], recvs[i]):
+                ch.close()
+
+    run_members(member, world)
+    assert isinstance(errors[2], RingError) and errors[2].blame == "evil" and errors[2].reason == "made up"
+    assert seen[2] > 1 and all(s > 0 for s in seen) and wrong == [0] * world

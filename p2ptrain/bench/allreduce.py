@@ -2,7 +2,11 @@
 
 All in one run, each peer its own process on 127.0.0.1:
   - p2ptrain int8 and fp32: `allreduce_worker` processes (real libp2p nodes; bulk bytes on
-    the direct AES-GCM path, and optionally the libp2p-stream fallback with --fallback);
+    the direct AES-GCM path, and optionally the libp2p-stream fallback with --fallback).
+    The main row is the path training uses ("verified": signed contribution headers
+    exchanged and checked, every frame held to them by FrameChecker, `bench.signed_round`;
+    its round time includes building, exchanging and checking the headers); the unverified
+    data plane alone is the second row;
   - the ceiling: a plain ring over raw AES-GCM sockets (`p2ptrain.bench.raw_ring`);
   - hivemind's DecentralizedAverager, no compression and fp16 (its 8-bit codecs are broken
     under NumPy 2), in its own processes (`p2ptrain.bench.hivemind_allreduce`).
@@ -33,20 +37,22 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work: Path) -> dict:
+def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work: Path,
+                 verified: bool = False) -> dict:
     from p2ptrain.bench.allreduce_worker import make_tensor
     from p2ptrain.procs import ProcessGroup
 
     n = mb * (1 << 20) // 4
     extra = [] if direct else ["--no-direct"]
-    with ProcessGroup(work / f"{mode}-{'direct' if direct else 'libp2p'}") as group:
+    name = f"{mode}-{'direct' if direct else 'libp2p'}{'-verified' if verified else ''}"
+    with ProcessGroup(work / name) as group:
         ws = [group.start(extra, f"w{i}", module="p2ptrain.bench.allreduce_worker", stdin=True) for i in range(peers)]
         ready = [w.wait_event(lambda e: e["event"] == "worker_ready", 120) for w in ws]
         members = [[r["peer"], r["addrs"][0]] for r in ready]
         for i, w in enumerate(ws):
             w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
         prepared = [w.wait_event(lambda e: e["event"] == "prepared", 120)["rss_mib"] for w in ws]
-        secs, own, digests, rss, cpu, reused = [], [], set(), [], [], []
+        secs, own, digests, rss, cpu, reused, phases = [], [], set(), [], [], [], {}
         for k in range(rounds + 1):
             rid = f"{mode}-{k}"
             # A barrier like the ceiling's: all members start at one CLOCK_MONOTONIC instant
@@ -54,7 +60,7 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
             start_at = time.monotonic() + 0.3
             for i, w in enumerate(ws):
                 w.send({"cmd": "round", "round": rid, "members": members, "seed": 1000 + i, "n": n,
-                        "mode": mode, "reset": True, "start_at": start_at})
+                        "mode": mode, "reset": True, "start_at": start_at, "verified": verified})
             res = [w.wait_event(lambda e: e.get("round") == rid and e["event"] in ("round_committed", "round_failed"),
                                 300) for w in ws]
             if any(r["event"] != "round_committed" for r in res):
@@ -64,9 +70,11 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
                 own.append(max(r["seconds"] for r in res))  # each member's own clock, for comparison
                 cpu.append(statistics.mean(r["cpu_s"] for r in res))
                 reused.append(all(r["reused"] for r in res))
+                for key in res[0]["phases"]:  # the slowest member's seconds in each phase
+                    phases.setdefault(key, []).append(max(r["phases"].get(key, 0.0) for r in res))
                 digests |= {r["digest"] for r in res}
                 rss = [max(a, r["rss_mib"]) for a, r in zip(rss or [0] * peers, res)]
-        dump = work / f"{mode}.npy"
+        dump = work / f"{name}.npy"
         ws[0].send({"cmd": "dump", "path": str(dump)})
         ws[0].wait_event(lambda e: e["event"] == "dumped", 60)
         for w in ws:
@@ -80,12 +88,14 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
     idle = [r["rss_mib"] for r in ready]
     mib_s = [mb / s for s in secs]
     return {"event": "bench_allreduce_p2ptrain", "mode": mode, "path": "direct" if direct else "libp2p",
+            "verified": verified,
             "peers": peers, "mb": mb, "mib_s": {"median": round(statistics.median(mib_s), 1),
                                                   "all": [round(x, 1) for x in mib_s]},
             "rel_err": err, "identical": len(digests) == 1,
             "round_s": {"median": round(statistics.median(secs), 4), "all": [round(x, 4) for x in secs]},
             # The longest any member's own allreduce() call took (the pre-barrier measure).
             "member_round_s_max": {"median": round(statistics.median(own), 4)},
+            "phases_s_max": {k: round(statistics.median(v), 4) for k, v in phases.items()},
             "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
             # What the all-reduce itself adds on top of a process holding its input tensor
@@ -108,8 +118,11 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-allreduce-"))
     common = ["--peers", str(args.peers), "--mb", str(args.mb), "--rounds", str(args.rounds)]
     rows: list[tuple[str, dict | None]] = []
-    for mode in ("int8", "fp32"):
-        rows.append((f"p2ptrain {mode} (direct)", measure_ours(args.peers, args.mb, args.rounds, mode, True, work)))
+    rows.append(("p2ptrain int8 (direct)", measure_ours(args.peers, args.mb, args.rounds, "int8", True, work, True)))
+    rows.append(("p2ptrain int8 unverified (direct)",
+                 measure_ours(args.peers, args.mb, args.rounds, "int8", True, work)))
+    rows.append(("p2ptrain fp32 unverified (direct)",
+                 measure_ours(args.peers, args.mb, args.rounds, "fp32", True, work)))
     if args.fallback:
         rows.append(("p2ptrain int8 (libp2p stream)",
                      measure_ours(args.peers, args.mb, args.rounds, "int8", False, work)))
@@ -133,7 +146,10 @@ def run(args) -> int:
     hm_best = max([v for v in (med("hivemind none"), med("hivemind fp16")) if v] or [0]) or None
     ratios = {
         "int8_vs_ceiling_int8": ratio("p2ptrain int8 (direct)", "raw AES-GCM ring int8 (ceiling)"),
-        "fp32_vs_ceiling_fp32": ratio("p2ptrain fp32 (direct)", "raw AES-GCM ring fp32 (ceiling)"),
+        "int8_unverified_vs_ceiling_int8": ratio("p2ptrain int8 unverified (direct)",
+                                                 "raw AES-GCM ring int8 (ceiling)"),
+        "verified_vs_unverified_int8": ratio("p2ptrain int8 (direct)", "p2ptrain int8 unverified (direct)"),
+        "fp32_vs_ceiling_fp32": ratio("p2ptrain fp32 unverified (direct)", "raw AES-GCM ring fp32 (ceiling)"),
         "int8_vs_best_hivemind": round(med("p2ptrain int8 (direct)") / hm_best, 2) if hm_best else None,
     }
     summary = {"event": "bench_allreduce_summary", "peers": args.peers, "mb": args.mb, "rounds": args.rounds,
@@ -147,6 +163,7 @@ def run(args) -> int:
         print(json.dumps(summary))
         return 0
     print(f"All-reduce, {args.peers} peers, {args.mb} MiB fp32, median of {args.rounds} rounds (MiB/s of fp32 payload)")
+    print("p2ptrain int8 (direct) is the training path: signed headers, every frame checked")
     print(f"{'system':<36}{'MiB/s':>9}{'rel err':>10}{'identical':>10}{'peak RSS MiB':>16}")
     for label, r in rows:
         if r is None:

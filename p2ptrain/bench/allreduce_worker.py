@@ -5,7 +5,8 @@
 It runs a real libp2p node and an AllReduceService, prints `worker_ready` (peer id, addrs),
 then executes commands, one JSON object per stdin line:
   {"cmd": "round", "round": "r1", "members": [[peer_id, addr], ...], "seed": 7, "n": 1000,
-   "mode": "int8"}
+   "mode": "int8", "verified": true}
+("robust": the butterfly data plane; "verified": the training path, signed headers and every frame checked: `bench.signed_round`.)
 It keeps one fp32 tensor: created from `seed` on the first round (or when "reset" is set);
 a committed round replaces it with the result, a failed round must leave it unchanged.
 Events: round_started, round_committed (digest, seconds, path, sent_bytes, rss), and
@@ -25,6 +26,8 @@ import time
 import numpy as np
 import trio
 
+from p2ptrain.bench.signed_round import verified_allreduce
+from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
 from p2ptrain.events import EventSink, setup_logging
 from p2ptrain.identity import Identity
@@ -124,8 +127,7 @@ async def main(args) -> None:
             events.emit("round_started", round=cmd["round"])
             cpu0 = _cpu()
             try:
-                res = await svc.allreduce(tensor, cmd.get("run", "bench"), cmd["round"], [m[0] for m in cmd["members"]],
-                                          out=spare if spare is not None and spare.shape == tensor.shape else None)
+                res = await _round(svc, cmd, tensor, spare if spare is not None and spare.shape == tensor.shape else None)
             except RoundFailed as exc:
                 events.emit("round_failed", round=cmd["round"], reason=str(exc), tensor_before=before,
                             tensor_after=_sha(tensor) if cmd.get("verify") else "")
@@ -136,6 +138,15 @@ async def main(args) -> None:
                         path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1), phases=res.phases,
                         ended=time.monotonic(), cpu_s=round(_cpu() - cpu0, 4), reused=res.reused)
         nursery.cancel_scope.cancel()
+
+
+async def _round(svc: AllReduceService, cmd: dict, tensor: np.ndarray, out: np.ndarray | None):
+    run, ids = cmd.get("run", "bench"), [m[0] for m in cmd["members"]]
+    if cmd.get("verified"):
+        return await verified_allreduce(svc, tensor, run, cmd["round"], ids, out=out)
+    if cmd.get("robust"):  # the butterfly data plane, votes over libp2p
+        return await svc.allreduce(tensor, run, cmd["round"], ids, robust=RobustConfig())
+    return await svc.allreduce(tensor, run, cmd["round"], ids, out=out)
 
 
 def identity_bytes(pid: str) -> bytes:

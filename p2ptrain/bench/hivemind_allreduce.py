@@ -34,7 +34,6 @@ workers import hivemind and never libp2p (both register the protobuf symbol
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -49,169 +48,21 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from p2ptrain.bench.hivemind_peer import MIB, PREFIX, BenchError
 from p2ptrain.bench._hivemind_common import (
     merge_audits,
     INSTALL_HINT,
-    LOOPBACK_P2P_KWARGS,
     PeakRssSampler,
     Watchdog,
     audit_loopback,
     fail,
     fill_gaussian,
-    import_hivemind,
     kill_descendants,
-    maddrs_are_loopback,
     remaining_descendants,
 )
 
 EVENT = "bench_allreduce_hivemind"
-MIB = 1 << 20
-PREFIX = "@@p2ptrain-hm "  # marks protocol lines on a worker's stdout
 COMPRESSIONS = ("none", "fp16")
-
-
-class BenchError(RuntimeError):
-    pass
-
-
-# =============================================================================================
-# worker (one hivemind peer)
-
-
-def _emit(kind: str, **fields: Any) -> None:
-    sys.stdout.write(PREFIX + json.dumps({"kind": kind, **fields}) + "\n")
-    sys.stdout.flush()
-
-
-def _stdin_commands() -> "queue.Queue[Optional[str]]":
-    """Lines from the parent; None on EOF (the parent is gone: shut down).
-
-    Reads file descriptor 0 with os.read, never through ``sys.stdin``: a thread blocked inside
-    sys.stdin holds its buffer lock, and a process that hivemind forks afterwards (multiprocessing
-    closes sys.stdin in every child) would then deadlock at start-up."""
-    q: "queue.Queue[Optional[str]]" = queue.Queue()
-
-    def reader() -> None:
-        pending = b""
-        while True:
-            try:
-                data = os.read(0, 4096)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            pending += data
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                q.put(line.decode().strip())
-        q.put(None)
-
-    threading.Thread(target=reader, daemon=True, name="stdin").start()
-    return q
-
-
-def _worker(args) -> int:
-    hivemind = import_hivemind(args.loglevel)
-    import numpy as np
-    import torch
-    from hivemind.averaging.control import AveragingStage
-    from hivemind.compression import Float16Compression, NoCompression
-
-    n = int(round(args.mb * MIB)) // 4
-    tensor = torch.empty(n, dtype=torch.float32)
-    fill_gaussian(tensor.numpy(), args.seed, args.rank)
-    compression = Float16Compression() if args.compression == "fp16" else NoCompression()
-    dht = averager = None
-    with Watchdog(args.timeout, f"hivemind peer {args.rank}"):
-        try:
-            initial = json.loads(args.initial_peers) if args.initial_peers else []
-            dht = hivemind.DHT(initial_peers=initial, start=True, **LOOPBACK_P2P_KWARGS)
-            maddrs = [str(m) for m in dht.get_visible_maddrs()]
-            if not maddrs or not maddrs_are_loopback(maddrs):
-                raise BenchError(f"DHT announces non-loopback or no addresses: {maddrs}")
-            averager = hivemind.DecentralizedAverager(
-                [tensor],
-                dht,
-                start=True,
-                prefix=f"p2ptrain-bench-{args.run_id}",
-                target_group_size=args.peers,
-                min_group_size=args.peers,
-                min_matchmaking_time=args.min_matchmaking_time,
-                request_timeout=min(1.0, args.min_matchmaking_time / 2),
-                compression=compression,
-            )
-            cmds = _stdin_commands()  # only after hivemind has forked its processes
-            _emit("ready", maddrs=maddrs, pid=os.getpid())
-            control = None
-            while True:
-                line = cmds.get()
-                if line is None or line == "quit":
-                    break
-                cmd, _, arg = line.partition(" ")
-                if cmd == "match":
-                    with averager.get_tensors() as ts:
-                        fill_gaussian(ts[0].numpy(), args.seed, args.rank)
-                    t = time.perf_counter()
-                    err = None
-                    try:
-                        control = averager.step(wait=False, require_trigger=True, allow_retries=False,
-                                                timeout=args.match_timeout)
-                        while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
-                            if time.perf_counter() - t > args.match_timeout + 5:
-                                raise TimeoutError("matchmaking did not finish")
-                            time.sleep(0.002)
-                        if control.done():  # failed before the trigger
-                            control.result(timeout=0)
-                            err = "matchmaking ended without a group"
-                    except Exception as e:
-                        err = f"{type(e).__name__}: {e}"
-                    if err and control is not None and not control.done():
-                        control.cancel()
-                    _emit("matched", round=int(arg), ok=err is None, match_s=time.perf_counter() - t, error=err)
-                    if err:
-                        control = None
-                elif cmd == "go":
-                    t0 = time.perf_counter()
-                    err, group = None, 0
-                    if control is None:
-                        err = "no group"
-                    else:
-                        try:
-                            control.allow_allreduce()
-                            gathered = control.result(timeout=args.allreduce_timeout)
-                            group = len(gathered) if gathered else 0
-                            if group != args.peers:
-                                err = f"group of {group} peers, expected {args.peers}"
-                        except Exception as e:
-                            err = f"{type(e).__name__}: {e}"
-                    t1 = time.perf_counter()
-                    with averager.get_tensors() as ts:
-                        digest = hashlib.sha256(ts[0].numpy()).hexdigest()
-                    _emit("round", round=int(arg), t0=t0, t1=t1, ok=err is None, group=group, sha=digest,
-                          error=err)
-                    control = None
-                elif cmd == "dump":
-                    with averager.get_tensors() as ts:
-                        np.save(arg, ts[0].numpy())
-                    _emit("dumped", path=arg)
-                else:
-                    raise BenchError(f"unknown command {line!r}")
-        except Exception as e:
-            _emit("error", error=f"{type(e).__name__}: {e}")
-            return 1
-        finally:
-            for obj in (averager, dht):
-                if obj is not None:
-                    try:
-                        obj.shutdown()
-                    except Exception:
-                        pass
-            deadline = time.monotonic() + 5
-            while remaining_descendants() and time.monotonic() < deadline:
-                time.sleep(0.1)
-            kill_descendants()
-    _emit("bye")
-    return 0
 
 
 # =============================================================================================
@@ -348,6 +199,40 @@ def _verify(paths: List[str], seed: int, peers: int) -> Dict[str, Any]:
     return {"rel": rel, "differing": differing, "max_diff": max_diff}
 
 
+def _rounds(parent: Parent, ranks: List[int]) -> tuple:
+    """Warm-up and measured rounds (failed ones retried, at most 2 x ROUNDS attempts):
+    (per-round records, the loopback audit taken after the warm-up)."""
+    a = parent.args
+    rounds: List[Dict[str, Any]] = []
+    audit_mid: Dict[str, Any] = {}
+    successes, attempt, max_attempts = 0, 0, a.warmup + 2 * a.rounds
+    while successes < a.rounds and attempt < max_attempts:
+        warm = attempt < a.warmup
+        parent.broadcast(f"match {attempt}")
+        matched = parent.collect("matched", ranks, timeout=a.match_timeout + 30)
+        parent.broadcast(f"go {attempt}")
+        done = parent.collect("round", ranks, timeout=a.allreduce_timeout + 30)
+        errors = [f"peer {r}: {m['error']}" for r, m in sorted(matched.items()) if not m["ok"]]
+        errors += [f"peer {r}: {m['error']}" for r, m in sorted(done.items()) if not m["ok"] and matched[r]["ok"]]
+        rec = {
+            "attempt": attempt,
+            "warmup": warm,
+            "ok": not errors,
+            "seconds": max(m["t1"] for m in done.values()) - min(m["t0"] for m in done.values()),
+            "match_s": max(m["match_s"] for m in matched.values()),
+            "identical": len({m["sha"] for m in done.values()}) == 1,
+            "groups": [done[r]["group"] for r in ranks],
+            "errors": errors,
+        }
+        rounds.append(rec)
+        if warm:
+            audit_mid = audit_loopback()
+        elif rec["ok"]:
+            successes += 1
+        attempt += 1
+    return rounds, audit_mid
+
+
 def _measure(parent: Parent) -> Dict[str, Any]:
     a = parent.args
     N = a.peers
@@ -363,33 +248,7 @@ def _measure(parent: Parent) -> Dict[str, Any]:
         ready.update(parent.collect("ready", ranks[1:]))
         startup_s = time.perf_counter() - t_start
 
-        rounds: List[Dict[str, Any]] = []
-        audit_mid: Dict[str, Any] = {}
-        successes, attempt, max_attempts = 0, 0, a.warmup + 2 * a.rounds
-        while successes < a.rounds and attempt < max_attempts:
-            warm = attempt < a.warmup
-            parent.broadcast(f"match {attempt}")
-            matched = parent.collect("matched", ranks, timeout=a.match_timeout + 30)
-            parent.broadcast(f"go {attempt}")
-            done = parent.collect("round", ranks, timeout=a.allreduce_timeout + 30)
-            errors = [f"peer {r}: {m['error']}" for r, m in sorted(matched.items()) if not m["ok"]]
-            errors += [f"peer {r}: {m['error']}" for r, m in sorted(done.items()) if not m["ok"] and matched[r]["ok"]]
-            rec = {
-                "attempt": attempt,
-                "warmup": warm,
-                "ok": not errors,
-                "seconds": max(m["t1"] for m in done.values()) - min(m["t0"] for m in done.values()),
-                "match_s": max(m["match_s"] for m in matched.values()),
-                "identical": len({m["sha"] for m in done.values()}) == 1,
-                "groups": [done[r]["group"] for r in ranks],
-                "errors": errors,
-            }
-            rounds.append(rec)
-            if warm:
-                audit_mid = audit_loopback()
-            elif rec["ok"]:
-                successes += 1
-            attempt += 1
+        rounds, audit_mid = _rounds(parent, ranks)
         paths = [os.path.join(parent.work, f"result{r}.npy") for r in ranks]
         for r, p in enumerate(parent.peers):
             p.send(f"dump {paths[r]}")
@@ -478,7 +337,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Run the baseline; call this only in a process without libp2p (``python -m`` it)."""
     if getattr(args, "worker", False):
-        return _worker(args)
+        from p2ptrain.bench.hivemind_peer import worker
+
+        return worker(args)
     if args.peers < 2:
         fail("--peers must be at least 2")
     if args.rounds < 1 or args.warmup < 0 or args.mb <= 0:

@@ -142,124 +142,149 @@ def allreduce(vec: np.ndarray, rank: int, world: int, sends: dict[int, Channel],
     an exception with a `peer` attribute aborts the round blaming that peer. The digest is
     SHA-256 over the SHA-256 of every final payload and score frame. Raises RingError."""
     vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
-    lay = layout(vec.size, world, cfg)
     if world == 1:
         return vec.copy(), 0, hashlib.sha256(vec.data).hexdigest(), [np.zeros(1, np.float32)]
     _set_kernel_threads(cfg.kernel_threads)
     own = own if own is not None else own_payloads(vec, world, cfg)
-    others = [p for p in range(world) if p != rank]
-    inq: queue.Queue = queue.Queue()
-    outqs = {p: queue.Queue() for p in others}
-    stop = threading.Event()
-    sent = 0
+    return _Butterfly(vec, rank, world, sends, recvs, cfg, rcfg, own, check).run(timeout)
 
-    def send_loop(p: int):
+
+class _Butterfly:
+    """One member's butterfly round: a compute loop (the caller's thread) fed by pumps."""
+
+    def __init__(self, vec, rank, world, sends, recvs, cfg: RingConfig, rcfg, own, check) -> None:
+        self.rank, self.world, self.sends, self.recvs = rank, world, sends, recvs
+        self.cfg, self.rcfg, self.own, self.check = cfg, rcfg, own, check
+        self.lay = lay = layout(vec.size, world, cfg)
+        self.others = [p for p in range(world) if p != rank]
+        self.inq: queue.Queue = queue.Queue()
+        self.outqs = {p: queue.Queue() for p in self.others}
+        self.stop = threading.Event()
+        self.sent = 0
+        self.pumps = [_Pump(f"bfly-send-{p}", self._send_loop(p)) for p in self.others]
+        self.pumps += [_Pump(f"bfly-recv-{p}", self._recv_loop(p)) for p in self.others]
+        self.result = np.empty_like(vec)
+        self.final: dict[tuple[int, int], bytes] = {}
+        self.rows: dict[int, np.ndarray] = {}
+        self.mine = mine = lay[rank]
+        self.copies: dict[int, list] = {rank: [decode(b, hi - lo, cfg) for b, (lo, hi) in zip(own[rank], mine)]}
+        for p in self.others:
+            self.copies[p] = [None] * len(mine)
+        self.waiting = (world - 1) * len(mine)
+        self.expected = self.waiting + sum(len(lay[p]) + 1 for p in self.others)
+
+    def _send_loop(self, p: int):
         def loop() -> None:
-            while not stop.is_set():
-                item = outqs[p].get()
+            while not self.stop.is_set():
+                item = self.outqs[p].get()
                 if item is None:
                     return
-                sends[p].send(*item)
+                self.sends[p].send(*item)
         return loop
 
-    def recv_loop(p: int):
+    def _recv_loop(self, p: int):
+        lay, cfg, rank = self.lay, self.cfg, self.rank
+
         def loop() -> None:
             plan = [(FrameId(0, rank * 1000 + j), wire_bytes(hi - lo, cfg)) for j, (lo, hi) in enumerate(lay[rank])]
             plan += [(FrameId(1, p * 1000 + j), wire_bytes(hi - lo, cfg)) for j, (lo, hi) in enumerate(lay[p])]
-            plan.append((FrameId(SCORES, p * 1000), 4 * world))
+            plan.append((FrameId(SCORES, p * 1000), 4 * self.world))
             for fid, size in plan:
                 buf = bytearray(size)
-                got = recvs[p].recv(fid, memoryview(buf))
+                got = self.recvs[p].recv(fid, memoryview(buf))
                 if got != size:
                     raise RingError(f"frame {fid} from member {p} has {got} bytes, expected {size}")
-                inq.put((p, fid, buf))
-                if stop.is_set():
+                self.inq.put((p, fid, buf))
+                if self.stop.is_set():
                     return
         return loop
 
-    pumps = [_Pump(f"bfly-send-{p}", send_loop(p)) for p in others]
-    pumps += [_Pump(f"bfly-recv-{p}", recv_loop(p)) for p in others]
+    def put(self, p: int, fid: FrameId, payload) -> None:
+        self.outqs[p].put((fid, memoryview(payload)))
+        self.sent += len(payload)
 
-    def put(p: int, fid: FrameId, payload) -> None:
-        nonlocal sent
-        outqs[p].put((fid, memoryview(payload)))
-        sent += len(payload)
+    def run(self, timeout: float) -> tuple[np.ndarray, int, str, list[np.ndarray]]:
+        others = self.others
+        try:
+            for pump in self.pumps:
+                pump.start()
+            for p in others:
+                for j, payload in enumerate(self.own[p]):
+                    self.put(p, FrameId(0, p * 1000 + j), payload)
+            for _ in range(self.expected):
+                p, fid, buf = _get(self.inq, timeout, self.pumps)
+                c, j = divmod(fid.chunk, 1000)
+                if fid.step == 0:
+                    self.on_copy(p, j, buf)
+                elif fid.step == 1:
+                    self.on_result(p, c, j, buf)
+                else:
+                    self.on_scores(p, c, buf)
+            for q in others:
+                self.outqs[q].put(None)
+            for pump in self.pumps[: len(others)]:
+                pump.join(timeout)
+                if pump.is_alive() or pump.error is not None:
+                    raise RingError(f"send failed: {pump.error or 'timeout'}")
+        except RingError:
+            raise
+        except Exception as exc:
+            raise RingError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.stop.set()
+            for q in others:
+                self.outqs[q].put(None)
+        final = self.final
+        if len(final) != sum(len(s) + 1 for s in self.lay):
+            raise RingError("result incomplete")
+        digest = hashlib.sha256(b"".join(final[k] for k in sorted(final))).hexdigest()
+        return self.result, self.sent, digest, [self.rows[c] for c in range(self.world)]
 
-    result = np.empty_like(vec)
-    final: dict[tuple[int, int], bytes] = {}
-    rows: dict[int, np.ndarray] = {}
-    mine = lay[rank]
-    copies: dict[int, list] = {rank: [decode(b, hi - lo, cfg) for b, (lo, hi) in zip(own[rank], mine)]}
-    for p in others:
-        copies[p] = [None] * len(mine)
-    waiting = (world - 1) * len(mine)
-    expected = waiting + sum(len(lay[p]) + 1 for p in others)
-    try:
-        for pump in pumps:
-            pump.start()
-        for p in others:
-            for j, payload in enumerate(own[p]):
-                put(p, FrameId(0, p * 1000 + j), payload)
-        for _ in range(expected):
-            p, fid, buf = _get(inq, timeout, pumps)
-            c, j = divmod(fid.chunk, 1000)
-            if fid.step == 0:
-                lo, hi = mine[j]
-                values = decode(buf, hi - lo, cfg)
-                if check is not None:
-                    try:
-                        check(p, rank, j, buf, values)
-                    except Exception as exc:
-                        if getattr(exc, "peer", None):
-                            raise RingError(f"bad frame: {exc}", blame=exc.peer,
-                                            reason=getattr(exc, "reason", "")) from exc
-                        raise
-                copies[p][j] = values
-                waiting -= 1
-                if waiting == 0:  # every copy of our chunk is in: combine, publish
-                    chunk = [np.concatenate(copies[q]) for q in range(world)]
-                    payloads, res, scores = owner_reduce(chunk, mine, cfg, rcfg)
-                    result[mine[0][0]:mine[-1][1]] = res
-                    rows[rank] = scores
-                    final[(rank, -1)] = hashlib.sha256(scores.tobytes()).digest()
-                    for sj, pl in enumerate(payloads):
-                        final[(rank, sj)] = hashlib.sha256(pl).digest()
-                    for q in others:
-                        for sj, pl in enumerate(payloads):
-                            put(q, FrameId(1, rank * 1000 + sj), pl)
-                        put(q, FrameId(SCORES, rank * 1000), scores.tobytes())
-                    copies.clear()
-            elif fid.step == 1:
-                lo, hi = lay[c][j]
-                values = decode(buf, hi - lo, cfg)
-                if not np.isfinite(values).all():
-                    raise RingError(f"member {p} sent a non-finite result", reason="non-finite result")
-                result[lo:hi] = values
-                final[(c, j)] = hashlib.sha256(buf).digest()
-            else:
-                scores = np.frombuffer(bytes(buf), np.float32)
-                if not (np.isfinite(scores).all() and (scores >= 0).all() and (scores <= 1).all()):
-                    raise RingError(f"member {p} sent malformed scores", reason="malformed scores")
-                rows[c] = scores
-                final[(c, -1)] = hashlib.sha256(buf).digest()
-        for q in others:
-            outqs[q].put(None)
-        for pump in pumps[: len(others)]:
-            pump.join(timeout)
-            if pump.is_alive() or pump.error is not None:
-                raise RingError(f"send failed: {pump.error or 'timeout'}")
-    except RingError:
-        raise
-    except Exception as exc:
-        raise RingError(f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        stop.set()
-        for q in others:
-            outqs[q].put(None)
-    if len(final) != sum(len(s) + 1 for s in lay):
-        raise RingError("result incomplete")
-    digest = hashlib.sha256(b"".join(final[k] for k in sorted(final))).hexdigest()
-    return result, sent, digest, [rows[c] for c in range(world)]
+    def on_copy(self, p: int, j: int, buf: bytearray) -> None:
+        """Member p's copy of sub-chunk j of our chunk: checked, kept; the last one publishes."""
+        lo, hi = self.mine[j]
+        values = decode(buf, hi - lo, self.cfg)
+        if self.check is not None:
+            try:
+                self.check(p, self.rank, j, buf, values)
+            except Exception as exc:
+                if getattr(exc, "peer", None):
+                    raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
+                raise
+        self.copies[p][j] = values
+        self.waiting -= 1
+        if self.waiting == 0:  # every copy of our chunk is in: combine, publish
+            self.publish()
+
+    def publish(self) -> None:
+        rank, mine = self.rank, self.mine
+        chunk = [np.concatenate(self.copies[q]) for q in range(self.world)]
+        payloads, res, scores = owner_reduce(chunk, mine, self.cfg, self.rcfg)
+        self.result[mine[0][0]:mine[-1][1]] = res
+        self.rows[rank] = scores
+        self.final[(rank, -1)] = hashlib.sha256(scores.tobytes()).digest()
+        for sj, pl in enumerate(payloads):
+            self.final[(rank, sj)] = hashlib.sha256(pl).digest()
+        for q in self.others:
+            for sj, pl in enumerate(payloads):
+                self.put(q, FrameId(1, rank * 1000 + sj), pl)
+            self.put(q, FrameId(SCORES, rank * 1000), scores.tobytes())
+        self.copies.clear()
+
+    def on_result(self, p: int, c: int, j: int, buf: bytearray) -> None:
+        lo, hi = self.lay[c][j]
+        values = decode(buf, hi - lo, self.cfg)
+        if not np.isfinite(values).all():
+            raise RingError(f"member {p} sent a non-finite result", reason="non-finite result")
+        self.result[lo:hi] = values
+        self.final[(c, j)] = hashlib.sha256(buf).digest()
+
+    def on_scores(self, p: int, c: int, buf: bytearray) -> None:
+        scores = np.frombuffer(bytes(buf), np.float32)
+        if not (np.isfinite(scores).all() and (scores >= 0).all() and (scores <= 1).all()):
+            raise RingError(f"member {p} sent malformed scores", reason="malformed scores")
+        self.rows[c] = scores
+        self.final[(c, -1)] = hashlib.sha256(buf).digest()
 
 
 def _get(inq: queue.Queue, timeout: float, pumps: list[_Pump]):

@@ -24,116 +24,23 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 from blake3 import blake3
 
 from p2ptrain import kernels as K
-
-
-class RingError(Exception):
-    """The data plane failed (peer gone, timeout, too many bad frames); nothing was changed.
-
-    `blame` names a member caught sending bad data (by the caller's frame check)."""
-
-    def __init__(self, message: str, blame: str | None = None, reason: str = "") -> None:
-        super().__init__(message)
-        self.blame = blame
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class FrameId:
-    step: int
-    """0..W-2 reduce-scatter, W-1..2W-3 all-gather."""
-    chunk: int
-    """chunk index * k + sub-chunk index."""
-
-
-class Channel(Protocol):
-    """One direction of an authenticated, encrypted frame pipe (see p2ptrain/reduce/bulk.py)."""
-
-    def send(self, fid: FrameId, payload: memoryview) -> None: ...
-
-    def recv(self, fid: FrameId, out: memoryview) -> int: ...
-
-    def close(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class RingConfig:
-    mode: str = "int8"
-    """'int8' (quantized wire, fp32 accumulation) or 'fp32' (exact, 4x the bytes)."""
-    block: int = K.DEFAULT_BLOCK
-    """Quantization sub-block size (see p2ptrain.kernels)."""
-    sub_chunk_bytes: int = 4 << 20
-    """Target fp32 bytes per pipelined sub-chunk (one frame). Every member must use the same."""
-    kernel_threads: int = 1
-    """numba threads per kernel call. One is right: the ring already overlaps compute with
-    two I/O threads, a serial kernel outruns any internet link, and parallel regions stall
-    badly when cores are oversubscribed (measured: 4 ring peers on 2 cores ran ~5x slower)."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("int8", "fp32"):
-            raise ValueError("mode must be 'int8' or 'fp32'")
-        if self.sub_chunk_bytes < 4096:
-            raise ValueError("sub_chunk_bytes must be >= 4096")
-
-
-def layout(n: int, world: int, cfg: RingConfig) -> list[list[tuple[int, int]]]:
-    """[chunk][sub] -> (start, end) element ranges; identical on every member."""
-    bounds = K.split_bounds(n, world, cfg.block)
-    out = []
-    for c in range(world):
-        lo, hi = bounds[c], bounds[c + 1]
-        k = max(1, -(-(hi - lo) * 4 // cfg.sub_chunk_bytes))
-        sub = K.split_bounds(hi - lo, k, cfg.block)
-        out.append([(lo + sub[j], lo + sub[j + 1]) for j in range(k)])
-    return out
-
-
-def wire_bytes(n_elems: int, cfg: RingConfig) -> int:
-    return n_elems * 4 if cfg.mode == "fp32" else K.quantized_nbytes(n_elems, cfg.block)
-
-
-def payload_views(m: int, cfg: RingConfig) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
-    """A fresh frame payload and the array views kernels write into (no copies)."""
-    buf = bytearray(wire_bytes(m, cfg))
-    if cfg.mode == "fp32":
-        return buf, np.frombuffer(buf, np.float32), None
-    return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
-
-
-def encode_payload(x: np.ndarray, cfg: RingConfig) -> bytearray:
-    buf, a, meta = payload_views(x.size, cfg)
-    if cfg.mode == "fp32":
-        a[:] = x
-    else:
-        K.quantize(x, cfg.block, q=a, meta=meta)
-    return buf
-
-
-def own_payloads(vec: np.ndarray, rank: int, world: int, cfg: RingConfig) -> list[bytearray]:
-    """This rank's step-0 frames: its own chunk, encoded sub-chunk by sub-chunk."""
-    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
-    return [encode_payload(vec[lo:hi], cfg) for lo, hi in layout(vec.size, world, cfg)[rank]]
-
-
-def schedule(rank: int, world: int, lay: list[list[tuple[int, int]]]):
-    """(sends, recvs): ordered lists of (FrameId, chunk, sub) for this rank."""
-    sends, recvs = [], []
-    for s in range(world - 1):
-        c_send, c_recv = (rank - s) % world, (rank - s - 1) % world
-        sends += [(FrameId(s, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
-        recvs += [(FrameId(s, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
-    for s in range(world - 1):
-        c_send, c_recv = (rank + 1 - s) % world, (rank - s) % world
-        step = world - 1 + s
-        sends += [(FrameId(step, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
-        recvs += [(FrameId(step, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
-    return sends, recvs
+from p2ptrain.reduce.schedule import (  # noqa: F401  (re-exported: the ring's public names)
+    Channel,
+    FrameId,
+    RingConfig,
+    RingError,
+    encode_payload,
+    layout,
+    own_payloads,
+    payload_views,
+    schedule,
+    wire_bytes,
+)
 
 
 class _Pump(threading.Thread):
@@ -257,7 +164,7 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     could be signed first). `check(step, chunk, sub, payload, values)`: called on every
     received frame with the fp32 values it decodes to, before anything is mixed in; an
     exception with a `peer` attribute aborts the round blaming that peer. It must not keep
-    `payload`: the buffer is reused. `pool` lends the wire buffers (see ArenaPool).
+    `payload` or `values`: both buffers are reused. `pool` lends the wire buffers (see ArenaPool).
 
     Like the raw-socket ceiling (p2ptrain/bench/raw_ring.py), this thread receives straight
     into preallocated buffers and only sending has its own thread: no receive pump, no
@@ -272,121 +179,143 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     if world == 1:
         return vec.copy(), 0, hashlib.sha256(vec.data).hexdigest()
     _set_kernel_threads(cfg.kernel_threads)
-    lay = layout(vec.size, world, cfg)
-    sends, recvs = schedule(rank, world, lay)
-    fp32 = cfg.mode == "fp32"
-    result = np.empty_like(vec) if out is None else out
-    inv = np.float32(1.0 / world)
-    # Reduce-scatter payloads we send (each (chunk, sub) is sent once) and, in int8 mode, the
-    # owners' final payloads that the all-gather receives and forwards. fp32 all-gather
-    # frames land straight in `result`.
-    pool = pool or ArenaPool(0)
-    key = (vec.size, world, cfg.mode, cfg.block, cfg.sub_chunk_bytes)
-    rs = pool.take(key, lay, cfg)
-    fin = None if fp32 else pool.take(key, lay, cfg)
-    scratch = np.empty(max(nb for _, nb, _ in rs.at.values()), np.uint8)
-    sender = _Sender(send_ch, recv_ch)
-    ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
-    final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
-    si = sent = 0
+    return _RingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool or ArenaPool(0)).run(timeout)
 
-    def flush() -> None:
+
+class _RingRound:
+    """One member's run of the schedule (`schedule.schedule`) in the calling thread."""
+
+    def __init__(self, vec, rank, world, send_ch, recv_ch, cfg: RingConfig, own, check, out, pool: ArenaPool) -> None:
+        self.vec, self.world, self.recv_ch, self.cfg, self.own, self.check = vec, world, recv_ch, cfg, own, check
+        self.lay = layout(vec.size, world, cfg)
+        self.sends, self.recvs = schedule(rank, world, self.lay)
+        self.fp32 = cfg.mode == "fp32"
+        self.result = np.empty_like(vec) if out is None else out
+        self.inv = np.float32(1.0 / world)
+        # Reduce-scatter payloads we send (each (chunk, sub) is sent once) and, in int8 mode, the
+        # owners' final payloads that the all-gather receives and forwards. fp32 all-gather
+        # frames land straight in `result`.
+        self.pool, self.key = pool, (vec.size, world, cfg.mode, cfg.block, cfg.sub_chunk_bytes)
+        self.rs = pool.take(self.key, self.lay, cfg)
+        self.fin = None if self.fp32 else pool.take(self.key, self.lay, cfg)
+        self.scratch = np.empty(max(nb for _, nb, _ in self.rs.at.values()), np.uint8)
+        # What `check` sees of an int8 frame, decoded into one reused buffer: a fresh 4 MiB
+        # array per frame cost page faults on every frame of the verified path.
+        self.values = np.empty(max(m for _, _, m in self.rs.at.values()), np.float32) if check else None
+        self.sender = _Sender(send_ch, recv_ch)
+        self.ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
+        self.final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
+        self.si = self.sent = 0
+
+    def run(self, timeout: float) -> tuple[np.ndarray, int, str]:
+        sender = self.sender
+        try:
+            sender.start()
+            self.flush()
+            for fid, c, j in self.recvs:
+                self.step(fid, c, j, self.receive(fid, c, j))
+            if self.si != len(self.sends):
+                raise RingError(f"schedule incomplete: {len(self.sends) - self.si} frames never sent")
+            sender.q.put(None)
+            sender.join(timeout)
+            if sender.is_alive() or sender.error is not None:
+                raise RingError(f"send failed: {sender.error or 'timeout'}")
+        except RingError as exc:
+            if sender.error is not None and "send failed" not in str(exc):
+                raise RingError(f"send failed: {sender.error}") from exc
+            raise
+        except Exception as exc:
+            raise RingError(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            sender.error = sender.error or RingError("round over")  # drops anything still queued
+            sender.q.put(None)
+            if not sender.is_alive():  # else it may still read them: let them go
+                self.pool.give(self.key, self.rs)
+                self.pool.give(self.key, self.fin)
+        final = self.final
+        if len(final) != sum(len(subs) for subs in self.lay):
+            raise RingError("result incomplete")
+        return self.result, self.sent, blake3(b"".join(final[k] for k in sorted(final))).hexdigest()
+
+    def flush(self) -> None:
         """Queue every send whose payload exists, in schedule order."""
-        nonlocal si, sent
-        while si < len(sends):
-            fid, c, j = sends[si]
+        cfg, rs = self.cfg, self.rs
+        while self.si < len(self.sends):
+            fid, c, j = self.sends[self.si]
             if fid.step == 0:
-                lo, hi = lay[c][j]
-                if own is not None:
-                    payload = memoryview(own[j])
-                elif fp32:
-                    payload = memoryview(vec[lo:hi]).cast("B")
+                lo, hi = self.lay[c][j]
+                if self.own is not None:
+                    payload = memoryview(self.own[j])
+                elif self.fp32:
+                    payload = memoryview(self.vec[lo:hi]).cast("B")
                 else:
                     q, meta = rs.parts(c, j)
-                    K.quantize(vec[lo:hi], cfg.block, q=q, meta=meta)
+                    K.quantize(self.vec[lo:hi], cfg.block, q=q, meta=meta)
                     payload = rs.view(c, j)
-            elif (c, j) in ready:
-                payload = ready.pop((c, j))
+            elif (c, j) in self.ready:
+                payload = self.ready.pop((c, j))
             else:
                 return
-            sender.q.put((fid, payload))
-            sent += len(payload)
-            si += 1
+            self.sender.q.put((fid, payload))
+            self.sent += len(payload)
+            self.si += 1
 
-    try:
-        sender.start()
-        flush()
-        for fid, c, j in recvs:
-            lo, hi = lay[c][j]
-            m, local = hi - lo, vec[lo:hi]
-            gather = fid.step >= world - 1
-            if not gather:
-                buf = memoryview(scratch[:wire_bytes(m, cfg)])
-            elif fp32:
-                buf = memoryview(result[lo:hi]).cast("B")
+    def receive(self, fid: FrameId, c: int, j: int) -> memoryview:
+        """The frame, straight into its buffer, checked before anything is mixed in."""
+        lo, hi = self.lay[c][j]
+        m = hi - lo
+        if fid.step < self.world - 1:
+            buf = memoryview(self.scratch[:wire_bytes(m, self.cfg)])
+        elif self.fp32:
+            buf = memoryview(self.result[lo:hi]).cast("B")
+        else:
+            buf = self.fin.view(c, j)
+        got = self.recv_ch.recv(fid, buf)
+        if got != len(buf):
+            raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
+        if self.check is not None:
+            values = (np.frombuffer(buf, np.float32) if self.fp32
+                      else K.dequantize(*_split(buf, m), self.cfg.block, out=self.values[:m]))
+            try:
+                self.check(fid.step, c, j, buf, values)
+            except Exception as exc:
+                if getattr(exc, "peer", None):
+                    raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
+                raise
+        return buf
+
+    def step(self, fid: FrameId, c: int, j: int, buf: memoryview) -> None:
+        lo, hi = self.lay[c][j]
+        m, local, world, block = hi - lo, self.vec[lo:hi], self.world, self.cfg.block
+        if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
+            if self.fp32:
+                np.add(np.frombuffer(buf, np.float32), local, out=self.rs.parts(c, j)[0])
             else:
-                buf = fin.view(c, j)
-            got = recv_ch.recv(fid, buf)
-            if got != len(buf):
-                raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
-            if check is not None:
-                values = np.frombuffer(buf, np.float32) if fp32 else K.dequantize(*_split(buf, m), cfg.block)
-                try:
-                    check(fid.step, c, j, buf, values)
-                except Exception as exc:
-                    if getattr(exc, "peer", None):
-                        raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
-                    raise
-            if fid.step < world - 2:  # a middle hop: add ours, pass the sum on
-                if fp32:
-                    np.add(np.frombuffer(buf, np.float32), local, out=rs.parts(c, j)[0])
-                else:
-                    q, meta = rs.parts(c, j)
-                    K.ring_hop(*_split(buf, m), local, cfg.block, q_out=q, meta_out=meta)
-                ready[(c, j)] = rs.view(c, j)
-                flush()
-            elif fid.step == world - 2:  # we own this chunk: the mean, quantized once
-                if fp32:
-                    out = result[lo:hi]
-                    np.add(np.frombuffer(buf, np.float32), local, out=out)
-                    np.multiply(out, inv, out=out)
-                    payload = memoryview(out).cast("B")
-                else:
-                    q, meta = fin.parts(c, j)
-                    K.owner_hop(*_split(buf, m), local, float(inv), cfg.block, q_out=q, meta_out=meta,
-                                out=result[lo:hi])
-                    payload = fin.view(c, j)
-                ready[(c, j)] = payload
-                flush()
-                final[(c, j)] = blake3(payload).digest()
-            else:  # all-gather: forward the very same bytes first, then decode
-                if fid.step < 2 * world - 3:
-                    ready[(c, j)] = buf
-                    flush()
-                if not fp32:
-                    K.dequantize(*_split(buf, m), cfg.block, out=result[lo:hi])
-                final[(c, j)] = blake3(buf).digest()
-        if si != len(sends):
-            raise RingError(f"schedule incomplete: {len(sends) - si} frames never sent")
-        sender.q.put(None)
-        sender.join(timeout)
-        if sender.is_alive() or sender.error is not None:
-            raise RingError(f"send failed: {sender.error or 'timeout'}")
-    except RingError as exc:
-        if sender.error is not None and "send failed" not in str(exc):
-            raise RingError(f"send failed: {sender.error}") from exc
-        raise
-    except Exception as exc:
-        raise RingError(f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        sender.error = sender.error or RingError("round over")  # drops anything still queued
-        sender.q.put(None)
-        if not sender.is_alive():  # else it may still read them: let them go
-            pool.give(key, rs)
-            pool.give(key, fin)
-    if len(final) != sum(len(subs) for subs in lay):
-        raise RingError("result incomplete")
-    return result, sent, blake3(b"".join(final[k] for k in sorted(final))).hexdigest()
+                q, meta = self.rs.parts(c, j)
+                K.ring_hop(*_split(buf, m), local, block, q_out=q, meta_out=meta)
+            self.ready[(c, j)] = self.rs.view(c, j)
+            self.flush()
+        elif fid.step == world - 2:  # we own this chunk: the mean, quantized once
+            if self.fp32:
+                out = self.result[lo:hi]
+                np.add(np.frombuffer(buf, np.float32), local, out=out)
+                np.multiply(out, self.inv, out=out)
+                payload = memoryview(out).cast("B")
+            else:
+                q, meta = self.fin.parts(c, j)
+                K.owner_hop(*_split(buf, m), local, float(self.inv), block, q_out=q, meta_out=meta,
+                            out=self.result[lo:hi])
+                payload = self.fin.view(c, j)
+            self.ready[(c, j)] = payload
+            self.flush()
+            self.final[(c, j)] = blake3(payload).digest()
+        else:  # all-gather: forward the very same bytes first, then decode
+            if fid.step < 2 * world - 3:
+                self.ready[(c, j)] = buf
+                self.flush()
+            if not self.fp32:
+                K.dequantize(*_split(buf, m), block, out=self.result[lo:hi])
+            self.final[(c, j)] = blake3(buf).digest()
 
 
 def _set_kernel_threads(n: int) -> None:

@@ -35,14 +35,17 @@ def vote_message(tag: bytes, rank: int, world: int, digest: bytes) -> bytes:
 
 
 def gather(send_ch: Channel, recv_ch: Channel, rank: int, world: int, tag: bytes, digest: bytes,
-           sign: Callable[[bytes], bytes], verify: Callable[[int, bytes, bytes], bool]) -> None:
-    """Returns when all `world` members voted for `digest`; raises RingError otherwise.
+           sign: Callable[[bytes], bytes], verify: Callable[[int, bytes, bytes], bool]) -> list[bytes]:
+    """Every member's signature (by rank) once all `world` voted for `digest`: the round's
+    commit certificate (`p2ptrain.reduce.commit`). Raises RingError otherwise.
 
     `sign(message)` signs with our key; `verify(member, signature, message)` checks a member's."""
     if len(digest) != DIGEST:
         raise ValueError("digest must be 32 bytes")
     base = 2 * world - 2  # data frames use steps 0 .. 2W-3: vote frames never share a nonce
-    out = digest + sign(vote_message(tag, rank, world, digest))
+    sigs = [b""] * world
+    sigs[rank] = sign(vote_message(tag, rank, world, digest))
+    out = digest + sigs[rank]
     buf = bytearray(VOTE_LEN)
     for s in range(world - 1):
         fid = FrameId(base + s, VOTE_CHUNK)
@@ -56,3 +59,5 @@ def gather(send_ch: Channel, recv_ch: Channel, rank: int, world: int, tag: bytes
         if not verify(voter, bytes(buf[DIGEST:]), vote_message(tag, voter, world, digest)):
             raise RingError(f"the vote of member {voter} fails its signature")
         out = bytes(buf)
+        sigs[voter] = out[DIGEST:]
+    return sigs

@@ -1,24 +1,21 @@
-"""All-reduce rounds between libp2p peers: commit-or-abort around the data plane.
+"""All-reduce rounds between libp2p peers: the service that runs them.
 
 A round is (run id, round id, ordered member list). Each member:
-  1. gets a bulk channel to its ring successor and one from its predecessor
-     (`p2ptrain.reduce.sessions`: an idle persistent link if there is one, else a fresh session
-     over libp2p, on a raw TCP connection where reachable and on the libp2p stream if not);
-  2. runs the data plane (`p2ptrain.reduce.ring.allreduce`) and then the commit votes
-     (`p2ptrain.reduce.ringvote`: every member's signed digest travels the ring on the same
-     channels) in one worker thread;
-  3. commits only when every member voted for the same digest. A failure anywhere becomes
-     an abort vote sent to every member over `/p2ptrain/round/1.0.0`, so the others stop
-     at once instead of waiting for a timeout; a missing vote fails the round after
-     `frame_timeout`. A committed round hands its links back for the next one; any other
-     ending closes them.
+  1. gets its bulk channels (`p2ptrain.reduce.mesh`: ring neighbours, or every member for a
+     butterfly round) through `p2ptrain.reduce.sessions` (an idle persistent link if there is
+     one, else a fresh session over libp2p, raw TCP where reachable, the libp2p stream if not);
+  2. runs the data plane (`p2ptrain.reduce.ring.allreduce` then the signed ring votes of
+     `p2ptrain.reduce.ringvote`, or `p2ptrain.reduce.butterfly.allreduce`) in a worker thread;
+  3. commits or aborts through `p2ptrain.reduce.commit` (signed votes, certificates, abort
+     votes over `/p2ptrain/round/...`, blame rules). A failure anywhere becomes an abort
+     vote, so the others stop at once instead of waiting for a timeout. A committed round
+     hands its links back for the next one; any other ending closes them.
 The caller's tensor is never touched: `allreduce` returns a new array or raises RoundFailed.
-Robust rounds (`p2ptrain.reduce.butterfly`) keep one session per member pair and vote over libp2p.
+`exchange` (roster confirmation, contribution headers) uses the same protocol
+(`p2ptrain.reduce.exchange` decides who may fill which inbox).
 
-Known limit (as in any commit protocol without a coordinator): a member that dies while the
-votes travel can leave the others split between commit and abort (those that already held
-every vote commit). The window is a few milliseconds of vote hops; the training layer
-detects a split through the params hash each member publishes after a step and resyncs.
+Trainer-facing additions: `RoundFailed.suspects` and `suspects()` (blamers nobody
+corroborated), `expect_roster(members)` (members that may vote or send before we start).
 """
 
 from __future__ import annotations
@@ -32,29 +29,37 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from p2ptrain.reduce import butterfly
-from p2ptrain.reduce import ringvote
-from p2ptrain.reduce.bulk import session_tag
-from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.identity import peer_id_from_str, public_from_peer_id_bytes, verify
+from p2ptrain.reduce import butterfly, ringvote
+from p2ptrain.reduce.blame import BlameLedger
+from p2ptrain.reduce.bulk import session_tag
+from p2ptrain.reduce.commit import CommitBoard, Round
+from p2ptrain.reduce.control import ControlError, pack as _pack
+from p2ptrain.reduce.exchange import Inbox
+from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
 from p2ptrain.reduce.ring import allreduce as ring_allreduce
-from p2ptrain.reduce.sessions import BULK_PROTOCOL, BulkSessions, Inbound, read_msg
+from p2ptrain.reduce.sessions import BULK_PROTOCOL, BulkSessions, read_msg
 
 log = logging.getLogger("p2ptrain.reduce.service")
 
-VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.0.0")
+# 1.1: ok votes are signed (commit certificates), certificate requests and answers.
+VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.1.0")
 __all__ = ["AllReduceConfig", "AllReduceService", "BULK_PROTOCOL", "RoundFailed", "RoundResult", "VOTE_PROTOCOL"]
 
 
 class RoundFailed(Exception):
     """The round aborted on this member; no tensor was changed.
 
-    `blamed`: members caught sending bad data (peer id -> reason), by us or by others."""
+    `blamed`: members caught sending bad data (peer id -> reason), by our own data plane or
+    by a member that received their bytes (`p2ptrain.reduce.blame`). `suspects`: blamers whose
+    accusations nobody corroborated (peer id -> count); their blame is not in `blamed`."""
 
-    def __init__(self, message: str, blamed: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, blamed: dict[str, str] | None = None,
+                 suspects: dict[str, int] | None = None) -> None:
         super().__init__(message)
         self.blamed = blamed or {}
+        self.suspects = suspects or {}
 
 
 @dataclass
@@ -69,7 +74,8 @@ class AllReduceConfig:
     frame_timeout: float = 20.0
     """Seconds without a frame (or a vote) before the round gives up."""
     commit_timeout: float = 10.0
-    """Robust rounds: seconds to collect every member's vote after our own data plane finished."""
+    """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
+    missing votes) after our own data plane finished."""
     direct: bool = True
     """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
     send_rate_mbps: float = 0.0
@@ -101,12 +107,17 @@ class RoundResult:
 
 
 @dataclass
-class _Pending:
-    """A round this node takes part in: its abort/robust votes as they arrive."""
+class _Plane:
+    """What the data plane left: a result and our vote, or the error that ended it."""
 
-    tag: bytes
-    votes: dict[bytes, dict] = field(default_factory=dict)  # sender -> {ok, digest, blame, reason}
-    vote_event: trio.Event = field(default_factory=trio.Event)
+    result: np.ndarray | None = None
+    sent: int = 0
+    digest: str = ""
+    sigs: list | None = None  # every member's signature: a certificate (ring rounds)
+    scores: list | None = None
+    t_data: float = 0.0
+    error: RingError | None = None  # the data plane failed: we signed nothing
+    gather_error: str = ""  # the ring votes failed after we signed
 
 
 class AllReduceService:
@@ -119,10 +130,8 @@ class AllReduceService:
         self.identity = identity
         self.sessions = BulkSessions(host, identity, config or AllReduceConfig(), listen_ip)
         self._arenas = ArenaPool()
-        self._rounds: dict[bytes, _Pending] = {}
-        self._early_votes: dict[bytes, dict[bytes, dict]] = {}
-        self._inbox: dict[bytes, dict[bytes, bytes]] = {}  # exchange tag -> sender -> payload
-        self._inbox_event = trio.Event()
+        self.board = CommitBoard(identity.peer_id, identity.sign, self._send_all, ledger=BlameLedger())
+        self.inbox = Inbox(self.board.known)
 
     @property
     def config(self) -> AllReduceConfig:
@@ -135,6 +144,15 @@ class AllReduceService:
     @property
     def port(self) -> int:
         return self.sessions.port
+
+    def suspects(self) -> dict[str, int]:
+        """Blamers with repeated uncorroborated accusations (peer id -> count); never us."""
+        return {p: n for p, n in self.board.ledger.suspects().items() if p != self.identity.peer_id_str}
+
+    def expect_roster(self, members: list[str]) -> None:
+        """Members we are about to reduce or exchange with: their early votes and messages are
+        kept (`exchange` does this itself for its roster)."""
+        self.board.expect([peer_id_from_str(m) for m in members])
 
     # -- service ---------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -151,36 +169,15 @@ class AllReduceService:
         try:
             with trio.fail_after(5):
                 msg = await read_msg(stream)
-            tag = msg.get("tag")
-            if not isinstance(tag, bytes):
-                raise ValueError("malformed message")
             if msg.get("kind") == "data":
-                data = msg.get("data")
-                if not isinstance(data, bytes):
+                tag, data = msg.get("tag"), msg.get("data")
+                if not isinstance(tag, bytes) or not isinstance(data, bytes):
                     raise ValueError("malformed data message")
-                box = self._inbox.setdefault(tag, {})
-                if len(self._inbox) > 256:  # bounded: stale exchanges are forgotten
-                    self._inbox.pop(next(iter(self._inbox)))
-                box[sender] = data
-                self._inbox_event.set()
-                self._inbox_event = trio.Event()
-                return
-            ok, digest = msg.get("ok"), msg.get("digest")
-            blame, reason = msg.get("blame") or "", msg.get("reason") or ""
-            if not isinstance(ok, bool) or not isinstance(digest, str) or not isinstance(blame, str):
-                raise ValueError("malformed vote")
-            vote = {"ok": ok, "digest": digest, "blame": blame[:100], "reason": str(reason)[:200]}
-            pending = self._rounds.get(tag)
-            if pending is None:
-                early = self._early_votes.setdefault(tag, {})
-                if len(self._early_votes) > 256:  # bounded: stale rounds are forgotten
-                    self._early_votes.pop(next(iter(self._early_votes)))
-                early[sender] = vote
+                self.inbox.put(sender, tag, data)
             else:
-                pending.votes[sender] = vote
-                pending.vote_event.set()
+                await self.board.handle(sender, msg)
         except Exception as exc:
-            log.warning("vote from %s dropped: %s", ID(sender), exc)
+            log.warning("control message from %s dropped: %s", ID(sender), exc)
         finally:
             with trio.move_on_after(1):
                 await stream.close()
@@ -195,215 +192,149 @@ class AllReduceService:
         faults) are passed to the data plane (see `p2ptrain.reduce.ring.allreduce`).
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.reduce.butterfly.allreduce`; `own`, `check` as it defines)."""
-        me = self.identity.peer_id
         ids = [peer_id_from_str(m) for m in members]
-        if me not in ids or len(set(ids)) != len(ids):
+        if self.identity.peer_id not in ids or len(set(ids)) != len(ids):
             raise RoundFailed("we are not a member, or a member is listed twice")
-        world, rank = len(ids), ids.index(me)
         tag = session_tag(run_id, round_id)
-        if tag in self._rounds:
+        if tag in self.board.rounds:
             raise RoundFailed(f"round {round_id} already running")
         config = self.config  # one config for the whole round
-        pending = _Pending(tag)
-        pending.votes.update(self._early_votes.pop(tag, {}))
-        self._rounds[tag] = pending
+        rnd = self.board.open(tag, ids, ring=robust is None)
+        mesh = Mesh()
         t0 = trio.current_time()
-        mesh = _Mesh()
-        channels = mesh.channels  # every channel of this round, closed on abort and at the end
-        path = "none"
-        voted = committed = False
-        scores = None
+        committed = False
         try:
-            if world > 1:
-                with trio.fail_after(config.setup_timeout):
-                    async with trio.open_nursery() as nursery:
-                        # A member that failed before we are connected (its link was gone, say)
-                        # ends our setup too, instead of leaving us waiting for setup_timeout.
-                        nursery.start_soon(self._cancel_on_abort, pending, nursery.cancel_scope)
-                        if robust is None:
-                            path = await self._open_ring(mesh, ids, rank, tag)
-                        else:
-                            path = await self._open_mesh(mesh, ids, rank, run_id, round_id)
-                        nursery.cancel_scope.cancel()
-                aborted = self._aborted(pending)
-                if aborted:
-                    raise RoundFailed(f"{aborted[0]} aborted the round", self._blamed(pending))
+            path = await self._setup(rnd, mesh, run_id, round_id, robust, config)
             t_setup = trio.current_time()
-            cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
-            failure: RingError | None = None
-            t_data = t_setup
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._abort_on_vote, pending, channels)
-                try:
-                    if robust is None:
-                        result, sent, digest, t_data = await trio.to_thread.run_sync(
-                            self._ring_and_votes, vec, rank, world, mesh, cfg, config.frame_timeout, own,
-                            check, out, ids, tag)
-                    else:
-                        result, sent, digest, scores = await trio.to_thread.run_sync(
-                            butterfly.allreduce, vec, rank, world, mesh.sends, mesh.recvs, cfg, robust,
-                            config.frame_timeout, own, check)
-                        t_data = trio.current_time()
-                except RingError as exc:
-                    failure = exc
-                nursery.cancel_scope.cancel()
-            if failure is not None:
-                if failure.blame:
-                    # Tell everyone who cheated before anything else: they retry without it.
-                    await self._vote(ids, tag, False, "", failure.blame, failure.reason)
-                    voted = True
-                    raise RoundFailed(f"bad data from {failure.blame}: {failure.reason}",
-                                      {failure.blame: failure.reason} | self._blamed(pending))
-                await trio.sleep(0.2)  # an accuser's vote usually arrives right behind the failure
-                aborted = self._aborted(pending)
-                raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}",
-                                  self._blamed(pending))
-            if robust is None:
-                # Every member's signed vote arrived on the ring; an abort that raced it still wins.
-                aborted = self._aborted(pending)
-                if aborted:
-                    raise RoundFailed(f"{aborted[0]} aborted the round", self._blamed(pending))
-            else:
-                t_data = trio.current_time()
-                await self._vote(ids, tag, True, digest)
-                await self._collect(pending, ids, digest, config.commit_timeout)
+            plane = await self._data_plane(rnd, mesh, vec, own, check, out, robust, config)
+            await self._decide(rnd, plane, robust is not None, config)
             committed = True
             t_end = trio.current_time()
-            return RoundResult(result, digest, sent, t_end - t0, path,
-                               {"setup": round(t_setup - t0, 4), "data": round(t_data - t_setup, 4),
-                                "commit": round(t_end - t_data, 4)}, scores,
+            return RoundResult(plane.result, plane.digest, plane.sent, t_end - t0, path,
+                               {"setup": round(t_setup - t0, 4), "data": round(plane.t_data - t_setup, 4),
+                                "commit": round(t_end - plane.t_data, 4)}, plane.scores,
                                reused=mesh.reused())
         except trio.TooSlowError:
-            await self._vote(ids, tag, False, "")
-            raise RoundFailed("bulk session setup timed out") from None
+            await self.board.abort(rnd)
+            raise RoundFailed("bulk session setup timed out", suspects=self.suspects()) from None
         except (ControlError, EOFError, OSError, BaseLibp2pError, RingError) as exc:
             # A successor that died or answered garbage during setup fails the round, never the node.
-            await self._vote(ids, tag, False, "")
-            raise RoundFailed(f"bulk session setup failed: {exc!r}"[:300]) from None
+            await self.board.abort(rnd)
+            raise RoundFailed(f"bulk session setup failed: {exc!r}"[:300], suspects=self.suspects()) from None
         except RoundFailed as exc:
-            if not voted:
-                await self._vote(ids, tag, False, "")
-            exc.blamed.update(self._blamed(pending))
+            if not rnd.decided:
+                await self.board.abort(rnd)
+            exc.blamed.update(self.board.blamed(rnd))
+            exc.suspects = self.suspects()
             raise
         finally:
-            # Inbound sessions that completed after a timeout are closed too.
-            late = [inb for inb in map(self.sessions.forget, mesh.tags) if inb is not None]
-            late_channels = [inb.channel for inb in late if inb.channel not in channels]
-            if committed:
-                # At a frame boundary on both ends: the links serve the next round.
-                self.sessions.keep(mesh.out_links, mesh.in_links)
-                kept = set(map(id, mesh.link_channels))
-                channels[:] = [ch for ch in channels if id(ch) not in kept]
-            for ch in [*channels, *late_channels]:
-                if ch is not None:
-                    await trio.to_thread.run_sync(ch.close, committed)
-            self._rounds.pop(tag, None)
+            await mesh.close(self.sessions, committed)
+            self.board.close(rnd)
 
-    def _ring_and_votes(self, vec, rank, world, mesh: "_Mesh", cfg, timeout, own, check, out, ids, tag):
-        """The data plane, then the signed votes on the same channels (worker thread)."""
-        send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
-        result, sent, digest = ring_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check,
-                                              out, self._arenas)
-        t_data = trio.from_thread.run_sync(trio.current_time)
-        if world == 1:
-            return result, sent, digest, t_data
-        publics = [public_from_peer_id_bytes(p) for p in ids]
-        ringvote.gather(send_ch, recv_ch, rank, world, tag, bytes.fromhex(digest), self.identity.sign,
-                        lambda i, sig, msg: verify(publics[i], sig, msg))
-        return result, sent, digest, t_data
+    async def _setup(self, rnd: Round, mesh: Mesh, run_id: str, round_id: str, robust, config) -> str:
+        if len(rnd.ids) == 1:
+            return "none"
+        path = "none"
+        with trio.fail_after(config.setup_timeout):
+            async with trio.open_nursery() as nursery:
+                # A member that failed before we are connected (its link was gone, say)
+                # ends our setup too, instead of leaving us waiting for setup_timeout.
+                nursery.start_soon(self._cancel_on_abort, rnd, nursery.cancel_scope)
+                if robust is None:
+                    path = await open_ring(self.sessions, mesh, rnd.ids, rnd.rank, rnd.tag)
+                else:
+                    path = await open_butterfly(self.sessions, mesh, rnd.ids, rnd.rank, run_id, round_id)
+                nursery.cancel_scope.cancel()
+        aborted = self.board.aborted(rnd)
+        if aborted:
+            raise RoundFailed(f"{aborted[0]} aborted the round")
+        return path
 
-    async def _open_ring(self, mesh: "_Mesh", ids: list[bytes], rank: int, tag: bytes) -> str:
-        """Our channel to the successor and the one from the predecessor, set up together."""
-        world = len(ids)
-        inb = self.sessions.expect(ids[(rank - 1) % world], tag)
-        mesh.tags.append(tag)
-        paths = []
-
-        async def out() -> None:
-            ch, p, link = await self.sessions.open_out(ids[(rank + 1) % world], tag)
-            mesh.add_send(0, ch, link)
-            paths.append(p)
-
+    async def _data_plane(self, rnd: Round, mesh: Mesh, vec, own, check, out, robust, config) -> _Plane:
+        cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
+        world = len(rnd.ids)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(out)
-            await self.sessions.wait_in(inb)
-            mesh.add_recv(0, inb)
-        return paths[0]
+            nursery.start_soon(self._abort_on_vote, rnd, mesh.channels)
+            try:
+                if robust is None:
+                    plane = await trio.to_thread.run_sync(self._ring_and_votes, vec, rnd, mesh, cfg,
+                                                          config.frame_timeout, own, check, out)
+                else:
+                    result, sent, digest, scores = await trio.to_thread.run_sync(
+                        butterfly.allreduce, vec, rnd.rank, world, mesh.sends, mesh.recvs, cfg, robust,
+                        config.frame_timeout, own, check)
+                    plane = _Plane(result, sent, digest, scores=scores, t_data=trio.current_time())
+            except RingError as exc:
+                plane = _Plane(error=exc, t_data=trio.current_time())
+            nursery.cancel_scope.cancel()
+        return plane
 
-    @staticmethod
-    def _blamed(pending: _Pending) -> dict[str, str]:
-        return {v["blame"]: v["reason"] for v in pending.votes.values() if not v["ok"] and v["blame"]}
+    def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, own, check, out) -> _Plane:
+        """The data plane, then the signed votes on the same channels (worker thread)."""
+        world = len(rnd.ids)
+        send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
+        result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
+                                              out, self._arenas)
+        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        if world == 1:
+            plane.sigs = [self.board.sign_vote(rnd, digest)]
+            return plane
+        publics = [public_from_peer_id_bytes(p) for p in rnd.ids]
+        try:
+            plane.sigs = ringvote.gather(send_ch, recv_ch, rnd.rank, world, rnd.tag, bytes.fromhex(digest),
+                                         self.identity.sign, lambda i, sig, msg: verify(publics[i], sig, msg))
+        except RingError as exc:  # we signed: the others may hold a certificate (commit.recover)
+            plane.gather_error = str(exc)
+        return plane
 
-    @staticmethod
-    def _aborted(pending: _Pending) -> list[str]:
-        return [ID(p).to_base58() for p, v in pending.votes.items() if not v["ok"]]
+    async def _decide(self, rnd: Round, plane: _Plane, robust: bool, config) -> None:
+        """Commit (returns) or raise RoundFailed; see `p2ptrain.reduce.commit`."""
+        failure = plane.error
+        if failure is not None:  # we signed nothing: no certificate can exist, abort at once
+            if failure.blame:
+                # Tell everyone who cheated before anything else: they retry without it.
+                self.board.ledger.note(self.identity.peer_id_str, failure.blame)
+                await self.board.abort(rnd, failure.blame, failure.reason)
+                raise RoundFailed(f"bad data from {failure.blame}: {failure.reason}", {failure.blame: failure.reason})
+            await trio.sleep(0.2)  # an accuser's vote usually arrives right behind the failure
+            aborted = self.board.aborted(rnd)
+            raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}")
+        if robust:
+            ok = await self.board.collect(rnd, plane.digest, config.commit_timeout)
+        elif plane.sigs is not None:
+            await self.board.commit(rnd, plane.digest, plane.sigs)
+            ok = True
+        else:
+            ok = await self.board.recover(rnd, plane.digest, config.commit_timeout)
+        if not ok:
+            aborted = self.board.aborted(rnd)
+            raise RoundFailed(f"{aborted[0]} aborted the round" if aborted
+                              else f"no commit certificate ({plane.gather_error or 'votes missing'})")
 
-    @staticmethod
-    async def _wait_abort(pending: _Pending) -> None:
-        while not any(not v["ok"] for v in pending.votes.values()):
-            pending.vote_event = trio.Event()
-            await pending.vote_event.wait()
-
-    async def _cancel_on_abort(self, pending: _Pending, scope: trio.CancelScope) -> None:
-        await self._wait_abort(pending)
+    async def _cancel_on_abort(self, rnd: Round, scope: trio.CancelScope) -> None:
+        await self.board.wait_abort(rnd)
         scope.cancel()
 
-    async def _abort_on_vote(self, pending: _Pending, channels: list) -> None:
-        """An abort vote from anyone closes our channels, so our data plane fails now
-        rather than after frame_timeout."""
-        await self._wait_abort(pending)
+    async def _abort_on_vote(self, rnd: Round, channels: list) -> None:
+        """An abort vote from a member closes our channels, so our data plane fails now
+        rather than after frame_timeout (after we signed, `_decide` still asks for a certificate)."""
+        await self.board.wait_abort(rnd)
         for ch in list(channels):
             if ch is not None:
                 await trio.to_thread.run_sync(ch.close)
 
-    async def _open_mesh(self, mesh: "_Mesh", ids: list[bytes], rank: int, run_id: str, round_id: str) -> str:
-        """Butterfly sessions: one to and one from every other member. Each direction is an
-        ordinary ring session under its own tag (round, sender), so the session handlers
-        serve it unchanged and a frame for one pair opens nowhere else."""
-        me = self.identity.peer_id
-        inbound: dict[int, Inbound] = {}
-        for i, peer in enumerate(ids):
-            if i != rank:
-                sub = session_tag(run_id, f"{round_id}/from/{ID(peer).to_base58()}")
-                inbound[i] = self.sessions.expect(peer, sub)
-                mesh.tags.append(sub)
-        paths = set()
-
-        async def out(i: int) -> None:
-            ch, p, link = await self.sessions.open_out(
-                ids[i], session_tag(run_id, f"{round_id}/from/{ID(me).to_base58()}"))
-            mesh.add_send(i, ch, link)
-            paths.add(p)
-
-        async def inn(i: int) -> None:
-            await self.sessions.wait_in(inbound[i])
-            mesh.add_recv(i, inbound[i])
-
-        async with trio.open_nursery() as nursery:
-            for i in inbound:
-                nursery.start_soon(out, i)
-                nursery.start_soon(inn, i)
-        return paths.pop() if len(paths) == 1 else "mixed"
-
-    async def _vote(self, ids: list[bytes], tag: bytes, ok: bool, digest: str, blame: str = "",
-                    reason: str = "") -> None:
-        await self._send_all(ids, _pack({"tag": tag, "ok": ok, "digest": digest, "blame": blame,
-                                         "reason": reason}))
-
+    # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
         arrive within `timeout`). Used for roster confirmation and contribution headers."""
         ids = [peer_id_from_str(m) for m in members]
+        me = self.identity.peer_id
+        self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
-        box = self._inbox.setdefault(tag, {})
-        await self._send_all(ids, _pack({"tag": tag, "kind": "data", "data": payload}))
-        others = [p for p in ids if p != self.identity.peer_id]
-        with trio.move_on_after(timeout):
-            while not all(p in box for p in others):
-                await self._inbox_event.wait()
-        box = self._inbox.pop(tag, box)
-        out = {ID(p).to_base58(): box.get(p) for p in others}
+        msg = _pack({"tag": tag, "kind": "data", "data": payload})
+        got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg))
+        out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out
 
@@ -422,55 +353,6 @@ class AllReduceService:
             for peer in ids:
                 if peer != self.identity.peer_id:
                     nursery.start_soon(one, peer)
-
-    async def _collect(self, pending: _Pending, ids: list[bytes], digest: str, timeout: float) -> None:
-        others = [p for p in ids if p != self.identity.peer_id]
-        with trio.move_on_after(timeout):
-            while True:
-                for peer in others:
-                    vote = pending.votes.get(peer)
-                    if vote is not None and not vote["ok"]:
-                        raise RoundFailed(f"{ID(peer)} aborted the round", self._blamed(pending))
-                    if vote is not None and vote["digest"] != digest:
-                        raise RoundFailed(f"{ID(peer)} got a different result")
-                if all(p in pending.votes for p in others):
-                    return
-                pending.vote_event = trio.Event()
-                await pending.vote_event.wait()
-        missing = [ID(p).to_base58() for p in others if p not in pending.votes]
-        raise RoundFailed(f"no vote from {', '.join(missing)} within {timeout:.0f}s")
-
-
-@dataclass
-class _Mesh:
-    """A round's channels by member index, the links under them, and its session tags."""
-
-    sends: dict = field(default_factory=dict)
-    recvs: dict = field(default_factory=dict)
-    channels: list = field(default_factory=list)
-    tags: list = field(default_factory=list)
-    out_links: list = field(default_factory=list)
-    in_links: list = field(default_factory=list)
-    link_channels: list = field(default_factory=list)
-
-    def add_send(self, i: int, ch, link) -> None:
-        self.sends[i] = ch
-        self.channels.append(ch)
-        if link is not None:
-            self.out_links.append(link)
-            self.link_channels.append(ch)
-
-    def add_recv(self, i: int, inb: Inbound) -> None:
-        self.recvs[i] = inb.channel
-        self.channels.append(inb.channel)
-        if inb.link is not None:
-            self.in_links.append(inb.link)
-            self.link_channels.append(inb.channel)
-
-    def reused(self) -> bool:
-        """A ring round that ran on links made by earlier rounds only (before keep() counts it)."""
-        links = self.out_links + self.in_links
-        return len(links) == 2 == len(self.channels) and all(link.rounds for link in links)
 
 
 def _warm_kernels() -> None:

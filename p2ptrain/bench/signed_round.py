@@ -1,0 +1,48 @@
+"""An all-reduce round as training runs it, for benches and tests: each member signs a
+contribution header (its norm per chunk and the SHA-256 of every frame it sends first),
+the members exchange headers (`AllReduceService.exchange`) and check them
+(`verify_headers`), and the data plane holds every frame to them (`FrameChecker`, passed as
+`check=`, with `own=` the signed payloads), as `p2ptrain.train.trainer` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import trio
+
+from p2ptrain.reduce import ring
+from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
+from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
+
+
+async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
+                             timeout: float = 30.0, out: np.ndarray | None = None) -> RoundResult:
+    """Average `vec` with `members` on the verified path. Raises RoundFailed."""
+    me = svc.identity.peer_id_str
+    cfg = ring.RingConfig(svc.config.mode, sub_chunk_bytes=svc.config.sub_chunk_bytes)
+    rank, world = members.index(me), len(members)
+    roster = hashlib.sha256("\n".join([run, rid, *members]).encode()).hexdigest()
+    lay = ring.layout(vec.size, world, cfg)
+
+    def prepare() -> tuple[list, bytes]:  # quantizing and hashing: off the trio loop
+        own = ring.own_payloads(vec, rank, world, cfg)
+        digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
+        norms = tuple(float(np.linalg.norm(vec[subs[0][0]:subs[-1][1]])) for subs in lay)
+        header = Header(run, 0, 0, roster, me, norms, digests, float(np.linalg.norm(vec)), 1, 0)
+        return own, sign_header(header, svc.identity)
+
+    t0 = trio.current_time()
+    own, signed = await trio.to_thread.run_sync(prepare)
+    t1 = trio.current_time()
+    raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
+    t2 = trio.current_time()
+    ok, bad = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
+    if bad:
+        raise RoundFailed(f"contribution headers rejected: {bad}", bad)
+    checker = FrameChecker(members, ok, rank, [len(s) for s in lay])
+    res = await svc.allreduce(vec, run, rid, members, own=own, check=checker.check, out=out)
+    res.phases.update({"sign": round(t1 - t0, 4), "exchange": round(t2 - t1, 4)})
+    res.seconds += t2 - t0
+    return res

@@ -1,0 +1,95 @@
+"""Small all-to-all exchanges (roster confirmation, contribution headers): who may fill
+which inbox. Transport-free (trio only): `AllReduceService` sends the messages and feeds
+what arrives to `Inbox.put`.
+
+The old inbox was one map of at most 256 tags with the oldest evicted: anyone could flood
+257 bogus tags and evict the inbox of an exchange a node was waiting on. Here:
+- the inbox of an exchange this node is running takes messages only from its members, one
+  per member, and is never evicted;
+- a message for an exchange not started here yet (members start a little apart) is kept per
+  sender, at most `per_sender` tags each (a flood pushes out only the flooder's own);
+- senders in a roster this node announced (`known`) are kept as long as they send; other
+  senders ("strangers": a newcomer's first exchange) share `strangers` slots, the oldest
+  stranger going first, so a Sybil flood can delay newcomers but never a known member.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+from p2ptrain.identity import peer_id_to_str
+
+log = logging.getLogger("p2ptrain.reduce.exchange")
+
+
+@dataclass
+class InboxConfig:
+    per_sender: int = 4
+    strangers: int = 64
+
+    def __post_init__(self) -> None:
+        if self.per_sender < 1 or self.strangers < 0:
+            raise ValueError("per_sender must be >= 1 and strangers >= 0")
+
+
+@dataclass
+class _Waiting:
+    ids: frozenset
+    box: dict = field(default_factory=dict)
+    event: trio.Event = field(default_factory=trio.Event)
+
+
+class Inbox:
+    def __init__(self, known: Callable[[bytes], bool], config: InboxConfig | None = None) -> None:
+        self.known = known
+        self.config = config or InboxConfig()
+        self._waiting: dict[bytes, _Waiting] = {}
+        self._early: dict[bytes, dict[bytes, bytes]] = {}  # sender -> tag -> payload, oldest first
+
+    def put(self, sender: bytes, tag: bytes, data: bytes) -> None:
+        w = self._waiting.get(tag)
+        if w is not None:
+            if sender not in w.ids:
+                log.info("exchange message from %s dropped: not a member", peer_id_to_str(sender))
+                return
+            w.box.setdefault(sender, data)
+            w.event.set()
+            return
+        early = self._early.pop(sender, None)
+        if early is None and not self.known(sender):
+            strangers = [s for s in self._early if not self.known(s)]
+            if len(strangers) >= self.config.strangers:
+                if not strangers:
+                    return
+                del self._early[strangers[0]]
+        early = early or {}
+        early.pop(tag, None)
+        early[tag] = data
+        while len(early) > self.config.per_sender:
+            early.pop(next(iter(early)))
+        self._early[sender] = early  # re-inserted: the most recent sender last
+
+    async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send) -> dict[bytes, bytes]:
+        """Run one exchange: `send()` our payload, then wait until every other member's
+        arrived or `timeout`. Returns member -> payload for those that arrived."""
+        others = frozenset(p for p in ids if p != me)
+        if tag in self._waiting:
+            raise ValueError("exchange already running")
+        w = self._waiting[tag] = _Waiting(others)
+        for p in others:
+            data = self._early.get(p, {}).pop(tag, None)
+            if data is not None:
+                w.box[p] = data
+        try:
+            await send()
+            with trio.move_on_after(timeout):
+                while not others <= w.box.keys():
+                    w.event = trio.Event()
+                    await w.event.wait()
+            return dict(w.box)
+        finally:
+            del self._waiting[tag]

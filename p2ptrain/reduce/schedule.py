@@ -1,0 +1,123 @@
+"""The ring's frames and schedule (pure: no I/O, no threads): config, how a tensor is cut
+into chunks and sub-chunks, a frame's wire size and encoding, and which frame each rank sends
+and receives at each step. `p2ptrain.reduce.ring` runs it; the trainer and the benches use
+`layout`, `own_payloads`, `schedule` and `wire_bytes` to sign and count frames.
+
+Schedule for world W, rank r (ring order is the caller's), tensor split into W chunks, each
+into k sub-chunks on super-block boundaries:
+  reduce-scatter step s = 0..W-2: send chunk (r-s) mod W, receive chunk (r-s-1) mod W.
+  all-gather step s = 0..W-2 (FrameId step W-1+s): send chunk (r+1-s) mod W, receive chunk
+  (r-s) mod W.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from p2ptrain import kernels as K
+
+
+class RingError(Exception):
+    """The data plane failed (peer gone, timeout, too many bad frames); nothing was changed.
+
+    `blame` names a member caught sending bad data (by the caller's frame check)."""
+
+    def __init__(self, message: str, blame: str | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.blame = blame
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class FrameId:
+    step: int
+    """0..W-2 reduce-scatter, W-1..2W-3 all-gather."""
+    chunk: int
+    """chunk index * k + sub-chunk index."""
+
+
+class Channel(Protocol):
+    """One direction of an authenticated, encrypted frame pipe (see p2ptrain/reduce/bulk.py)."""
+
+    def send(self, fid: FrameId, payload: memoryview) -> None: ...
+
+    def recv(self, fid: FrameId, out: memoryview) -> int: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RingConfig:
+    mode: str = "int8"
+    """'int8' (quantized wire, fp32 accumulation) or 'fp32' (exact, 4x the bytes)."""
+    block: int = K.DEFAULT_BLOCK
+    """Quantization sub-block size (see p2ptrain.kernels)."""
+    sub_chunk_bytes: int = 4 << 20
+    """Target fp32 bytes per pipelined sub-chunk (one frame). Every member must use the same."""
+    kernel_threads: int = 1
+    """numba threads per kernel call. One is right: the ring already overlaps compute with
+    two I/O threads, a serial kernel outruns any internet link, and parallel regions stall
+    badly when cores are oversubscribed (measured: 4 ring peers on 2 cores ran ~5x slower)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("int8", "fp32"):
+            raise ValueError("mode must be 'int8' or 'fp32'")
+        if self.sub_chunk_bytes < 4096:
+            raise ValueError("sub_chunk_bytes must be >= 4096")
+
+
+def layout(n: int, world: int, cfg: RingConfig) -> list[list[tuple[int, int]]]:
+    """[chunk][sub] -> (start, end) element ranges; identical on every member."""
+    bounds = K.split_bounds(n, world, cfg.block)
+    out = []
+    for c in range(world):
+        lo, hi = bounds[c], bounds[c + 1]
+        k = max(1, -(-(hi - lo) * 4 // cfg.sub_chunk_bytes))
+        sub = K.split_bounds(hi - lo, k, cfg.block)
+        out.append([(lo + sub[j], lo + sub[j + 1]) for j in range(k)])
+    return out
+
+
+def wire_bytes(n_elems: int, cfg: RingConfig) -> int:
+    return n_elems * 4 if cfg.mode == "fp32" else K.quantized_nbytes(n_elems, cfg.block)
+
+
+def payload_views(m: int, cfg: RingConfig) -> tuple[bytearray, np.ndarray, np.ndarray | None]:
+    """A fresh frame payload and the array views kernels write into (no copies)."""
+    buf = bytearray(wire_bytes(m, cfg))
+    if cfg.mode == "fp32":
+        return buf, np.frombuffer(buf, np.float32), None
+    return buf, np.frombuffer(buf, np.int8, count=m), np.frombuffer(buf, np.uint8, offset=m)
+
+
+def encode_payload(x: np.ndarray, cfg: RingConfig) -> bytearray:
+    buf, a, meta = payload_views(x.size, cfg)
+    if cfg.mode == "fp32":
+        a[:] = x
+    else:
+        K.quantize(x, cfg.block, q=a, meta=meta)
+    return buf
+
+
+def own_payloads(vec: np.ndarray, rank: int, world: int, cfg: RingConfig) -> list[bytearray]:
+    """This rank's step-0 frames: its own chunk, encoded sub-chunk by sub-chunk."""
+    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    return [encode_payload(vec[lo:hi], cfg) for lo, hi in layout(vec.size, world, cfg)[rank]]
+
+
+def schedule(rank: int, world: int, lay: list[list[tuple[int, int]]]):
+    """(sends, recvs): ordered lists of (FrameId, chunk, sub) for this rank."""
+    sends, recvs = [], []
+    for s in range(world - 1):
+        c_send, c_recv = (rank - s) % world, (rank - s - 1) % world
+        sends += [(FrameId(s, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
+        recvs += [(FrameId(s, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
+    for s in range(world - 1):
+        c_send, c_recv = (rank + 1 - s) % world, (rank - s) % world
+        step = world - 1 + s
+        sends += [(FrameId(step, c_send * 1000 + j), c_send, j) for j in range(len(lay[c_send]))]
+        recvs += [(FrameId(step, c_recv * 1000 + j), c_recv, j) for j in range(len(lay[c_recv]))]
+    return sends, recvs

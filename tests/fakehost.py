@@ -1,0 +1,81 @@
+"""A libp2p host stand-in for the fast tier: one-message control streams between services in
+one process (what `AllReduceService` uses for votes and exchanges), with optional per-message
+delay and a drop rule. Bulk sessions are not served: tests on it run rounds of one member or
+drive `p2ptrain.reduce.commit` directly. The real-libp2p tier is test_allreduce_integration.py."""
+
+from __future__ import annotations
+
+import trio
+from libp2p.peer.id import ID
+
+from p2ptrain.reduce.control import check_control_length, decode_control
+
+
+class FakeNet:
+    def __init__(self, nursery: trio.Nursery, delay: float = 0.01) -> None:
+        self.nursery = nursery
+        self.delay = delay
+        self.hosts: dict[bytes, FakeHost] = {}
+        self.drop = lambda src, dst, msg: False  # tests replace it to withhold messages
+
+    def host(self, peer_id: bytes) -> "FakeHost":
+        h = self.hosts[peer_id] = FakeHost(self, peer_id)
+        return h
+
+    def deliver(self, src: bytes, dst: bytes, proto, data: bytes) -> None:
+        if self.drop(src, dst, data):
+            return
+        handler = self.hosts[dst].handlers.get(proto) if dst in self.hosts else None
+        if handler is not None:
+            self.nursery.start_soon(self._later, handler, _InStream(src, data))
+
+    async def _later(self, handler, stream) -> None:
+        await trio.sleep(self.delay)
+        await handler(stream)
+
+
+class FakeHost:
+    def __init__(self, net: FakeNet, peer_id: bytes) -> None:
+        self.net, self.peer_id, self.handlers = net, peer_id, {}
+
+    def set_stream_handler(self, proto, handler) -> None:
+        self.handlers[proto] = handler
+
+    async def new_stream(self, peer: ID, protos) -> "_OutStream":
+        if peer.to_bytes() not in self.net.hosts:
+            raise ConnectionError("no route")
+        return _OutStream(self, peer.to_bytes(), protos[0])
+
+
+class _OutStream:
+    def __init__(self, host: FakeHost, dst: bytes, proto) -> None:
+        self.host, self.dst, self.proto, self.buf = host, dst, proto, bytearray()
+
+    async def write(self, data: bytes) -> None:
+        self.buf += data
+
+    async def close(self) -> None:
+        self.host.net.deliver(self.host.peer_id, self.dst, self.proto, bytes(self.buf))
+
+
+class _Conn:
+    def __init__(self, peer: bytes) -> None:
+        self.peer_id = ID(peer)
+
+
+class _InStream:
+    def __init__(self, src: bytes, data: bytes) -> None:
+        self.muxed_conn, self.data = _Conn(src), data
+
+    async def read(self, n: int) -> bytes:
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    async def close(self) -> None:
+        pass
+
+
+def decode(msg: bytes) -> dict:
+    """A packed control message back to its map (as the service's reader does)."""
+    n = check_control_length(msg[:4])
+    return decode_control(msg[4:4 + n])
