@@ -105,6 +105,7 @@ class Trainer:
         self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
+        self.sightings = election.Sightings()  # [trust] first-seen times of ready records
         self.committed = 0
         self.last_roster: set[str] = set()
         self._prev_header: bytes | None = None
@@ -168,7 +169,7 @@ class Trainer:
         await self.dht.store(run_key(self.run_id, f"ready/{t}"),
                              msgpack.packb({"ready_at": ready_at, "addrs": self.node.rpc.local_addrs(),
                                             "joining": joining}),
-                             ttl=max(60.0, 20 * self.window))
+                             ttl=election.ready_ttl(self.window))
         group = await self.elect(t)
         if not group:
             self.events.emit("outer_step_skipped", step=t, reason="not ready by the deadline")
@@ -198,12 +199,17 @@ class Trainer:
 
     # -- election --------------------------------------------------------------------
     async def read_ready(self, t: int) -> list[election.Ready]:
+        recs = (await self.dht.get(run_key(self.run_id, f"ready/{t}"))).values()
+        # [trust] ready_at is clamped to what we observed (p2ptrain/run/election.py `clamp`).
+        seen = self.sightings.observe(t, [peer_id_to_str(r.subkey) for r in recs], wall_time())
+        ttl = election.ready_ttl(self.window)
         out = []
-        for rec in (await self.dht.get(run_key(self.run_id, f"ready/{t}"))).values():
+        for rec in recs:
             try:
                 v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512)
-                r = election.Ready(peer_id_to_str(rec.subkey), float(v["ready_at"]), tuple(v["addrs"][:16]),
-                                   bool(v.get("joining", False)))
+                peer = peer_id_to_str(rec.subkey)
+                at = election.clamp(float(v["ready_at"]), *seen[peer], rec.expiry, ttl)
+                r = election.Ready(peer, at, tuple(v["addrs"][:16]), bool(v.get("joining", False)))
             except Exception:
                 continue
             if math.isfinite(r.ready_at):
