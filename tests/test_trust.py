@@ -57,3 +57,58 @@ def test_sightings_remember_the_first_poll_and_the_poll_before_it():
     assert got == {"a": (-math.inf, 10.0), "b": (10.0, 10.2)}
     s.observe(9, [], 50.0)
     assert (3, "a") not in s.first  # old steps forgotten
+
+
+# -- hole 3: planting a checkpoint on joiners ----------------------------------------------
+def _prov(peer, step, manifest, members, sha=H[5]):
+    from p2ptrain.ckpt import providers
+    return providers.Provider(peer, step, manifest, sha, H[6], tuple(sorted(members)), ())
+
+
+def test_a_self_attesting_group_of_one_is_not_a_quorum_when_others_advertise():
+    from p2ptrain.ckpt import providers
+    g = ["a", "b", "c", "d"]
+    honest = [_prov(p, 3, H[1], g) for p in g]
+    planted = _prov("m", 50, H[2], ["m"], sha=H[3])
+    c = providers.choose([*honest, planted], H[7], max_group=4)
+    assert (c.step, c.manifest) == (3, H[1])
+    # alone in the run (nobody else advertises), a group of one is still its own quorum
+    assert providers.choose([planted], H[7]).step == 50
+
+
+def test_attestation_outranks_step_and_member_lists_must_be_distinct():
+    from p2ptrain.ckpt import providers
+    g = ["a", "b", "c", "d"]
+    honest = [_prov(p, 3, H[1], g) for p in g[:3]]
+    sybils = [_prov(s, 10**6, H[2], ["s1", "s2"], sha=H[3]) for s in ("s1", "s2")]
+    c = providers.choose([*honest, *sybils], H[7], max_group=4)
+    assert (c.step, c.attesters) == (3, ("a", "b", "c"))
+    padded = [_prov("m", 9, H[4], ["m", "m", "m", "n"], sha=H[3]), _prov("n", 9, H[4], ["m", "m", "m", "n"], sha=H[3])]
+    assert providers.choose([*padded, _prov("z", 1, H[0], [])], H[7]) is None
+    # a full group of 4 Sybils ties the honest group on count: peers this node verified win
+    sy4 = [_prov(f"s{i}", 10**6, H[2], [f"s{j}" for j in range(4)], sha=H[3]) for i in range(4)]
+    full = [_prov(p, 3, H[1], g) for p in g]
+    assert providers.choose([*full, *sy4], H[7], max_group=4, trusted={"a", "b"}).step == 3
+    # and a checkpoint that failed to load is never chosen again
+    assert providers.choose(full, H[7], reject={H[5]}) is None
+
+
+def test_checkpoint_meta_never_sets_the_outer_hyperparameters():
+    import torch
+
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.train import local
+    from p2ptrain.train.outer import OuterConfig, OuterOptimizer
+
+    outer = OuterOptimizer(torch.nn.Linear(4, 3), OuterConfig(0.7, 0.9))
+    sd = outer.state_dict()
+    arrays = {"outer": sd["outer"].numpy(), "momentum": sd["momentum"].numpy()}
+    data = checkpoint.encode(arrays, {"outer_step": 5, "steps": 5, "skipped": 0,
+                                      "config": {"lr": 1000.0, "momentum": 0.0, "nesterov": False}})
+    state, step = local.decode_state(data)
+    victim = OuterOptimizer(torch.nn.Linear(4, 3), OuterConfig(0.7, 0.9))
+    victim.load_state_dict(state)
+    assert (step, victim.steps) == (5, 5)
+    assert (victim.cfg.lr, victim.cfg.momentum, victim.cfg.nesterov) == (0.7, 0.9, True)
+    victim.load_state_dict({**state, "config": {"lr": 1000.0, "momentum": 0.0}})
+    assert victim.cfg.lr == 0.7

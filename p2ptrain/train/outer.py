@@ -141,8 +141,8 @@ class OuterOptimizer:
         self.momentum = momentum.clone()
         self.steps = int(state.get("steps", 0))
         self.skipped = int(state.get("skipped", 0))
-        if "config" in state:
-            self.cfg = OuterConfig(**state["config"])
+        # A checkpoint's "config" is ignored: hyperparameters come only from the signed run
+        # manifest (a donor must not be able to set the outer lr of whoever loads its state).
         if load_model:
             self.load_into_model()
 
