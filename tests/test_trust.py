@@ -112,3 +112,45 @@ def test_checkpoint_meta_never_sets_the_outer_hyperparameters():
     assert (victim.cfg.lr, victim.cfg.momentum, victim.cfg.nesterov) == (0.7, 0.9, True)
     victim.load_state_dict({**state, "config": {"lr": 1000.0, "momentum": 0.0}})
     assert victim.cfg.lr == 0.7
+
+
+# -- hole 4: arbitrarily large values ------------------------------------------------------
+def _headers(norms: dict, chunk_norms: dict | None = None):
+    from p2ptrain.identity import Identity
+    from p2ptrain.run import contribution as C
+
+    ids = {name: Identity.generate() for name in norms}
+    members = [ids[n].peer_id_str for n in norms]
+    raw = {}
+    for name, norm in norms.items():
+        cn = (chunk_norms or {}).get(name) or tuple([norm / math.sqrt(len(norms))] * len(norms))
+        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100)
+        raw[ids[name].peer_id_str] = C.sign_header(h, ids[name])
+    return raw, members, {n: ids[n].peer_id_str for n in norms}
+
+
+def test_chunk_norms_must_add_up_to_the_signed_norm():
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "c": 0.9, "m": 1.0},
+                                 {"m": (1e30, 1e30, 1e30, 1e30)})  # norm 1, frames may carry 1e30
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "chunk-norms-inconsistent"} and len(ok) == 3
+
+
+def test_a_group_of_two_bounds_the_norm_too():
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"a": 1.0, "m": 1e6})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-outlier"} and list(ok) == [ids["a"]]
+    # a joiner's zero norm bounds nobody; the sender's own history does
+    raw, members, ids = _headers({"j": 0.0, "m": 1e6})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert not bad
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
+    assert bad == {ids["m"]: "norm-outlier"}
+    # honest pairs within the factor pass
+    raw, members, ids = _headers({"a": 1.0, "b": 3.0})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+

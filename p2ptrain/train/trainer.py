@@ -105,6 +105,7 @@ class Trainer:
         self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
+        self.norm_history: dict[str, list[float]] = {}  # [trust] accepted header norms per peer
         self.sightings = election.Sightings()  # [trust] first-seen times of ready records
         self.committed = 0
         self.last_roster: set[str] = set()
@@ -299,7 +300,8 @@ class Trainer:
             raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.exchange_timeout)
             # Robust runs bound every member's influence whatever its norm: no norm filter.
             ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.history,
-                                     norm_factor=10.0 if self.robust is None else math.inf)
+                                     norm_factor=10.0 if self.robust is None else math.inf,
+                                     norm_history=self.norm_history)  # [trust] bounds pairs too
             if bad:
                 for peer, reason in bad.items():
                     self.reject(t, peer, reason)
@@ -321,6 +323,8 @@ class Trainer:
                                     for _, c, j in ring.schedule(rank, world, lay)[1])
             for peer, h in ok.items():
                 self.history.setdefault(peer, set()).add(h.own_digests)
+                if h.norm > 0:  # [trust] the norms a pair's member is held to next time
+                    self.norm_history[peer] = [*self.norm_history.get(peer, [])[-15:], h.norm]
             if res.scores is not None:
                 await self.note_outliers(t, roster, ok, res.scores)
             return res.result, stats
