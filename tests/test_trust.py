@@ -154,3 +154,44 @@ def test_a_group_of_two_bounds_the_norm_too():
     raw, members, ids = _headers({"a": 1.0, "b": 3.0})
     assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
+
+
+# -- hole 5: one state record is not the run's state ---------------------------------------
+def test_latest_state_ignores_a_step_only_one_peer_claims():
+    import msgpack
+    import trio
+
+    from conftest import trio_test
+    from p2ptrain.dht.node import DHTConfig, DHTNode
+    from p2ptrain.dht.transport import MemoryNetwork
+    from p2ptrain.identity import Identity
+    from p2ptrain.train import trainer
+
+    @trio_test()
+    async def main():
+        net = MemoryNetwork()
+        ids = [Identity.generate() for _ in range(5)]
+        nodes = [DHTNode(i, net.transport(i.peer_id), DHTConfig()) for i in ids]
+        for n in nodes[1:]:
+            await n.bootstrap([(nodes[0].identity.peer_id, [])])
+        for n in nodes:
+            await n.refresh()
+
+        def state(step, ckpt):
+            return msgpack.packb({"step": step, "params": H[0], "ckpt": ckpt, "addrs": []})
+        for n in nodes[:4]:
+            await n.store(trainer.run_key("run", "state"), state(3, H[1]), ttl=600)
+        await nodes[4].store(trainer.run_key("run", "state"), state(10**6, H[2]), ttl=600)
+        with trio.fail_after(30):
+            return await trainer.latest_state(nodes[0], "run")
+
+    step, ckpt, providers = main()
+    assert (step, ckpt, len(providers)) == (3, H[1], 4)
+
+
+def test_best_state_falls_back_to_the_lowest_lone_claim():
+    from p2ptrain.ckpt import providers
+    assert providers.best_state({(5, "x"): ["a"], (9, "y"): ["m"]}) == ((5, "x"), ["a"])
+    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (5, "x")
+    assert providers.best_state({(7, "x"): ["a", "a"]})[0] == (7, "x")  # one peer twice is still one
+    assert providers.best_state({}) is None

@@ -144,3 +144,17 @@ def _quorum(recs: list[Provider], known: set[str]) -> tuple[str, ...]:
         if len(signers) >= math.ceil(len(members) / 2) and len(signers) > len(best):
             best = tuple(sorted(signers))
     return best
+
+
+def best_state(votes: dict[tuple[int, str], list]) -> tuple[tuple[int, str], list] | None:
+    """The run's current (step, checkpoint hash) from peers' state records: the newest one
+    that more than one peer publishes. A step only one peer claims is a claim, not a state
+    (issue 15: one record at step 10**6 made every newcomer wait 120 s for a checkpoint that
+    never comes); only when no state has two publishers (a run of one, or a split) does a
+    lone record count, and then the lowest such step, which no liar can move past the truth."""
+    multi = {k: v for k, v in votes.items() if len(set(v)) >= 2}
+    if multi:
+        return max(multi.items(), key=lambda kv: (kv[0][0], len(set(kv[1]))))
+    if votes:
+        return min(votes.items(), key=lambda kv: kv[0])
+    return None

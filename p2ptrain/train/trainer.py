@@ -31,6 +31,7 @@ import trio
 
 from p2ptrain.reduce import butterfly
 from p2ptrain.ckpt import checkpoint
+from p2ptrain.ckpt import providers as provider_rules
 from p2ptrain.run import election
 from p2ptrain.train import progress
 from p2ptrain.run import reputation
@@ -424,11 +425,13 @@ async def peers_at_step(dht, run_id: str, step: int) -> set[str]:
 
 
 async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:
-    """(step, checkpoint hash, providers) of the newest state published by the most peers."""
+    """(step, checkpoint hash, providers) of the newest state more than one peer publishes
+    (p2ptrain.ckpt.providers.best_state)."""
     votes: dict[tuple[int, str], list[bytes]] = {}
     for sub, v in await _state_records(dht, run_id):
         votes.setdefault((v["step"], v["ckpt"]), []).append(sub)
-    if not votes:
+    best = provider_rules.best_state(votes)  # [trust] one record's word is not the run's state
+    if best is None:
         return None
-    (step, digest), providers = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1])))
+    (step, digest), providers = best
     return step, digest, providers
