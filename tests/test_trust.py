@@ -195,3 +195,102 @@ def test_best_state_falls_back_to_the_lowest_lone_claim():
     assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (5, "x")
     assert providers.best_state({(7, "x"): ["a", "a"]})[0] == (7, "x")  # one peer twice is still one
     assert providers.best_state({}) is None
+
+
+@pytest.mark.integration
+def test_catch_up_survives_a_checkpoint_that_hashes_right_but_does_not_load():
+    """Real libp2p nodes on 127.0.0.1: two donors attest (step 3) bytes that hash right but
+    hold a state of another model; two others attest a good step-2 state. On 5f080d3 the
+    loader's CheckpointError escaped `catch_up` and ended the node; now the bad hash is
+    rejected and the good state adopted."""
+    import torch
+    import trio
+
+    from conftest import LOOPBACK
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.ckpt.download import CheckpointServer, adopt
+    from p2ptrain.ckpt.fetch import BlobServer
+    from p2ptrain.events import EventSink
+    from p2ptrain.identity import Identity
+    from p2ptrain.net.node import Node, NodeConfig
+    from p2ptrain.train import local
+    from p2ptrain.train.outer import OuterOptimizer
+
+    good_outer = OuterOptimizer(torch.nn.Linear(4, 3))
+    good_outer.outer += 1.0
+    good = local.encode_state(good_outer, 2)
+    bad = checkpoint.encode({"outer": np.zeros(7, np.float32), "momentum": np.zeros(7, np.float32)},
+                            {"outer_step": 3})
+    victim = OuterOptimizer(torch.nn.Linear(4, 3))
+    events = []
+
+    class Sink(EventSink):
+        def emit(self, kind, **kw):
+            events.append(kind)
+
+    def load(data: bytes) -> None:
+        victim.load_state_dict(local.decode_state(data)[0])
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            first = Identity.generate()
+            entry = Node(first, NodeConfig(listen=[LOOPBACK]), Sink(first.peer_id_str, False))
+            await nursery.start(entry.run)
+            boot = f"{entry.rpc.local_addrs()[0]}/p2p/{first.peer_id_str}"
+            donors = []
+            for _ in range(4):
+                ident = Identity.generate()
+                node = Node(ident, NodeConfig(listen=[LOOPBACK], bootstrap=[boot]), EventSink(ident.peer_id_str, False))
+                await nursery.start(node.run)
+                donors.append(node)
+            ids = [d.identity.peer_id_str for d in donors]
+            for i, node in enumerate(donors):
+                data, step, group = (bad, 3, ids[:2]) if i < 2 else (good, 2, ids[2:])
+                await CheckpointServer(BlobServer(node.host), 4096).publish(
+                    node.dht, "run", data, step, H[0], group, node.rpc.local_addrs())
+            manifest = {"train": {"group_size": 4}, "genesis": {"sha256": H[7]}}
+            rejected: set[str] = set()
+            with trio.fail_after(60):
+                got = await adopt(entry, "run", manifest, Sink(first.peer_id_str, False), 1, 0, load,
+                                  timeout=30, rejected=rejected)
+            nursery.cancel_scope.cancel()
+            return got, rejected
+
+    got, rejected = trio.run(main)
+    assert got == 2
+    assert rejected == {hashlib.sha256(bad).hexdigest()}
+    assert torch.equal(victim.outer, good_outer.outer)
+    assert "checkpoint_rejected" in events
+
+
+# -- hole 6: standing earned only by verified work -----------------------------------------
+def test_standing_counts_contributed_committed_steps_once_each():
+    from p2ptrain.run.standing import Standing, StandingConfig
+
+    s = Standing("me", StandingConfig(rounds=2))
+    s.committed(1, ["me", "a", "b"])
+    s.committed(1, ["a"])  # a retry of the same step is not more work
+    assert s.trusted() == frozenset()
+    s.committed(2, ["me", "a"])
+    assert s.trusted() == {"a"}
+    s.forget("a")
+    assert s.trusted() == frozenset()
+    with pytest.raises(ValueError):
+        StandingConfig(rounds=0)
+
+
+def test_fresh_identities_are_held_to_the_trusted_members_norms():
+    from p2ptrain.run import contribution as C
+
+    # 4 trusted honest (norm ~1) and 4 Sybils each signing 8x: under the general 10x-median
+    # rule all 8 pass; on probation each Sybil may sign at most 3x the trusted median.
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{f"s{i}": 8.0 for i in range(4)}}
+    raw, members, ids = _headers(norms)
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert not bad
+    trusted = frozenset(ids[n] for n in "abcd")
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=trusted)
+    assert set(bad) == {ids[f"s{i}"] for i in range(4)} and set(ok) == set(trusted)
+    # an honest newcomer's ordinary norm passes probation
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=frozenset([ids["a"], ids["b"]]))[1]

@@ -17,6 +17,8 @@ excluded for the rest of the download; one that fails `max_failures` requests is
 
 from __future__ import annotations
 
+import hashlib
+
 import logging
 import time
 from collections import deque
@@ -106,7 +108,8 @@ class CheckpointServer:
 
 
 async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
-               max_group: int = providers.MAX_MEMBERS) -> providers.Choice | None:
+               max_group: int = providers.MAX_MEMBERS, trusted: frozenset[str] = frozenset(),
+               reject: frozenset[str] | set[str] = frozenset()) -> providers.Choice | None:
     """The newest attested checkpoint of the run (see `providers.choose`); providers'
     addresses go to the address book so their chunks can be fetched."""
     recs = []
@@ -118,7 +121,7 @@ async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
             continue
         dht.transport.learn_addrs(sub, list(p.addrs))
         recs.append(p)
-    return providers.choose(recs, genesis_sha256, min_step, max_group)
+    return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject)
 
 
 async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
@@ -287,14 +290,17 @@ class _Download:
 
 
 async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_step: int = 0,
-                           have_step: int = -1, config: DownloadConfig | None = None) -> tuple[int, bytes | None] | None:
+                           have_step: int = -1, config: DownloadConfig | None = None,
+                           trusted: frozenset[str] = frozenset(),
+                           reject: frozenset[str] | set[str] = frozenset()) -> tuple[int, bytes | None] | None:
     """Find and download the run's newest attested checkpoint at `min_step` or later.
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
     `have_step`; (step, bytes) otherwise. Raises FetchError when the download fails."""
     # The library API's runs have no genesis hash (everyone starts from the same model).
     genesis = run_manifest.get("genesis", {}).get("sha256", "")
-    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]))
+    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]),
+                        trusted, reject)
     if choice is None:
         return None
     if choice.step <= have_step:
@@ -310,3 +316,38 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
     events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
                 attesters=len(choice.attesters), **rep.summary())
     return choice.step, data
+
+
+async def adopt(node, run_id: str, run_manifest: dict, events, at_least: int, have_step: int, load, *,
+                timeout: float = 120.0, rejected: set[str] | None = None,
+                trusted: frozenset[str] = frozenset()) -> int | None:
+    """Fetch and `load` (blocking, run in a thread) the best-attested checkpoint at `at_least`
+    or later; the step adopted, or None (nothing newer, or `timeout`).
+
+    A checkpoint can hash right (its attesters signed those bytes) and still not load --
+    another model, hostile metadata. That is a bad donor set, not a reason to crash: its
+    hash goes to `rejected` (never chosen again, see `providers.choose`) and the search goes on."""
+    rejected = set() if rejected is None else rejected
+    with trio.move_on_after(timeout):
+        while True:
+            try:
+                got = await fetch_checkpoint(node, run_id, run_manifest, events, at_least, have_step,
+                                             trusted=trusted, reject=rejected)
+            except FetchError as exc:
+                log.warning("catch-up fetch failed: %s", exc)
+                got = None
+            if got is not None:
+                step, data = got
+                if data is None:
+                    return None
+                try:
+                    await trio.to_thread.run_sync(load, data)
+                    return step
+                except Exception as exc:  # any load failure: the bytes are bad, we are not
+                    sha = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
+                    rejected.add(sha)
+                    log.warning("checkpoint of step %d (%s) does not load, rejected: %s", step, sha[:16], exc)
+                    events.emit("checkpoint_rejected", step=step, sha256=sha, reason=str(exc)[:200])
+                    continue
+            await trio.sleep(0.5)
+    return None

@@ -110,11 +110,14 @@ def _reference(peer: str, ok: dict[str, Header], norm_history: dict[str, list[fl
 def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
                    members: list[str], history: dict[str, set[tuple[str, ...]]],
                    norm_factor: float = 10.0, norm_history: dict[str, list[float]] | None = None,
+                   trusted: frozenset[str] | None = None, probation_factor: float = 3.0,
                    ) -> tuple[dict[str, Header], dict[str, str]]:
     """(accepted headers, rejected peer -> reason) for the group `members`.
 
     Groups of 3 or more: a norm over `norm_factor` x the median is an outlier. Groups of 2
-    (no median): a norm over `norm_factor` x the reference (`_reference`) is."""
+    (no median): a norm over `norm_factor` x the reference (`_reference`) is. With `trusted`
+    (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
+    `probation_factor` x the trusted members' median norm (when any trusted member trained)."""
     ok: dict[str, Header] = {}
     bad: dict[str, str] = {}
     for peer in members:
@@ -148,6 +151,12 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
         limits = {p: norm_factor * median for p in ok} if median > 0 else {}
     else:
         limits = {p: norm_factor * _reference(p, ok, norm_history) for p in ok}
+    vouched = [h.norm for p, h in ok.items() if trusted and p in trusted and h.norm > 0]
+    if vouched:
+        cap = probation_factor * float(np.median(vouched))
+        for p in ok:
+            if p not in trusted:
+                limits[p] = min(limits.get(p, math.inf), cap)
     for peer, h in list(ok.items()):
         if h.norm > limits.get(peer, math.inf):
             bad[peer] = "norm-outlier"

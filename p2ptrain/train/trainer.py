@@ -35,15 +35,16 @@ from p2ptrain.ckpt import providers as provider_rules
 from p2ptrain.run import election
 from p2ptrain.train import progress
 from p2ptrain.run import reputation
+from p2ptrain.run import standing
 from p2ptrain.reduce import ring
 from p2ptrain.run import manifest as mf
 from p2ptrain.reduce.service import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
 from p2ptrain.net.connkinds import kind_counts, parse_counts
 from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
-from p2ptrain.ckpt.download import CheckpointServer, fetch_checkpoint
+from p2ptrain.ckpt.download import CheckpointServer, adopt
 from p2ptrain.events import EventSink
-from p2ptrain.ckpt.fetch import BlobServer, FetchError
+from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 from p2ptrain.reduce.robust import RobustConfig
 
@@ -107,6 +108,8 @@ class Trainer:
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.norm_history: dict[str, list[float]] = {}  # [trust] accepted header norms per peer
+        self.standing = standing.Standing(self.me)  # [trust] verified work per peer (run/standing.py)
+        self.rejected_ckpts: set[str] = set()  # [trust] checkpoint hashes that did not load
         self.sightings = election.Sightings()  # [trust] first-seen times of ready records
         self.committed = 0
         self.last_roster: set[str] = set()
@@ -249,6 +252,7 @@ class Trainer:
         if peer == self.me or peer in self.ignored:
             return
         self.ignored.add(peer)
+        self.standing.forget(peer)  # [trust]
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
         self.events.emit("contribution_rejected", step=t, remote=peer, reason=reason)
 
@@ -302,7 +306,8 @@ class Trainer:
             # Robust runs bound every member's influence whatever its norm: no norm filter.
             ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.history,
                                      norm_factor=10.0 if self.robust is None else math.inf,
-                                     norm_history=self.norm_history)  # [trust] bounds pairs too
+                                     norm_history=self.norm_history,  # [trust] bounds pairs too
+                                     trusted=self.standing.trusted() if self.robust is None else None)
             if bad:
                 for peer, reason in bad.items():
                     self.reject(t, peer, reason)
@@ -326,6 +331,8 @@ class Trainer:
                 self.history.setdefault(peer, set()).add(h.own_digests)
                 if h.norm > 0:  # [trust] the norms a pair's member is held to next time
                     self.norm_history[peer] = [*self.norm_history.get(peer, [])[-15:], h.norm]
+            # [trust] a unit of verified work for each member that contributed (joiners' zeros do not count)
+            self.standing.committed(t, [p for p, h in ok.items() if h.norm > 0])
             if res.scores is not None:
                 await self.note_outliers(t, roster, ok, res.scores)
             return res.result, stats
@@ -371,25 +378,15 @@ class Trainer:
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
     async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:
-        """Adopt the newest state a quorum of its group attests, once it reaches `at_least`
-        (chunks from every provider at once: p2ptrain.ckpt.download)."""
-        with trio.move_on_after(timeout):
-            while True:
-                try:
-                    got = await fetch_checkpoint(self.node, self.run_id, self.manifest, self.events,
-                                                 at_least, self.local.step)
-                except FetchError as exc:
-                    log.warning("catch-up fetch failed: %s", exc)
-                    got = None
-                if got is not None:
-                    step, data = got
-                    if data is None:
-                        return
-                    await trio.to_thread.run_sync(self.local.load_state_at, data)
-                    sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
-                    self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
-                    return
-                await trio.sleep(0.5)
+        """Adopt the best-attested state at `at_least` or later (chunks from every provider at
+        once; a checkpoint that does not load is rejected, not fatal: p2ptrain.ckpt.download.adopt)."""
+        # [trust] loop moved to download.adopt; trusted attesters rank first (run/standing.py)
+        got = await adopt(self.node, self.run_id, self.manifest, self.events, at_least, self.local.step,
+                          self.local.load_state_at, timeout=timeout, rejected=self.rejected_ckpts,
+                          trusted=self.standing.trusted())
+        if got is not None:
+            sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+            self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
 
 
 def _finite_or_none(x: float | None) -> float | None:
