@@ -192,7 +192,10 @@ def test_latest_state_ignores_a_step_only_one_peer_claims():
 def test_best_state_falls_back_to_the_lowest_lone_claim():
     from p2ptrain.ckpt import providers
     assert providers.best_state({(5, "x"): ["a"], (9, "y"): ["m"]}) == ((5, "x"), ["a"])
-    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (5, "x")
+    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (4, "z")
+    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d"]})[0] == (5, "x")
+    # two Sybils agreeing on a fake step are outnumbered by the group that trains
+    assert providers.best_state({(10**6, "s"): ["s1", "s2"], (3, "h"): list("abcd")})[0] == (3, "h")
     assert providers.best_state({(7, "x"): ["a", "a"]})[0] == (7, "x")  # one peer twice is still one
     assert providers.best_state({}) is None
 

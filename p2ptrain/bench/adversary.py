@@ -15,6 +15,13 @@ Modes:
   noise     sends Gaussian noise with 10 x its pseudo-gradient's norm
   zeros     free-rides: sends zeros
 The last three are what robust aggregation is for (bench robust runs the same attacks).
+Issue 15's red team (`bench redteam`) adds:
+  early-ready  claims ready_at = 1.0 in every ready record (hole 2: the election deadline)
+  chunknorm    signs its true total norm but chunk norms of 1e30, and sends 1000 x its
+               pseudo-gradient (hole 4: frames are bounded by the chunk norms)
+  sybil        sends -4 x its pseudo-gradient, header true to it: within the 10x-median
+               outlier rule, and one such peer among 4 honest cancels their mean (what
+               standing's probation is for)
 """
 
 from __future__ import annotations
@@ -25,7 +32,8 @@ import numpy as np
 
 from p2ptrain.identity import Identity
 
-MODES = ("forge", "nan", "norm", "replay", "chunk", "signflip", "noise", "zeros")
+MODES = ("forge", "nan", "norm", "replay", "chunk", "signflip", "noise", "zeros", "early-ready", "chunknorm",
+         "sybil")
 
 
 def flip_one_byte(data: bytes) -> bytes:
@@ -44,6 +52,9 @@ class Honest:
 
     def header(self, header, identity: Identity, sign) -> bytes:
         return sign(header, identity)
+
+    def ready_at(self, now: float) -> float:
+        return now
 
 
 class Adversary(Honest):
@@ -66,7 +77,14 @@ class Adversary(Honest):
             return (z * (10 * np.linalg.norm(delta) / max(np.linalg.norm(z), 1e-30))).astype(np.float32)
         if self.mode == "zeros":
             return np.zeros_like(delta)
+        if self.mode == "chunknorm":
+            return delta * np.float32(1000.0)
+        if self.mode == "sybil":
+            return delta * np.float32(-4.0)
         return delta
+
+    def ready_at(self, now: float) -> float:
+        return 1.0 if self.mode == "early-ready" else now
 
     def header(self, header, identity: Identity, sign) -> bytes:
         if self.mode == "forge":
@@ -75,8 +93,10 @@ class Adversary(Honest):
             scaled = dataclasses.replace(header, chunk_norms=tuple(1000 * x for x in header.chunk_norms),
                                          norm=1000 * header.norm)
             return sign(scaled, identity)
-        if self.mode in ("signflip", "noise", "zeros"):  # honest about the bytes it sends
-            f = 0.0 if self.mode == "zeros" else 10.0
+        if self.mode == "chunknorm":  # true total, chunk norms that admit anything
+            return sign(dataclasses.replace(header, chunk_norms=tuple(1e30 for _ in header.chunk_norms)), identity)
+        if self.mode in ("signflip", "noise", "zeros", "sybil"):  # honest about the bytes it sends
+            f = {"zeros": 0.0, "sybil": 4.0}.get(self.mode, 10.0)
             scaled = dataclasses.replace(header, chunk_norms=tuple(f * x for x in header.chunk_norms),
                                          norm=f * header.norm)
             return sign(scaled, identity)

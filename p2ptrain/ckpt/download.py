@@ -309,32 +309,43 @@ async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_st
     def excluded(donor: str, reason: str) -> None:
         events.emit("donor_excluded", remote=donor, reason=reason)
 
-    data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
-                               on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
-                               progress=progress.download(f"checkpoint of step {choice.step}",
-                                                          getattr(events, "json_mode", True)))
+    try:
+        data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
+                                   on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
+                                   progress=progress.download(f"checkpoint of step {choice.step}",
+                                                              getattr(events, "json_mode", True)))
+    except FetchError as exc:
+        exc.sha256 = choice.sha256  # which choice failed: the caller may look elsewhere
+        raise
     events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
                 attesters=len(choice.attesters), **rep.summary())
     return choice.step, data
 
 
 async def adopt(node, run_id: str, run_manifest: dict, events, at_least: int, have_step: int, load, *,
-                timeout: float = 120.0, rejected: set[str] | None = None,
+                timeout: float = 120.0, patience: float | None = None, rejected: set[str] | None = None,
                 trusted: frozenset[str] = frozenset()) -> int | None:
     """Fetch and `load` (blocking, run in a thread) the best-attested checkpoint at `at_least`
     or later; the step adopted, or None (nothing newer, or `timeout`).
 
     A checkpoint can hash right (its attesters signed those bytes) and still not load --
     another model, hostile metadata. That is a bad donor set, not a reason to crash: its
-    hash goes to `rejected` (never chosen again, see `providers.choose`) and the search goes on."""
+    hash goes to `rejected` (never chosen again, see `providers.choose`) and the search goes
+    on; so does one that no provider serves (Sybil records advertise checkpoints nobody has).
+    `patience`: seconds to wait while nothing acceptable is advertised (a step that was only
+    claimed, never attested, must not hold a peer for the whole `timeout`)."""
     rejected = set() if rejected is None else rejected
+    give_up = trio.current_time() + (timeout if patience is None else patience)
+    unserved: set[str] = set()
     with trio.move_on_after(timeout):
         while True:
             try:
                 got = await fetch_checkpoint(node, run_id, run_manifest, events, at_least, have_step,
-                                             trusted=trusted, reject=rejected)
+                                             trusted=trusted, reject=rejected | unserved)
             except FetchError as exc:
                 log.warning("catch-up fetch failed: %s", exc)
+                if getattr(exc, "sha256", None):  # for this catch-up only: it may be transient
+                    unserved.add(exc.sha256)
                 got = None
             if got is not None:
                 step, data = got
@@ -349,5 +360,7 @@ async def adopt(node, run_id: str, run_manifest: dict, events, at_least: int, ha
                     log.warning("checkpoint of step %d (%s) does not load, rejected: %s", step, sha[:16], exc)
                     events.emit("checkpoint_rejected", step=step, sha256=sha, reason=str(exc)[:200])
                     continue
+            elif trio.current_time() > give_up:
+                return None
             await trio.sleep(0.5)
     return None

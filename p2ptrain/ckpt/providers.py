@@ -147,14 +147,15 @@ def _quorum(recs: list[Provider], known: set[str]) -> tuple[str, ...]:
 
 
 def best_state(votes: dict[tuple[int, str], list]) -> tuple[tuple[int, str], list] | None:
-    """The run's current (step, checkpoint hash) from peers' state records: the newest one
-    that more than one peer publishes. A step only one peer claims is a claim, not a state
-    (issue 15: one record at step 10**6 made every newcomer wait 120 s for a checkpoint that
-    never comes); only when no state has two publishers (a run of one, or a split) does a
-    lone record count, and then the lowest such step, which no liar can move past the truth."""
+    """The run's current (step, checkpoint hash) from peers' state records: the one the most
+    peers publish, the newest among equals. A step only one peer claims is a claim, not a
+    state (issue 15: one record at step 10**6 made every newcomer wait 120 s for a checkpoint
+    that never comes), and a few identities agreeing on a fake step are outnumbered by the
+    group that trains; only when no state has two publishers (a run of one, or a split) does
+    a lone record count, and then the lowest such step, which no liar can move past the truth."""
     multi = {k: v for k, v in votes.items() if len(set(v)) >= 2}
     if multi:
-        return max(multi.items(), key=lambda kv: (kv[0][0], len(set(kv[1]))))
+        return max(multi.items(), key=lambda kv: (len(set(kv[1])), kv[0][0]))
     if votes:
         return min(votes.items(), key=lambda kv: kv[0])
     return None

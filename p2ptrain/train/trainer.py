@@ -154,8 +154,8 @@ class Trainer:
         best = await latest_state(self.dht, self.run_id)
         if best is None:
             return False
-        if best[0] > self.local.step:
-            await self.catch_up(best[0])
+        if best[0] > self.local.step:  # [trust] a claimed step nobody attests costs 15 s, not 120
+            await self.catch_up(best[0], patience=15.0)
         others = [p for p in best[2] if p != self.node.identity.peer_id]
         return best[0] == self.local.step and bool(others) and self.local.step > 0
 
@@ -170,7 +170,7 @@ class Trainer:
             loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
         t_comm = trio.current_time()
-        ready_at = wall_time()
+        ready_at = self.adversary.ready_at(wall_time())  # [trust] TEST ONLY hook: bench redteam's liar
         await self.dht.store(run_key(self.run_id, f"ready/{t}"),
                              msgpack.packb({"ready_at": ready_at, "addrs": self.node.rpc.local_addrs(),
                                             "joining": joining}),
@@ -377,12 +377,12 @@ class Trainer:
         await self.dht.store(run_key(self.run_id, "state"), value, ttl=600)
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
-    async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:
+    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
         """Adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; a checkpoint that does not load is rejected, not fatal: p2ptrain.ckpt.download.adopt)."""
         # [trust] loop moved to download.adopt; trusted attesters rank first (run/standing.py)
         got = await adopt(self.node, self.run_id, self.manifest, self.events, at_least, self.local.step,
-                          self.local.load_state_at, timeout=timeout, rejected=self.rejected_ckpts,
+                          self.local.load_state_at, timeout=timeout, patience=patience, rejected=self.rejected_ckpts,
                           trusted=self.standing.trusted())
         if got is not None:
             sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
