@@ -292,34 +292,47 @@ class _Download:
 async def fetch_checkpoint(node, run_id: str, run_manifest: dict, events, min_step: int = 0,
                            have_step: int = -1, config: DownloadConfig | None = None,
                            trusted: frozenset[str] = frozenset(),
-                           reject: frozenset[str] | set[str] = frozenset()) -> tuple[int, bytes | None] | None:
-    """Find and download the run's newest attested checkpoint at `min_step` or later.
+                           reject: frozenset[str] | set[str] = frozenset(),
+                           tries: int = 4) -> tuple[int, bytes | None] | None:
+    """Find and download the run's best-attested checkpoint at `min_step` or later.
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
-    `have_step`; (step, bytes) otherwise. Raises FetchError when the download fails."""
+    `have_step`; (step, bytes) otherwise. A choice no provider serves (Sybil records can
+    advertise checkpoints nobody has) is passed over for the next best, up to `tries`
+    choices; then FetchError (its `sha256`: the last choice that failed)."""
     # The library API's runs have no genesis hash (everyone starts from the same model).
     genesis = run_manifest.get("genesis", {}).get("sha256", "")
-    choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]),
-                        trusted, reject)
-    if choice is None:
-        return None
-    if choice.step <= have_step:
-        return choice.step, None
+    skip = set(reject)
+    failed: FetchError | None = None
+    for _ in range(tries):
+        choice = await find(node.dht, run_id, genesis, min_step, int(run_manifest["train"]["group_size"]),
+                            trusted, skip)
+        if choice is None:
+            break
+        if choice.step <= have_step:
+            return choice.step, None
 
-    def excluded(donor: str, reason: str) -> None:
-        events.emit("donor_excluded", remote=donor, reason=reason)
+        def excluded(donor: str, reason: str) -> None:
+            events.emit("donor_excluded", remote=donor, reason=reason)
 
-    try:
-        data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
-                                   on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
-                                   progress=progress.download(f"checkpoint of step {choice.step}",
-                                                              getattr(events, "json_mode", True)))
-    except FetchError as exc:
-        exc.sha256 = choice.sha256  # which choice failed: the caller may look elsewhere
-        raise
-    events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
-                attesters=len(choice.attesters), **rep.summary())
-    return choice.step, data
+        try:
+            data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
+                                       on_exclude=excluded, max_bytes=checkpoint.state_size_limit(run_manifest),
+                                       progress=progress.download(f"checkpoint of step {choice.step}",
+                                                                  getattr(events, "json_mode", True)))
+        except FetchError as exc:
+            log.info("checkpoint of step %d (%s) not fetched, trying the next best: %s",
+                     choice.step, choice.sha256[:16], exc)
+            exc.sha256 = choice.sha256  # which choice failed: the caller may look elsewhere
+            failed = exc
+            skip.add(choice.sha256)
+            continue
+        events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
+                    attesters=len(choice.attesters), **rep.summary())
+        return choice.step, data
+    if failed is not None:
+        raise failed
+    return None
 
 
 async def adopt(node, run_id: str, run_manifest: dict, events, at_least: int, have_step: int, load, *,
