@@ -297,3 +297,25 @@ def test_fresh_identities_are_held_to_the_trusted_members_norms():
     # an honest newcomer's ordinary norm passes probation
     raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6})
     assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=frozenset([ids["a"], ids["b"]]))[1]
+
+
+# -- the red-team bench's arithmetic ---------------------------------------------------------
+def test_redteam_measures_forks_exclusions_and_progress():
+    from p2ptrain.bench import redteam
+
+    def ev(kind, peer, step, **kw):
+        return {"event": kind, "peer": peer, "step": step, "t": float(step), **kw}
+    honest = {"a", "b"}
+    base = [ev("outer_step_started", p, s) for p in honest for s in range(2)] + \
+        [ev("outer_step_committed", p, s + 1, params_sha256=f"h{s}", val_loss=3.0) for p in honest for s in range(2)]
+    attacked = [ev("outer_step_started", p, s) for p in honest for s in range(4)] + \
+        [ev("outer_step_committed", "a", s + 1, params_sha256=f"h{s}", val_loss=3.3) for s in range(2)] + \
+        [ev("outer_step_committed", "b", 1, params_sha256="x", val_loss=3.3),
+         ev("outer_step_committed", "b", 2, params_sha256="h1", val_loss=3.3),
+         ev("contribution_rejected", "a", 1, remote="b"), ev("contribution_rejected", "a", 1, remote="evil")]
+    rows = [redteam.measure("baseline", base, honest, 2, 1.0), redteam.measure("x", attacked, honest, 2, 1.0)]
+    assert rows[1]["param_forks"] == 1 and rows[1]["wrongly_excluded"] == 1
+    assert rows[1]["attackers_rejected"] == ["evil"[-8:]]
+    s = redteam.summarize(rows)
+    assert s["honest_progress_min_ratio"] == 0.5 and s["honest_param_forks"] == 1
+    assert s["honest_wrongly_excluded"] == 1 and s["worst_val_loss_pct"] == 10.0
