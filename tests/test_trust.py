@@ -317,5 +317,5 @@ def test_redteam_measures_forks_exclusions_and_progress():
     assert rows[1]["param_forks"] == 1 and rows[1]["wrongly_excluded"] == 1
     assert rows[1]["attackers_rejected"] == ["evil"[-8:]]
     s = redteam.summarize(rows)
-    assert s["honest_progress_min_ratio"] == 0.5 and s["honest_param_forks"] == 1
+    assert s["honest_progress_min_ratio"] == 1.0 and s["honest_param_forks"] == 1
     assert s["honest_wrongly_excluded"] == 1 and s["worst_val_loss_pct"] == 10.0

@@ -12,12 +12,14 @@ their own identities:
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
   sybil-K         K identities join after the honest peers' second commit and each sends
                   -4 x its pseudo-gradient with a header true to it (hole 6; K = 1, 2, 4)
-Per scenario: the fraction of honest steps started that committed, vs the baseline's
-(`progress_ratio`; the goal is >= 0.8), the honest commit rate vs the baseline's
+Per scenario: honest outer steps committed (each honest peer stops after STEPS; a peer left
+alone after the others finished gets 30 s more) vs the baseline's (`progress_ratio`; the goal
+is >= 0.8), the fraction of started steps that committed, the honest commit rate vs the baseline's
 (`rate_ratio`: on 2 shared cores the attackers' own training steals CPU, so this one mixes
 protocol harm with plain load), steps where honest peers committed different params
 (`param_forks`), honest peers rejected by honest peers (`wrongly_excluded`), and the honest
-peers' validation loss at the last step they all committed vs the baseline's (`val_loss_pct`).
+peers' validation loss at the run's last step (the highest step at least two honest peers
+committed) vs the baseline's at the same step (`val_loss_pct`).
 The last JSON line is `bench_redteam_summary`. Figures are from a noisy shared machine.
 """
 
@@ -79,15 +81,23 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                 peers[0].wait_event(lambda e: e.get("event") == "outer_step_committed" and e["step"] >= 2, limit)
             hostile = [group.start(_join(baddr, run, work, f"a{j}", False, []), f"a{j}",
                                    env={"P2PTRAIN_ADVERSARY": mode}) for j in range(k)]
-        deadline = t0 + limit
-        for p in peers:
-            try:
-                p.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        wait_for(peers, t0 + limit, straggle=30.0)
         honest_ids = {e["peer"] for p in peers for e in p.all_events if "peer" in e}
         events = [e for p in peers for e in p.all_events]
     return measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
+
+
+def wait_for(peers, deadline: float, straggle: float) -> None:
+    """Until every honest peer has left (its --max-outer-steps done), or `straggle` seconds
+    after the first one left (a peer left behind alone cannot commit: nobody to reduce with),
+    or the deadline."""
+    while time.monotonic() < deadline:
+        done = [p for p in peers if p.proc.poll() is not None]
+        if len(done) == len(peers):
+            return
+        if done:
+            deadline = min(deadline, time.monotonic() + straggle)
+        time.sleep(0.5)
 
 
 def measure(attack: str, events: list[dict], honest_ids: set[str], steps: int, seconds: float) -> dict:
@@ -98,8 +108,8 @@ def measure(attack: str, events: list[dict], honest_ids: set[str], steps: int, s
     for e in commits:
         by_step.setdefault(e["step"], set()).add(e["params_sha256"])
         val.setdefault(e["step"], []).append(e["val_loss"])
-    per_peer = {p: max([e["step"] for e in commits if e["peer"] == p], default=0) for p in honest_ids}
-    common = min(per_peer.values(), default=0)
+    # the run's last step: the highest step that at least two honest peers committed
+    common = max([s for s in val if len(val[s]) >= min(2, len(honest_ids))], default=0)
     wrongly = sorted({e["remote"] for e in events if e["event"] in ("contribution_rejected", "peer_excluded")
                       and e.get("remote") in honest_ids})
     rejected = sorted({e["remote"][-8:] for e in events if e["event"] in ("contribution_rejected", "peer_excluded")
@@ -121,10 +131,8 @@ def summarize(rows: list[dict]) -> dict:
     base = rows[0]
     worst_prog, worst_val = 1.0, 0.0
     for r in rows[1:]:
-        frac = r["committed_fraction"] / max(1e-9, base["committed_fraction"])
-        if not r["reached_all"]:
-            frac *= r["common_step"] / max(1, base["common_step"])
-        r["progress_ratio"] = round(frac, 3)
+        # honest outer steps committed (every honest peer stops at --steps) vs the baseline's
+        r["progress_ratio"] = round(r["honest_committed"] / max(1, base["honest_committed"]), 3)
         r["rate_ratio"] = round(r["rate"] / max(1e-9, base["rate"]), 3)
         if r["val_loss"] is not None and base["val_loss"] and r["common_step"] == base["common_step"]:
             r["val_loss_pct"] = round(100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"], 2)
