@@ -319,3 +319,14 @@ def test_redteam_measures_forks_exclusions_and_progress():
     s = redteam.summarize(rows)
     assert s["honest_progress_min_ratio"] == 1.0 and s["honest_param_forks"] == 1
     assert s["honest_wrongly_excluded"] == 1 and s["worst_val_loss_pct"] == 10.0
+
+
+def test_an_early_peer_does_not_close_the_step_on_expected_peers_not_yet_ready():
+    me, liar = _ready("h0", 1000.0), _ready("liar", 999.0)
+    # alone with a liar, 3 peers of the last roster not posted yet: wait for them (bounded)
+    assert election.deadline([me, liar], 3.0, missing=3, now=1001.0) == 1001.0 + 3.0
+    assert election.deadline([me, liar], 3.0, missing=3, now=1100.0) == 999.0 + 6.0 + 3.0  # dead: capped
+    assert election.deadline([me, liar], 3.0) == 1000.0 + 3.0
+    # the candidates are those ready by the deadline the caller waited for
+    late = _ready("h1", 1005.5)
+    assert [r.peer for r in election.candidates([me, liar, late], 3.0, at=1008.0)] == ["h0", "liar", "h1"]

@@ -66,20 +66,29 @@ class Sightings:
         return {p: self.first[(step, p)] for p in peers}
 
 
-def deadline(records: list[Ready], window: float) -> float | None:
+def deadline(records: list[Ready], window: float, missing: int = 0, now: float | None = None) -> float | None:
     """Upper-median ready_at of the peers that trained, plus the window (None: nobody
     trained yet). With n trained records, fewer than n/2 + 1 of them cannot pull it below
-    the earliest honest one."""
+    the earliest honest one. `missing` peers we expect at this step (last roster) that have
+    not posted yet count as ready `now` -- but never later than two windows after the
+    earliest record, so dead peers cost a bounded wait: an early peer that sees only itself
+    (and perhaps a liar) does not close the step on the others."""
     trained = sorted(r.ready_at for r in records if not r.joining)
-    return trained[len(trained) // 2] + window if trained else None
+    if not trained:
+        return None
+    if missing > 0 and now is not None:
+        trained = sorted([*trained, *[min(now, trained[0] + 2 * window)] * missing])
+    return trained[len(trained) // 2] + window
 
 
 def order_key(run_id: str, step: int, peer: str) -> bytes:
     return hashlib.sha256(f"{run_id}\0{step}\0{peer}".encode()).digest()
 
 
-def candidates(records: list[Ready], window: float, exclude: set[str] = frozenset()) -> list[Ready]:
-    d = deadline([r for r in records if r.peer not in exclude], window)
+def candidates(records: list[Ready], window: float, exclude: set[str] = frozenset(),
+               at: float | None = None) -> list[Ready]:
+    """Records ready by the deadline (`at`: the one the caller waited for, if given)."""
+    d = at if at is not None else deadline([r for r in records if r.peer not in exclude], window)
     if d is None:
         return []
     return [r for r in records if r.ready_at <= d and r.peer not in exclude]

@@ -142,7 +142,11 @@ class Trainer:
                 if best is not None and best[0] == 0 and len(best[2]) >= self.config.min_peers:
                     return
                 if best is not None and best[0] > 0:
-                    return  # the run already started without us
+                    # [trust] the run already started without us -- if that is more than a claim:
+                    # only a state we can adopt ends the wait (Sybil state records cannot)
+                    await self.catch_up(best[0], patience=5.0)
+                    if self.local.step > 0:
+                        return
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers,
                     self.config.start_timeout)
@@ -231,18 +235,18 @@ class Trainer:
             await self.apply_reputation(t)
         while True:
             recs = [r for r in await self.read_ready(t) if r.peer not in self.ignored]
-            d = election.deadline(recs, self.window)
+            # Last step's roster is at step t too even if its state record is not out yet.
+            expected = (await peers_at_step(self.dht, self.run_id, t) | self.last_roster) - self.ignored
+            missing = len(expected - {r.peer for r in recs})  # [trust] count toward the median deadline
+            d = election.deadline(recs, self.window, missing, wall_time())
             if d is not None and wall_time() >= d + margin:
                 break
-            if d is not None:
-                # Last step's roster is at step t too even if its state record is not out yet.
-                expected = (await peers_at_step(self.dht, self.run_id, t) | self.last_roster) - self.ignored
-                if expected and expected <= {r.peer for r in recs}:
-                    break
+            if d is not None and expected and not missing:
+                break
             if d is None and trio.current_time() > give_up:
                 return []  # only newcomers showed up: nobody trained this step
             await trio.sleep(0.2 if d is None else max(0.02, min(0.2, d + margin - wall_time())))
-        cands = election.candidates(recs, self.window, self.ignored)
+        cands = election.candidates(recs, self.window, self.ignored, at=d)
         for r in cands:
             self.node.rpc.learn_addrs(peer_id_from_str(r.peer), list(r.addrs))
         return election.my_group(self.run_id, t, [r.peer for r in cands], self.group_size, self.me)
