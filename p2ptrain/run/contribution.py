@@ -88,10 +88,36 @@ def decode_header(data: bytes) -> Header:
     return h
 
 
+def consistent(h: Header, rel: float = 1e-3) -> bool:
+    """The chunk norms bound every frame, the total norm is what the norm filter sees: they
+    must describe the same vector, sqrt(sum chunk_norms^2) == norm (float64, relative
+    tolerance for the sender's float32 sums)."""
+    total = math.sqrt(math.fsum(x * x for x in h.chunk_norms))
+    return abs(total - h.norm) <= rel * max(total, h.norm) + 1e-6
+
+
+def _reference(peer: str, ok: dict[str, Header], norm_history: dict[str, list[float]] | None) -> float:
+    """What a member's norm is held to in a group too small for a median: the other
+    members' norms (when they trained) and its own median over past accepted steps. The
+    same on both members of a pair (given the same history), so they exclude the same peer."""
+    refs = [h.norm for p, h in ok.items() if p != peer and h.norm > 0]
+    past = [x for x in (norm_history or {}).get(peer, []) if x > 0]
+    if past:
+        refs.append(float(np.median(past)))
+    return max(refs) if refs else math.inf
+
+
 def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
                    members: list[str], history: dict[str, set[tuple[str, ...]]],
-                   norm_factor: float = 10.0) -> tuple[dict[str, Header], dict[str, str]]:
-    """(accepted headers, rejected peer -> reason) for the group `members`."""
+                   norm_factor: float = 10.0, norm_history: dict[str, list[float]] | None = None,
+                   trusted: frozenset[str] | None = None, probation_factor: float = 3.0,
+                   ) -> tuple[dict[str, Header], dict[str, str]]:
+    """(accepted headers, rejected peer -> reason) for the group `members`.
+
+    Groups of 3 or more: a norm over `norm_factor` x the median is an outlier. Groups of 2
+    (no median): a norm over `norm_factor` x the reference (`_reference`) is. With `trusted`
+    (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
+    `probation_factor` x the trusted members' median norm (when any trusted member trained)."""
     ok: dict[str, Header] = {}
     bad: dict[str, str] = {}
     for peer in members:
@@ -114,16 +140,27 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
             bad[peer] = "wrong-chunk-count"
         elif not all(math.isfinite(x) and x >= 0 for x in (*h.chunk_norms, h.norm)):
             bad[peer] = "non-finite"
+        elif not consistent(h):
+            bad[peer] = "chunk-norms-inconsistent"
         elif h.own_digests in history.get(peer, set()):
             bad[peer] = "replay"
         else:
             ok[peer] = h
     if len(ok) >= 3:
         median = float(np.median([h.norm for h in ok.values()]))
-        for peer, h in list(ok.items()):
-            if median > 0 and h.norm > norm_factor * median:
-                bad[peer] = "norm-outlier"
-                del ok[peer]
+        limits = {p: norm_factor * median for p in ok} if median > 0 else {}
+    else:
+        limits = {p: norm_factor * _reference(p, ok, norm_history) for p in ok}
+    vouched = [h.norm for p, h in ok.items() if trusted and p in trusted and h.norm > 0]
+    if vouched:
+        cap = probation_factor * float(np.median(vouched))
+        for p in ok:
+            if p not in trusted:
+                limits[p] = min(limits.get(p, math.inf), cap)
+    for peer, h in list(ok.items()):
+        if h.norm > limits.get(peer, math.inf):
+            bad[peer] = "norm-outlier"
+            del ok[peer]
     return ok, bad
 
 
@@ -161,6 +198,7 @@ class FrameChecker:
         else:  # all-gather: the owner's mean
             bound = self._bound(chunk, list(range(w))) / w
         key = (step, chunk)
-        self._partial[key] = self._partial.get(key, 0.0) + float(np.dot(values, values))
+        v = values.astype(np.float64)  # float32 sums of squares lose the bound on long chunks
+        self._partial[key] = self._partial.get(key, 0.0) + float(np.dot(v, v))
         if math.sqrt(self._partial[key]) > self.slack * bound + 1e-6:
             raise BadContribution(prev, f"chunk {chunk} norm exceeds the signed bound at step {step}")

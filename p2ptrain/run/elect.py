@@ -10,6 +10,7 @@ peer that sees only newcomers' records gives up after `give_up` seconds: nobody 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,38 +41,53 @@ class ElectConfig:
             raise ValueError("ElectConfig needs window > 0, group_size >= 1, margin >= 0, give_up > 0, poll > 0")
 
 
-async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: bool, window: float) -> float:
-    """Store our ready record for `step`; returns its ready_at (wall time)."""
-    ready_at = wall_time()
+async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: bool, window: float,
+                        ready_at: float | None = None) -> float:
+    """Store our ready record for `step` (ready_at: now unless given); returns its ready_at.
+    Its TTL is the protocol's (`election.ready_ttl`): readers bound claimed times with it."""
+    ready_at = wall_time() if ready_at is None else ready_at
     await dht.store(keys.ready(run_id, step), records.encode_ready(ready_at, addrs, joining),
-                    ttl=max(60.0, 20 * window))
+                    ttl=election.ready_ttl(window))
     return ready_at
 
 
-async def read_ready(dht, run_id: str, step: int) -> list[election.Ready]:
+async def read_ready(dht, run_id: str, step: int, window: float,
+                     sightings: election.Sightings | None = None) -> list[election.Ready]:
+    """The step's ready records, each writer's claimed ready_at clamped to what this reader
+    observed (`election.clamp`: not before our last poll without it, not after the first poll
+    with it, and within the record's signed TTL), so a claim of 1.0 moves nothing."""
+    got = list((await dht.get(keys.ready(run_id, step))).items())
+    now = wall_time()
+    seen = (sightings or election.Sightings()).observe(step, [peer_id_to_str(s) for s, _ in got], now)
+    ttl = election.ready_ttl(window)
     out = []
-    for sub, rec in (await dht.get(keys.ready(run_id, step))).items():
+    for sub, rec in got:
+        peer = peer_id_to_str(sub)
         try:
-            out.append(records.decode_ready(peer_id_to_str(sub), rec.value))
+            r = records.decode_ready(peer, rec.value)
         except records.RecordError as exc:
-            log.info("ready record of %s dropped: %s", peer_id_to_str(sub), exc)
+            log.info("ready record of %s dropped: %s", peer, exc)
+            continue
+        out.append(dataclasses.replace(r, ready_at=election.clamp(r.ready_at, *seen[peer], rec.expiry, ttl)))
     return out
 
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
-                            expected: set[str]) -> list[election.Ready] | None:
-    """The ready records once the step closed (see the module docstring); None on give-up."""
+                            expected: set[str], sightings: election.Sightings | None = None,
+                            ) -> tuple[list[election.Ready], float] | None:
+    """(ready records, the deadline waited for) once the step closed (see the module
+    docstring); None on give-up. Expected peers that have not posted yet count toward the
+    median deadline (`election.deadline`), so an early peer that sees only itself and a liar
+    does not close the step on the others."""
     give_up = trio.current_time() + config.give_up
     while True:
-        recs = [r for r in await read_ready(dht, run_id, step) if r.peer not in ignored]
-        d = election.deadline(recs, config.window)
-        if d is not None and wall_time() >= d + config.margin:
-            return recs
-        if d is not None:
-            # Last step's roster is at this step too even if its state record is not out yet.
-            waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored
-            if waiting and waiting <= {r.peer for r in recs}:
-                return recs
+        recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
+        # Last step's roster is at this step too even if its state record is not out yet.
+        waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored
+        missing = len(waiting - {r.peer for r in recs})
+        d = election.deadline(recs, config.window, missing, wall_time())
+        if d is not None and (wall_time() >= d + config.margin or (waiting and not missing)):
+            return recs, d
         if d is None and trio.current_time() > give_up:
             return None
         await trio.sleep(config.poll if d is None else
@@ -79,13 +95,15 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
 
 
 async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignored: set[str],
-                expected: set[str], learn_addrs: Callable[[str, list[str]], None] | None = None) -> list[str]:
+                expected: set[str], learn_addrs: Callable[[str, list[str]], None] | None = None,
+                sightings: election.Sightings | None = None) -> list[str]:
     """Our group for `step` in ring order, [] when nobody trained it. Candidates' addresses
     go to `learn_addrs` so the group can dial each other."""
-    recs = await wait_for_deadline(dht, run_id, step, config, ignored, expected)
-    if recs is None:
+    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings)
+    if got is None:
         return []
-    cands = election.candidates(recs, config.window, ignored)
+    recs, d = got
+    cands = election.candidates(recs, config.window, ignored, at=d)
     if learn_addrs is not None:
         for r in cands:
             learn_addrs(r.peer, list(r.addrs))

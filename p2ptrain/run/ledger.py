@@ -1,8 +1,10 @@
 """Whom this peer no longer trusts in a run, and why.
 
 A member caught cheating (a bad header, a blamed frame, a robust-rule outlier) is rejected:
-logged (`contribution_rejected`) and ignored for the rest of the run. The ledger also keeps
-every member's signed digests (a replayed header is caught by `verify_headers`) and the
+logged (`contribution_rejected`), ignored for the rest of the run, and its standing lost. The
+ledger also keeps every member's signed digests (a replayed header is caught by
+`verify_headers`), its accepted norms (what a pair's member is held to next time), its
+standing (verified work: `p2ptrain.run.standing`), the checkpoints that did not load, and the
 peers the robust rule flagged, which it reports in our DHT reputation entry; peers enough
 others report are left out of our groups (`p2ptrain.run.reputation`).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 
 from p2ptrain.run import reputation
+from p2ptrain.run.standing import Standing
 
 log = logging.getLogger("p2ptrain.run.ledger")
 
@@ -23,18 +26,27 @@ class Ledger:
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
+        self.norm_history: dict[str, list[float]] = {}  # accepted header norms per peer (last 16)
+        self.standing = Standing(me)
+        self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
 
     def reject(self, t: int, peer: str, reason: str) -> None:
         if peer == self.me or peer in self.ignored:
             return
         self.ignored.add(peer)
+        self.standing.forget(peer)
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
         self.events.emit("contribution_rejected", step=t, remote=peer, reason=reason)
 
-    def remember(self, headers: dict) -> None:
-        """The committed round's signed digests: the same header again is a replay."""
+    def remember(self, t: int, headers: dict) -> None:
+        """A committed round of step `t`: its signed digests (the same header again is a
+        replay), its norms, and a unit of verified work for each member that contributed
+        (a joiner's zeros do not count)."""
         for peer, h in headers.items():
             self.history.setdefault(peer, set()).add(h.own_digests)
+            if h.norm > 0:
+                self.norm_history[peer] = [*self.norm_history.get(peer, [])[-15:], h.norm]
+        self.standing.committed(t, [p for p, h in headers.items() if h.norm > 0])
 
     async def note_outliers(self, dht, run_id: str, t: int, roster: list[str], headers: dict, scores: list) -> None:
         """Members the robust rule threw away far more than the others, by the committed scores

@@ -49,13 +49,18 @@ class ReduceService(Protocol):
 
 
 class Contributor:
-    """What this peer puts into a round: its pseudo-gradient, under a true signed header."""
+    """What this peer puts into a round: its pseudo-gradient, under a true signed header, and
+    the ready time it claims."""
 
     def payload(self, delta: np.ndarray) -> np.ndarray:
         return delta
 
     def sign(self, header: Header, identity) -> bytes:
         return sign_header(header, identity)
+
+    def ready_at(self, now: float) -> float:
+        """The ready time this peer claims for a step (readers clamp it: `run.elect`)."""
+        return now
 
 
 @dataclass(frozen=True)
@@ -172,8 +177,10 @@ class ContributionRound:
         signed = await trio.to_thread.run_sync(self.contributor.sign, header, self.identity)
         raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
         # Robust runs bound every member's influence whatever its norm: no norm filter.
+        # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
         ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
-                                 norm_factor=math.inf if robust else 10.0)
+                                 norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
+                                 trusted=None if robust else self.ledger.standing.trusted())
         for peer, reason in bad.items():
             self.ledger.reject(t, peer, reason)
         if bad:
@@ -192,6 +199,6 @@ class ContributionRound:
         # What the ring schedule delivered to us (the ring counts only what it sends).
         out.bytes_recv += sum(ring.wire_bytes(prep.lay[c][j][1] - prep.lay[c][j][0], self.ring_cfg)
                               for _, c, j in ring.schedule(rank, world, prep.lay)[1])
-        self.ledger.remember(ok)
+        self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+from p2ptrain.ckpt import providers
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.run import keys, records
 
@@ -48,11 +49,13 @@ async def peers_at_step(dht, run_id: str, step: int) -> set[str]:
 
 
 async def latest_state(dht, run_id: str) -> tuple[int, str, list[bytes]] | None:
-    """(step, checkpoint hash, providers) of the newest state published by the most peers."""
+    """(step, checkpoint hash, providers) of the run's current state: the one the most peers
+    publish (`p2ptrain.ckpt.providers.best_state`: one record's word is not the run's state)."""
     votes: dict[tuple[int, str], list[bytes]] = {}
     for sub, st in await read(dht, run_id):
         votes.setdefault((st.step, st.ckpt), []).append(sub)
-    if not votes:
+    best = providers.best_state(votes)
+    if best is None:
         return None
-    (step, digest), providers = max(votes.items(), key=lambda kv: (kv[0][0], len(kv[1])))
-    return step, digest, providers
+    (step, digest), publishers = best
+    return step, digest, publishers

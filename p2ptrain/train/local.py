@@ -49,7 +49,8 @@ def decode_state(data: bytes) -> tuple[dict, int]:
     if not {"outer", "momentum"} <= set(arrays):
         raise checkpoint.CheckpointError("checkpoint holds no outer state (outer, momentum)")
     sd = {k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}
-    sd.update({k: v for k, v in meta.items() if k != "outer_step"})
+    # Counters only: hyperparameters ("config") never come from a checkpoint, whoever served it.
+    sd.update({k: v for k, v in meta.items() if k in ("steps", "skipped")})
     return sd, step
 
 

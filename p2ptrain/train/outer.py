@@ -137,12 +137,12 @@ class OuterOptimizer:
         if outer.numel() != self.numel or momentum.numel() != self.numel:
             raise ValueError(f"outer state holds {outer.numel()} / {momentum.numel()} values, "
                              f"the model {self.numel} (checkpoint of another model config?)")
+        steps, skipped = int(state.get("steps", 0)), int(state.get("skipped", 0))  # may raise: before any change
         self.outer = outer.clone()
         self.momentum = momentum.clone()
-        self.steps = int(state.get("steps", 0))
-        self.skipped = int(state.get("skipped", 0))
-        if "config" in state:
-            self.cfg = OuterConfig(**state["config"])
+        self.steps, self.skipped = steps, skipped
+        # A checkpoint's "config" is ignored: hyperparameters come only from the signed run
+        # manifest (a donor must not be able to set the outer lr of whoever loads its state).
         if load_model:
             self.load_into_model()
 

@@ -22,14 +22,15 @@ import numpy as np
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.ckpt.download import CheckpointServer, fetch_checkpoint
-from p2ptrain.ckpt.fetch import BlobServer, FetchError
+from p2ptrain.ckpt.download import CheckpointServer, adopt
+from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.net.connkinds import kind_counts
 from p2ptrain.reduce.robust import RobustConfig
-from p2ptrain.run import elect, records, states
+from p2ptrain.run import elect, election, records, states
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
+from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.train import progress
 
@@ -64,6 +65,7 @@ class Trainer:
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust), self.ledger, contributor)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
+        self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
         self.last_roster: set[str] = set()
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
@@ -82,8 +84,14 @@ class Trainer:
         with trio.move_on_after(self.config.start_timeout):
             while True:
                 best = await states.latest_state(self.dht, self.run_id)
-                if best is not None and (best[0] > 0 or len(best[2]) >= self.config.min_peers):
-                    return  # enough peers, or the run already started without us
+                if best is not None and best[0] == 0 and len(best[2]) >= self.config.min_peers:
+                    return
+                if best is not None and best[0] > 0:
+                    # The run started without us -- if that is more than a claim: only a state we
+                    # can adopt ends the wait (Sybil state records cannot).
+                    await self.catch_up(best[0], patience=5.0)
+                    if self.local.step > 0:
+                        return
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
 
@@ -94,8 +102,8 @@ class Trainer:
         best = await states.latest_state(self.dht, self.run_id)
         if best is None:
             return False
-        if best[0] > self.local.step:
-            await self.catch_up(best[0])
+        if best[0] > self.local.step:  # a claimed step nobody serves costs 5 s, not the timeout
+            await self.catch_up(best[0], patience=5.0)
         others = [p for p in best[2] if p != self.node.identity.peer_id]
         return best[0] == self.local.step and bool(others) and self.local.step > 0
 
@@ -110,11 +118,12 @@ class Trainer:
             loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
         t_comm = trio.current_time()
-        await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window)
+        await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
+                                  self.round.contributor.ready_at(wall_time()))
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
-                                  self.last_roster, self._learn)
+                                  self.last_roster, self._learn, self.sightings)
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
@@ -165,22 +174,13 @@ class Trainer:
             self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), kind_counts(self.node.host)))
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
-    async def catch_up(self, at_least: int, timeout: float = 120.0) -> None:
-        """Adopt the newest state a quorum of its group attests, once it reaches `at_least`
-        (chunks from every provider at once: p2ptrain.ckpt.download)."""
-        with trio.move_on_after(timeout):
-            while True:
-                try:
-                    got = await fetch_checkpoint(self.node, self.run_id, self.spec, self.events, at_least,
-                                                 self.local.step)
-                except FetchError as exc:
-                    log.warning("catch-up fetch failed: %s", exc)
-                    got = None
-                if got is not None:
-                    if got[1] is None:
-                        return
-                    await trio.to_thread.run_sync(self.local.load_state_at, got[1])
-                    sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
-                    self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
-                    return
-                await trio.sleep(0.5)
+    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
+        """Adopt the best-attested state at `at_least` or later (chunks from every provider at
+        once; trusted attesters rank first; a checkpoint that hashes right but does not load
+        is rejected, not fatal: p2ptrain.ckpt.download.adopt)."""
+        got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
+                          self.local.load_state_at, timeout=timeout, patience=patience,
+                          rejected=self.ledger.rejected_ckpts, trusted=self.ledger.standing.trusted())
+        if got is not None:
+            sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+            self.events.emit("caught_up", step=self.local.step, params_sha256=sha)

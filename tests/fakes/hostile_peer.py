@@ -1,8 +1,6 @@
-"""`python -m fakes.hostile_peer MODE join ...`: a real `p2ptrain join` process (node, DHT,
-all-reduce service, trainer) built with one hostile part from tests/fakes/adversary.py.
-
-It runs the product's own CLI; the only difference is the `Parts` the runner builds the
-trainer from (`p2ptrain.run.runner.run_training(parts=...)`). Run with tests/ on PYTHONPATH
+"""`python -m fakes.hostile_peer MODE join ...`: a real `p2ptrain join` process built with one
+hostile part: the benches' modes (p2ptrain/bench/adversary.py) plus the test-only
+`ckpt-pause:STEP:SECONDS` (tests/fakes/adversary.py). Run with tests/ on PYTHONPATH
 (`fakes.env()` gives the environment)."""
 
 from __future__ import annotations
@@ -11,35 +9,23 @@ import functools
 import sys
 
 import p2ptrain  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+from p2ptrain.bench import adversary as bench_adversary
 
 
 def parts_for(mode: str):
     from fakes import adversary
     from p2ptrain.run.runner import Parts, make_writer
 
-    if mode == "chunk":
-        return Parts(blob_server=adversary.CorruptBlobServer)
-    if mode.startswith("ckpt-pause:"):
-        _, step, seconds = mode.split(":")
+    if not mode.startswith("ckpt-pause:"):
+        return bench_adversary.parts_for(mode)
+    _, step, seconds = mode.split(":")
 
-        def writer(workdir, run_id, events):
-            cls = functools.partial(adversary.PausingWriter, events=events, pause_step=int(step),
-                                    seconds=float(seconds))
-            return make_writer(workdir, run_id, events, cls)
+    def writer(workdir, run_id, events):
+        cls = functools.partial(adversary.PausingWriter, events=events, pause_step=int(step), seconds=float(seconds))
+        return make_writer(workdir, run_id, events, cls)
 
-        return Parts(writer=writer)
-    adversary.HostileContributor(mode)  # validates the mode
-    return Parts(contributor=functools.partial(adversary.HostileContributor, mode))
-
-
-def main(argv: list[str]) -> int:
-    from p2ptrain.cli.main import main as cli_main
-    from p2ptrain.run import runner
-
-    mode, rest = argv[0], argv[1:]
-    runner.run_training = functools.partial(runner.run_training, parts=parts_for(mode))
-    return cli_main(rest)
+    return Parts(writer=writer)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(bench_adversary.main(sys.argv[1:], parts_for))

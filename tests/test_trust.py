@@ -1,0 +1,333 @@
+"""Issue 15's trust holes, one test (or more) each: a single identity must not be able to
+stall, fork or hijack a run. Pure-logic tests here; each failed on commit 5f080d3."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import types
+
+import numpy as np
+import pytest
+
+from p2ptrain.run import election
+
+H = [hashlib.sha256(bytes([i])).hexdigest() for i in range(8)]
+
+
+# -- hole 2: a ready record's claimed time must not move the deadline ----------------------
+def _ready(peer: str, at: float, joining: bool = False) -> election.Ready:
+    return election.Ready(peer, at, (), joining)
+
+
+def test_one_liar_with_an_early_ready_at_does_not_empty_the_honest_groups():
+    honest = [_ready(f"h{i}", 1000.0 + 0.3 * i) for i in range(4)]
+    liar = _ready("liar", 1.0)  # "I was ready in 1970": on 5f080d3 the deadline became 6.0
+    cands = {r.peer for r in election.candidates([*honest, liar], window=5.0)}
+    assert {r.peer for r in honest} <= cands
+    # and the groups every honest peer computes still hold every honest peer
+    groups = election.groups("run", 3, sorted(cands), 4)
+    assert sorted(p for g in groups for p in g if p.startswith("h")) == ["h0", "h1", "h2", "h3"]
+
+
+def test_a_minority_of_liars_cannot_pull_the_deadline_below_the_earliest_honest_peer():
+    for k in (1, 2, 3):
+        honest = [_ready(f"h{i}", 1000.0 + i) for i in range(4)]
+        liars = [_ready(f"s{j}", 1.0) for j in range(k)]
+        assert election.deadline([*honest, *liars], 5.0) >= 1000.0 + 5.0
+    # joiners never start the clock, whatever they claim
+    assert election.deadline([_ready("j", 1.0, True), _ready("h", 50.0)], 5.0) == 55.0
+
+
+def test_claimed_ready_time_is_clamped_to_what_the_reader_observed():
+    ttl = election.ready_ttl(5.0)
+    # claims 1.0, but its signed record expires at 2000 with the run's TTL: written >= 2000 - ttl - skew
+    assert election.clamp(1.0, -math.inf, 2000.0, 2000.0 + ttl - 30, ttl, skew=2.0) == 2000.0 - 32.0
+    # first seen on a poll at 1500 that followed a poll at 1499 without it: not before 1499
+    assert election.clamp(1.0, 1499.0, 1500.0, 1500.0 + ttl, ttl) == 1499.0
+    # a claim in the future is capped at first sight
+    assert election.clamp(9e9, -math.inf, 1500.0, 1500.0 + ttl, ttl) == 1500.0
+    # an honest claim (ready_at + ttl == expiry, seen after) is kept exactly
+    assert election.clamp(1000.25, 999.0, 1000.5, 1000.25 + ttl, ttl) == 1000.25
+
+
+def test_sightings_remember_the_first_poll_and_the_poll_before_it():
+    s = election.Sightings()
+    assert s.observe(3, ["a"], 10.0) == {"a": (-math.inf, 10.0)}
+    got = s.observe(3, ["a", "b"], 10.2)
+    assert got == {"a": (-math.inf, 10.0), "b": (10.0, 10.2)}
+    s.observe(9, [], 50.0)
+    assert (3, "a") not in s.first  # old steps forgotten
+
+
+# -- hole 3: planting a checkpoint on joiners ----------------------------------------------
+def _prov(peer, step, manifest, members, sha=H[5]):
+    from p2ptrain.ckpt import providers
+    return providers.Provider(peer, step, manifest, sha, H[6], tuple(sorted(members)), ())
+
+
+def test_a_self_attesting_group_of_one_is_not_a_quorum_when_others_advertise():
+    from p2ptrain.ckpt import providers
+    g = ["a", "b", "c", "d"]
+    honest = [_prov(p, 3, H[1], g) for p in g]
+    planted = _prov("m", 50, H[2], ["m"], sha=H[3])
+    c = providers.choose([*honest, planted], H[7], max_group=4)
+    assert (c.step, c.manifest) == (3, H[1])
+    # alone in the run (nobody else advertises), a group of one is still its own quorum
+    assert providers.choose([planted], H[7]).step == 50
+
+
+def test_attestation_outranks_step_and_member_lists_must_be_distinct():
+    from p2ptrain.ckpt import providers
+    g = ["a", "b", "c", "d"]
+    honest = [_prov(p, 3, H[1], g) for p in g[:3]]
+    sybils = [_prov(s, 10**6, H[2], ["s1", "s2"], sha=H[3]) for s in ("s1", "s2")]
+    c = providers.choose([*honest, *sybils], H[7], max_group=4)
+    assert (c.step, c.attesters) == (3, ("a", "b", "c"))
+    padded = [_prov("m", 9, H[4], ["m", "m", "m", "n"], sha=H[3]), _prov("n", 9, H[4], ["m", "m", "m", "n"], sha=H[3])]
+    assert providers.choose([*padded, _prov("z", 1, H[0], [])], H[7]) is None
+    # a full group of 4 Sybils ties the honest group on count: peers this node verified win
+    sy4 = [_prov(f"s{i}", 10**6, H[2], [f"s{j}" for j in range(4)], sha=H[3]) for i in range(4)]
+    full = [_prov(p, 3, H[1], g) for p in g]
+    assert providers.choose([*full, *sy4], H[7], max_group=4, trusted={"a", "b"}).step == 3
+    # and a checkpoint that failed to load is never chosen again
+    assert providers.choose(full, H[7], reject={H[5]}) is None
+
+
+def test_checkpoint_meta_never_sets_the_outer_hyperparameters():
+    import torch
+
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.train import local
+    from p2ptrain.train.outer import OuterConfig, OuterOptimizer
+
+    outer = OuterOptimizer(torch.nn.Linear(4, 3), OuterConfig(0.7, 0.9))
+    sd = outer.state_dict()
+    arrays = {"outer": sd["outer"].numpy(), "momentum": sd["momentum"].numpy()}
+    data = checkpoint.encode(arrays, {"outer_step": 5, "steps": 5, "skipped": 0,
+                                      "config": {"lr": 1000.0, "momentum": 0.0, "nesterov": False}})
+    state, step = local.decode_state(data)
+    victim = OuterOptimizer(torch.nn.Linear(4, 3), OuterConfig(0.7, 0.9))
+    victim.load_state_dict(state)
+    assert (step, victim.steps) == (5, 5)
+    assert (victim.cfg.lr, victim.cfg.momentum, victim.cfg.nesterov) == (0.7, 0.9, True)
+    victim.load_state_dict({**state, "config": {"lr": 1000.0, "momentum": 0.0}})
+    assert victim.cfg.lr == 0.7
+
+
+# -- hole 4: arbitrarily large values ------------------------------------------------------
+def _headers(norms: dict, chunk_norms: dict | None = None):
+    from p2ptrain.identity import Identity
+    from p2ptrain.run import contribution as C
+
+    ids = {name: Identity.generate() for name in norms}
+    members = [ids[n].peer_id_str for n in norms]
+    raw = {}
+    for name, norm in norms.items():
+        cn = (chunk_norms or {}).get(name) or tuple([norm / math.sqrt(len(norms))] * len(norms))
+        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100)
+        raw[ids[name].peer_id_str] = C.sign_header(h, ids[name])
+    return raw, members, {n: ids[n].peer_id_str for n in norms}
+
+
+def test_chunk_norms_must_add_up_to_the_signed_norm():
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "c": 0.9, "m": 1.0},
+                                 {"m": (1e30, 1e30, 1e30, 1e30)})  # norm 1, frames may carry 1e30
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "chunk-norms-inconsistent"} and len(ok) == 3
+
+
+def test_a_group_of_two_bounds_the_norm_too():
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"a": 1.0, "m": 1e6})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-outlier"} and list(ok) == [ids["a"]]
+    # a joiner's zero norm bounds nobody; the sender's own history does
+    raw, members, ids = _headers({"j": 0.0, "m": 1e6})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert not bad
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
+    assert bad == {ids["m"]: "norm-outlier"}
+    # honest pairs within the factor pass
+    raw, members, ids = _headers({"a": 1.0, "b": 3.0})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+
+
+
+# -- hole 5: one state record is not the run's state ---------------------------------------
+def test_latest_state_ignores_a_step_only_one_peer_claims():
+    import trio
+
+    from conftest import trio_test
+    from p2ptrain.dht.node import DHTConfig, DHTNode
+    from p2ptrain.dht.transport import MemoryNetwork
+    from p2ptrain.identity import Identity
+    from p2ptrain.run import keys, records, states
+
+    @trio_test()
+    async def main():
+        net = MemoryNetwork()
+        ids = [Identity.generate() for _ in range(5)]
+        nodes = [DHTNode(i, net.transport(i.peer_id), DHTConfig()) for i in ids]
+        for n in nodes[1:]:
+            await n.bootstrap([(nodes[0].identity.peer_id, [])])
+        for n in nodes:
+            await n.refresh()
+
+        def state(step, ckpt):
+            return records.encode_state(records.State(step, H[0], ckpt))
+        for n in nodes[:4]:
+            await n.store(keys.state("run"), state(3, H[1]), ttl=600)
+        await nodes[4].store(keys.state("run"), state(10**6, H[2]), ttl=600)
+        with trio.fail_after(30):
+            return await states.latest_state(nodes[0], "run")
+
+    step, ckpt, providers = main()
+    assert (step, ckpt, len(providers)) == (3, H[1], 4)
+
+
+def test_best_state_falls_back_to_the_lowest_lone_claim():
+    from p2ptrain.ckpt import providers
+    assert providers.best_state({(5, "x"): ["a"], (9, "y"): ["m"]}) == ((5, "x"), ["a"])
+    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (4, "z")
+    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d"]})[0] == (5, "x")
+    # two Sybils agreeing on a fake step are outnumbered by the group that trains
+    assert providers.best_state({(10**6, "s"): ["s1", "s2"], (3, "h"): list("abcd")})[0] == (3, "h")
+    assert providers.best_state({(7, "x"): ["a", "a"]})[0] == (7, "x")  # one peer twice is still one
+    assert providers.best_state({}) is None
+
+
+@pytest.mark.integration
+def test_catch_up_survives_a_checkpoint_that_hashes_right_but_does_not_load():
+    """Real libp2p nodes on 127.0.0.1: two donors attest (step 3) bytes that hash right but
+    hold a state of another model; two others attest a good step-2 state. On 5f080d3 the
+    loader's CheckpointError escaped `catch_up` and ended the node; now the bad hash is
+    rejected and the good state adopted."""
+    import torch
+    import trio
+
+    from conftest import LOOPBACK
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.ckpt.download import CheckpointServer, adopt
+    from p2ptrain.ckpt.fetch import BlobServer
+    from p2ptrain.events import EventSink
+    from p2ptrain.identity import Identity
+    from p2ptrain.net.node import Node, NodeConfig
+    from p2ptrain.train import local
+    from p2ptrain.train.outer import OuterOptimizer
+
+    good_outer = OuterOptimizer(torch.nn.Linear(4, 3))
+    good_outer.outer += 1.0
+    good = local.encode_state(good_outer, 2)
+    bad = checkpoint.encode({"outer": np.zeros(7, np.float32), "momentum": np.zeros(7, np.float32)},
+                            {"outer_step": 3})
+    victim = OuterOptimizer(torch.nn.Linear(4, 3))
+    events = []
+
+    class Sink(EventSink):
+        def emit(self, kind, **kw):
+            events.append(kind)
+
+    def load(data: bytes) -> None:
+        victim.load_state_dict(local.decode_state(data)[0])
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            first = Identity.generate()
+            entry = Node(first, NodeConfig(listen=[LOOPBACK]), Sink(first.peer_id_str, False))
+            await nursery.start(entry.run)
+            boot = f"{entry.rpc.local_addrs()[0]}/p2p/{first.peer_id_str}"
+            donors = []
+            for _ in range(4):
+                ident = Identity.generate()
+                node = Node(ident, NodeConfig(listen=[LOOPBACK], bootstrap=[boot]), EventSink(ident.peer_id_str, False))
+                await nursery.start(node.run)
+                donors.append(node)
+            ids = [d.identity.peer_id_str for d in donors]
+            for i, node in enumerate(donors):
+                data, step, group = (bad, 3, ids[:2]) if i < 2 else (good, 2, ids[2:])
+                await CheckpointServer(BlobServer(node.host), 4096).publish(
+                    node.dht, "run", data, step, H[0], group, node.rpc.local_addrs())
+            spec = types.SimpleNamespace(train=types.SimpleNamespace(group_size=4),
+                                         genesis=types.SimpleNamespace(sha256=H[7], bytes=len(good)))
+            rejected: set[str] = set()
+            with trio.fail_after(60):
+                got = await adopt(entry, "run", spec, Sink(first.peer_id_str, False), 1, 0, load,
+                                  timeout=30, rejected=rejected)
+            nursery.cancel_scope.cancel()
+            return got, rejected
+
+    got, rejected = trio.run(main)
+    assert got == 2
+    assert rejected == {hashlib.sha256(bad).hexdigest()}
+    assert torch.equal(victim.outer, good_outer.outer)
+    assert "checkpoint_rejected" in events
+
+
+# -- hole 6: standing earned only by verified work -----------------------------------------
+def test_standing_counts_contributed_committed_steps_once_each():
+    from p2ptrain.run.standing import Standing, StandingConfig
+
+    s = Standing("me", StandingConfig(rounds=2))
+    s.committed(1, ["me", "a", "b"])
+    s.committed(1, ["a"])  # a retry of the same step is not more work
+    assert s.trusted() == frozenset()
+    s.committed(2, ["me", "a"])
+    assert s.trusted() == {"a"}
+    s.forget("a")
+    assert s.trusted() == frozenset()
+    with pytest.raises(ValueError):
+        StandingConfig(rounds=0)
+
+
+def test_fresh_identities_are_held_to_the_trusted_members_norms():
+    from p2ptrain.run import contribution as C
+
+    # 4 trusted honest (norm ~1) and 4 Sybils each signing 8x: under the general 10x-median
+    # rule all 8 pass; on probation each Sybil may sign at most 3x the trusted median.
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{f"s{i}": 8.0 for i in range(4)}}
+    raw, members, ids = _headers(norms)
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert not bad
+    trusted = frozenset(ids[n] for n in "abcd")
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=trusted)
+    assert set(bad) == {ids[f"s{i}"] for i in range(4)} and set(ok) == set(trusted)
+    # an honest newcomer's ordinary norm passes probation
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=frozenset([ids["a"], ids["b"]]))[1]
+
+
+# -- the red-team bench's arithmetic ---------------------------------------------------------
+def test_redteam_measures_forks_exclusions_and_progress():
+    from p2ptrain.bench import redteam
+
+    def ev(kind, peer, step, **kw):
+        return {"event": kind, "peer": peer, "step": step, "t": float(step), **kw}
+    honest = {"a", "b"}
+    base = [ev("outer_step_started", p, s) for p in honest for s in range(2)] + \
+        [ev("outer_step_committed", p, s + 1, params_sha256=f"h{s}", val_loss=3.0) for p in honest for s in range(2)]
+    attacked = [ev("outer_step_started", p, s) for p in honest for s in range(4)] + \
+        [ev("outer_step_committed", "a", s + 1, params_sha256=f"h{s}", val_loss=3.3) for s in range(2)] + \
+        [ev("outer_step_committed", "b", 1, params_sha256="x", val_loss=3.3),
+         ev("outer_step_committed", "b", 2, params_sha256="h1", val_loss=3.3),
+         ev("contribution_rejected", "a", 1, remote="b"), ev("contribution_rejected", "a", 1, remote="evil")]
+    rows = [redteam.measure("baseline", base, honest, 2, 1.0), redteam.measure("x", attacked, honest, 2, 1.0)]
+    assert rows[1]["param_forks"] == 1 and rows[1]["wrongly_excluded"] == 1
+    assert rows[1]["attackers_rejected"] == ["evil"[-8:]]
+    s = redteam.summarize(rows)
+    assert s["honest_progress_min_ratio"] == 1.0 and s["honest_param_forks"] == 1
+    assert s["honest_wrongly_excluded"] == 1 and s["worst_val_loss_pct"] == 10.0
+
+
+def test_an_early_peer_does_not_close_the_step_on_expected_peers_not_yet_ready():
+    me, liar = _ready("h0", 1000.0), _ready("liar", 999.0)
+    # alone with a liar, 3 peers of the last roster not posted yet: wait for them (bounded)
+    assert election.deadline([me, liar], 3.0, missing=3, now=1001.0) == 1001.0 + 3.0
+    assert election.deadline([me, liar], 3.0, missing=3, now=1100.0) == 999.0 + 6.0 + 3.0  # dead: capped
+    assert election.deadline([me, liar], 3.0) == 1000.0 + 3.0
+    # the candidates are those ready by the deadline the caller waited for
+    late = _ready("h1", 1005.5)
+    assert [r.peer for r in election.candidates([me, liar, late], 3.0, at=1008.0)] == ["h0", "liar", "h1"]
