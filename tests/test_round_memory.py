@@ -41,6 +41,7 @@ class Hub:
         self.vecs: dict[str, dict[str, np.ndarray]] = {}
         self.changed = trio.Event()
         self.fail: dict[str, dict[str, str]] = {}  # round id -> blamed, raised once per member
+        self.suspects: dict[str, dict[str, int]] = {}  # round id -> blamers nobody corroborated
         self.calls: list[tuple[str, str, tuple]] = []
 
     def poke(self) -> None:
@@ -73,7 +74,8 @@ class FakeService:
     async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None):
         self.hub.calls.append((self.me, round_id, tuple(members)))
         if round_id in self.hub.fail:
-            raise RoundFailed("fake abort", dict(self.hub.fail[round_id]))
+            raise RoundFailed("fake abort", dict(self.hub.fail[round_id]),
+                              suspects=dict(self.hub.suspects.get(round_id, {})))
         got = self.hub.vecs.setdefault(round_id, {})
         got[self.me] = np.array(vec, np.float32)
         self.hub.poke()
@@ -192,6 +194,25 @@ def test_round_failed_blame_rejects_the_culprit_and_retries():
     assert outs[1].result is None
     attempts = {rid for _, rid, _ in hub.calls}
     assert attempts == {"1/0", "1/1"}, hub.calls
+
+
+def test_a_blamer_nobody_corroborates_is_rejected_not_its_target():
+    hub = Hub()
+    made = [member(hub, i + 1) for i in range(4)]
+    rounds = [m[0] for m in made]
+    ids = [r.me for r in rounds]
+    accuser = ids[2]
+    # The service left the accusations out of `blamed` (nobody corroborated them) and names
+    # the accuser a suspect: it is the one the round goes on without.
+    hub.fail["1/0"] = {}
+    hub.suspects["1/0"] = {accuser: 2}
+    ds = deltas(4)
+    outs = run_rounds(rounds, ds)
+    honest = [i for i in range(4) if ids[i] != accuser]
+    for i in honest:
+        assert rounds[i].ledger.ignored == {accuser} and accuser not in outs[i].members
+        assert np.allclose(outs[i].result, np.mean([ds[j] for j in honest], axis=0), atol=1e-6)
+        assert [f["reason"] for e, f in made[i][1].seen if e == "contribution_rejected"] == ["uncorroborated-blames"]
 
 
 def test_alone_a_trainer_commits_its_own_step_a_newcomer_skips():

@@ -194,6 +194,9 @@ class ContributionRound:
             log.info("step %d attempt %d failed: %s", t, attempt, exc)
             for peer, reason in exc.blamed.items():
                 self.ledger.reject(t, peer, reason)
+            # A member whose accusations nobody corroborates is aborting rounds on purpose.
+            for peer in getattr(exc, "suspects", {}):
+                self.ledger.reject(t, peer, "uncorroborated-blames")
             return False
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
