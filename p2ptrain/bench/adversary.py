@@ -19,9 +19,10 @@ Issue 15's red team (`bench redteam`) adds:
   early-ready  claims ready_at = 1.0 in every ready record (hole 2: the election deadline)
   chunknorm    signs its true total norm but chunk norms of 1e30, and sends 1000 x its
                pseudo-gradient (hole 4: frames are bounded by the chunk norms)
-  sybil        sends -4 x its pseudo-gradient, header true to it: within the 10x-median
-               outlier rule, and one such peer among 4 honest cancels their mean (what
-               standing's probation is for)
+  sybil        free-rides (zeros, which earn no standing) in the first 2 steps it takes
+               part in, then sends -4 x its pseudo-gradient, header true to it: within the
+               10x-median outlier rule, and one such peer among 4 honest cancels their mean
+               (what standing's probation is for)
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Honest:
 class Adversary(Honest):
     def __init__(self, mode: str) -> None:
         self.mode = mode
+        self.steps_seen: set[int] = set()  # sybil: steps it sent a header for
+        self.attacking = False
         if mode == "chunk":
             self.tamper = flip_one_byte
 
@@ -80,7 +83,8 @@ class Adversary(Honest):
         if self.mode == "chunknorm":
             return delta * np.float32(1000.0)
         if self.mode == "sybil":
-            return delta * np.float32(-4.0)
+            self.attacking = len(self.steps_seen) >= 2
+            return delta * np.float32(-4.0) if self.attacking else np.zeros_like(delta)
         return delta
 
     def ready_at(self, now: float) -> float:
@@ -95,8 +99,10 @@ class Adversary(Honest):
             return sign(scaled, identity)
         if self.mode == "chunknorm":  # true total, chunk norms that admit anything
             return sign(dataclasses.replace(header, chunk_norms=tuple(1e30 for _ in header.chunk_norms)), identity)
+        if self.mode == "sybil":
+            self.steps_seen.add(header.step)
         if self.mode in ("signflip", "noise", "zeros", "sybil"):  # honest about the bytes it sends
-            f = {"zeros": 0.0, "sybil": 4.0}.get(self.mode, 10.0)
+            f = {"zeros": 0.0, "sybil": 4.0 if self.attacking else 0.0}.get(self.mode, 10.0)
             scaled = dataclasses.replace(header, chunk_norms=tuple(f * x for x in header.chunk_norms),
                                          norm=f * header.norm)
             return sign(scaled, identity)

@@ -277,7 +277,10 @@ class Trainer:
                 # base): the others may be committing this step without it, and its own step
                 # would fork it from them for good (its base hash would never match again).
                 # Both skip the step and catch up to what the group commits.
-                return (None, stats) if joining or unconfirmed else (delta.copy(), stats)
+                # [trust] So does a peer that others are training this step with (they were
+                # late for its deadline, e.g. under load): alone, it would fork from them.
+                others = {r.peer for r in await self.read_ready(t)} - {self.me} - self.ignored
+                return (None, stats) if joining or unconfirmed or others else (delta.copy(), stats)
             rid = f"{t}/{attempt}"
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             # Members also confirm they start from the same params: a peer that forked (or
