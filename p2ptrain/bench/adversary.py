@@ -16,9 +16,10 @@ Modes:
   early-ready  claims ready_at = 1.0 in every ready record (issue 15, hole 2)
   chunknorm    signs its true total norm but chunk norms of 1e30, and sends 1000 x its
                pseudo-gradient (hole 4: frames are bounded by the chunk norms)
-  sybil        sends -4 x its pseudo-gradient, header true to it: within the 10x-median
-               outlier rule; one such peer among 4 honest cancels their mean (what
-               standing's probation is for, p2ptrain.run.standing)
+  sybil        free-rides (zeros, which earn no standing) in the first 2 steps it takes
+               part in, then sends -4 x its pseudo-gradient, header true to it: within the
+               10x-median outlier rule; one such peer among 4 honest cancels their mean
+               (what standing's probation is for, p2ptrain.run.standing)
   chunk    trains honestly but serves every blob (checkpoint chunks, chunk manifests) with
            one byte flipped
 """
@@ -66,6 +67,8 @@ class HostileContributor(Contributor):
         if mode not in CONTRIBUTION_MODES:
             raise ValueError(f"unknown contribution attack {mode!r}; one of {', '.join(CONTRIBUTION_MODES)}")
         self.mode = mode
+        self.steps_seen: set[int] = set()  # sybil: steps it signed a header for
+        self.attacking = False
 
     def payload(self, delta: np.ndarray) -> np.ndarray:
         if self.mode == "nan":
@@ -77,7 +80,8 @@ class HostileContributor(Contributor):
         if self.mode == "signflip":
             return delta * np.float32(-10.0)
         if self.mode == "sybil":
-            return delta * np.float32(-4.0)
+            self.attacking = len(self.steps_seen) >= 2
+            return delta * np.float32(-4.0) if self.attacking else np.zeros_like(delta)
         if self.mode == "noise":
             z = np.random.default_rng(0).standard_normal(delta.size)
             return (z * (10 * np.linalg.norm(delta) / max(np.linalg.norm(z), 1e-30))).astype(np.float32)
@@ -88,8 +92,10 @@ class HostileContributor(Contributor):
     def sign(self, header, identity: Identity) -> bytes:
         if self.mode == "forge":
             return super().sign(header, Identity.generate())
+        if self.mode == "sybil":
+            self.steps_seen.add(header.step)
         if self.mode in _HEADER_SCALE:  # honest about the bytes it sends
-            f = _HEADER_SCALE[self.mode]
+            f = 0.0 if self.mode == "sybil" and not self.attacking else _HEADER_SCALE[self.mode]
             header = dataclasses.replace(header, chunk_norms=tuple(f * x for x in header.chunk_norms),
                                          norm=f * header.norm)
         elif self.mode == "chunknorm":  # true total, chunk norms that admit anything

@@ -10,8 +10,9 @@ their own identities:
                   itself, a state record at that step, and 2 Sybil records (holes 3 and 5)
   chunknorm       one peer signs chunk norms of 1e30 and sends 1000 x its update (hole 4)
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
-  sybil-K         K identities join after the honest peers' second commit and each sends
-                  -4 x its pseudo-gradient with a header true to it (hole 6; K = 1, 2, 4)
+  sybil-K         K identities join with the honest peers, free-ride (zeros) for their first
+                  2 steps, then each sends -4 x its pseudo-gradient with a header true to it
+                  (hole 6; K = 1, 2, 4)
 Per scenario: honest outer steps committed (each honest peer stops after STEPS; a peer left
 alone after the others finished gets 30 s more) vs the baseline's (`progress_ratio`; the goal
 is >= 0.8), the fraction of started steps that committed, the honest commit rate vs the baseline's
@@ -77,8 +78,6 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
         if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil"):
-            if mode == "sybil":  # they join a running run, after the honest peers earned standing
-                peers[0].wait_event(lambda e: e.get("event") == "outer_step_committed" and e["step"] >= 2, limit)
             hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
         wait_for(peers, t0 + limit, straggle=30.0)

@@ -89,6 +89,9 @@ class Outcome:
     bytes_recv: int = 0
     headers: dict = field(default_factory=dict)
     scores: list | None = None
+    alone: bool = False
+    """The result is our own delta: every other member dropped out. The caller must not
+    commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
 
 
 @dataclass
@@ -143,7 +146,7 @@ class ContributionRound:
                 # would fork it from them for good (its base hash would never match again).
                 # Both skip the step and catch up to what the group commits.
                 if not (joining or unconfirmed):
-                    out.result = delta.copy()
+                    out.result, out.alone = delta.copy(), True
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             agreeing = await self._confirm(f"{t}/{attempt}", roster, rh, base)

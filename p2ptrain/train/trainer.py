@@ -131,6 +131,10 @@ class Trainer:
         out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining)
         if out.result is None:
             return await self._skip(t, "no round committed")
+        if out.alone and await self._others_ready(t):
+            # Others train this step (they missed our deadline, e.g. under load): our own delta
+            # alone would fork us from them for good. Skip and catch up to what they commit.
+            return await self._skip(t, "alone while others train this step")
         if out.scores is not None:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
         self.last_roster = set(out.members)
@@ -149,6 +153,10 @@ class Trainer:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
         await self.catch_up(t + 1)
         return True
+
+    async def _others_ready(self, t: int) -> bool:
+        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        return bool({r.peer for r in recs} - {self.me} - self.ledger.ignored)
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
