@@ -24,7 +24,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--planned-outer-steps", type=int, default=10, help="horizon of the inner LR schedule")
-    p.add_argument("--allreduce", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--allreduce", default="int8", choices=["int8", "fp32", "sparse"],
+                   help="'sparse': top-k + 2-bit + error-feedback contributions, all-gathered (issue 18)")
+    p.add_argument("--topk-fraction", type=float, default=0.015, help="sparse: entries kept per chunk")
+    p.add_argument("--chunk", type=int, default=4096, help="sparse: values per top-k chunk (<= 4096)")
+    p.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error-feedback decay")
     p.add_argument("--aggregation", default="mean", choices=["mean", "robust"],
                    help="'robust': each chunk's owner combines every member's copy with CenteredClip "
                         "(Byzantine-robust, costs W-1 connections per member)")
@@ -48,17 +52,25 @@ def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
     if not (0 <= args.outer_momentum < 1 and args.outer_lr > 0 and args.inner_lr > 0):
         raise CLIError("learning rates must be > 0 and --outer-momentum in [0, 1)")
+    train = {"seed": args.seed, "inner_steps": args.inner_steps, "inner_lr": args.inner_lr,
+             "warmup": args.warmup, "weight_decay": args.weight_decay, "batch_size": args.batch_size,
+             "seq_len": args.seq_len, "schedule": "cosine", "planned_outer_steps": args.planned_outer_steps,
+             "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+             "group_size": args.group_size, "allreduce": args.allreduce, "aggregation": args.aggregation}
+    if args.allreduce == "sparse":  # only sparse runs carry the compressor's fields
+        from p2ptrain.reduce.sparsecodec import SparseConfig
+
+        try:
+            train.update(SparseConfig(args.topk_fraction, 2, args.chunk, args.ef_decay).manifest_fields())
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
     return {
         "version": 1,
         "name": args.name or f"run-{int(time.time())}",
         "created": int(time.time()),
         "model": model,
         "data": {"spec": args.data, "content_hash": data_hash},
-        "train": {"seed": args.seed, "inner_steps": args.inner_steps, "inner_lr": args.inner_lr,
-                  "warmup": args.warmup, "weight_decay": args.weight_decay, "batch_size": args.batch_size,
-                  "seq_len": args.seq_len, "schedule": "cosine", "planned_outer_steps": args.planned_outer_steps,
-                  "outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
-                  "group_size": args.group_size, "allreduce": args.allreduce, "aggregation": args.aggregation},
+        "train": train,
         "timeouts": {"join_window": args.join_window, "exchange": 5.0},
         "genesis": {"sha256": genesis_sha, "bytes": genesis_bytes},
     }

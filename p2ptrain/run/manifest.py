@@ -26,6 +26,7 @@ MAX_DEPTH = 6
 """A manifest is sections of scalars and short lists: 3 levels; 6 leaves room to grow."""
 _DOMAIN = b"p2ptrain-manifest-v1"
 AGGREGATIONS = ("mean", "robust")
+ALLREDUCE = ("int8", "fp32", "sparse")
 
 
 class ManifestError(ValueError):
@@ -85,6 +86,23 @@ def aggregation(manifest: dict) -> str:
     value = train.get("aggregation", "mean") if isinstance(train, dict) else "mean"
     if value not in AGGREGATIONS:
         raise ManifestError(f"unknown aggregation {value!r} (this version knows {', '.join(AGGREGATIONS)})")
+    return value
+
+
+def allreduce(manifest: dict) -> str:
+    """train.allreduce: 'int8' / 'fp32' ring, or 'sparse' (issue 18: compressed all-gather,
+    p2ptrain/reduce/sparse.py), whose compressor fields in [train] must be valid."""
+    train = manifest.get("train")
+    value = train.get("allreduce", "int8") if isinstance(train, dict) else "int8"
+    if value not in ALLREDUCE:
+        raise ManifestError(f"unknown allreduce {value!r} (this version knows {', '.join(ALLREDUCE)})")
+    if value == "sparse":
+        from p2ptrain.reduce.sparsecodec import SparseConfig
+
+        try:
+            SparseConfig.from_train(train)
+        except (TypeError, ValueError) as exc:
+            raise ManifestError(f"invalid sparse compressor settings: {exc}") from None
     return value
 
 

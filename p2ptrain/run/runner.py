@@ -87,6 +87,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         manifest = await get_manifest(node.dht, run_id)
     try:
         mf.aggregation(manifest)
+        mode = mf.allreduce(manifest)
     except mf.ManifestError as exc:
         raise NodeError(str(exc), "upgrade p2ptrain to join this run") from None
     try:
@@ -112,7 +113,8 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
     tm = manifest["timeouts"]
     svc = AllReduceService(node.host, node.identity, AllReduceConfig(
-        mode=manifest["train"]["allreduce"], setup_timeout=float(tm["exchange"]) * 2,
+        # sparse runs use the service only for its exchanges: its ring mode is unused
+        mode="int8" if mode == "sparse" else mode, setup_timeout=float(tm["exchange"]) * 2,
         frame_timeout=float(tm["exchange"]) * 4, commit_timeout=float(tm["exchange"]) * 2),
         listen_ip=_listen_ip(node))
     async with trio.open_nursery() as nursery:

@@ -35,6 +35,8 @@ from p2ptrain.run import election
 from p2ptrain.train import progress
 from p2ptrain.run import reputation
 from p2ptrain.reduce import ring
+from p2ptrain.reduce import sparse
+from p2ptrain.reduce.sparsecodec import SparseConfig
 from p2ptrain.run import manifest as mf
 from p2ptrain.reduce.service import AllReduceService, RoundFailed
 from p2ptrain.clock import wall_time
@@ -80,6 +82,8 @@ class StepStats:
     bytes_sent: int = 0
     bytes_recv: int = 0
     members: list[str] = field(default_factory=list)
+    payload_bytes: int | None = None
+    """Sparse runs: one contribution's compressed payload (computed), next to the counted bytes."""
 
 
 class Trainer:
@@ -102,6 +106,9 @@ class Trainer:
         self.mode = manifest["train"]["allreduce"]
         # robust runs: butterfly + CenteredClip instead of the ring's mean (p2ptrain/reduce/butterfly.py)
         self.robust = RobustConfig() if mf.aggregation(manifest) == "robust" else None
+        # sparse runs (issue 18): compressed all-gather instead of the ring; per-peer error feedback
+        self.sparse = (sparse.SparseReducer(SparseConfig.from_train(manifest["train"]), local.n_params)
+                       if self.mode == "sparse" else None)
         self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
@@ -189,7 +196,8 @@ class Trainer:
         self.events.emit("outer_step_committed", step=self.local.step,
                          loss=None if joining else round(loss, 5), val_loss=round(val, 5),
                          params_sha256=sha, bytes_sent=stats.bytes_sent, bytes_recv=stats.bytes_recv,
-                         seconds_inner=round(sec_inner, 3), seconds_comm=round(seconds_comm, 3), members=stats.members)
+                         seconds_inner=round(sec_inner, 3), seconds_comm=round(seconds_comm, 3), members=stats.members,
+                         **({"payload_bytes": stats.payload_bytes} if stats.payload_bytes is not None else {}))
         return False
 
     def _progress(self, t: int):
@@ -248,7 +256,9 @@ class Trainer:
         roster = list(group)
         stats = StepStats()
         # The layout must be the one the service's data plane uses (frame sizes included).
-        cfg = ring.RingConfig(self.mode, sub_chunk_bytes=self.svc.config.sub_chunk_bytes)
+        cfg = ring.RingConfig(self.svc.config.mode, sub_chunk_bytes=self.svc.config.sub_chunk_bytes)
+        if self.sparse is not None:
+            await trio.to_thread.run_sync(self.sparse.prepare, delta)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         unconfirmed = False
         for attempt in range(MAX_ATTEMPTS):
@@ -277,6 +287,11 @@ class Trainer:
                          sorted(set(roster) - set(agreeing)))
                 roster = agreeing
                 continue
+            if self.sparse is not None:  # issue 18: the whole attempt is the sparse collective's
+                res = await self._sparse_attempt(t, attempt, rh, roster, stats)
+                if res is None:
+                    continue
+                return res, stats
             rank, world = roster.index(self.me), len(roster)
             send = self.adversary.corrupt(delta)
             if self.robust is None:
@@ -319,6 +334,25 @@ class Trainer:
                 await self.note_outliers(t, roster, ok, res.scores)
             return res.result, stats
         return None, stats
+
+    async def _sparse_attempt(self, t: int, attempt: int, rh: str, roster: list[str], stats: StepStats):
+        """One attempt of a sparse run (p2ptrain/reduce/sparse.py): the mean, or None to retry."""
+        try:
+            res = await self.sparse.attempt(self.svc, self.node.identity, self.run_id, t, attempt, rh, roster,
+                                            self.exchange_timeout, robust=self.robust is not None)
+        except RoundFailed as exc:
+            log.info("step %d attempt %d failed: %s", t, attempt, exc)
+            for peer, reason in exc.blamed.items():
+                self.reject(t, peer, reason)
+            return None
+        for peer, reason in res.excluded.items():
+            self.reject(t, peer, reason)
+        stats.bytes_sent += res.bytes_sent
+        stats.bytes_recv += res.bytes_recv
+        stats.members = res.members
+        stats.payload_bytes = res.payload_bytes
+        self.sparse.commit()
+        return res.result
 
     async def note_outliers(self, t: int, roster: list[str], headers: dict, scores: list) -> None:
         """Members the robust rule threw away far more than the others, by the committed scores
