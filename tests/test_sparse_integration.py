@@ -12,6 +12,8 @@ import pytest
 
 from conftest import start_bootstrap
 from p2ptrain.kernels import quantized_nbytes
+from p2ptrain.reduce.sparse import wire_nbytes
+from p2ptrain.reduce.sparsecodec import SparseConfig
 from test_training_integration import committed, start_trainers
 
 pytestmark = pytest.mark.integration
@@ -49,6 +51,7 @@ def test_three_peers_sparse_run_identical_params_loss_falls_bytes_counted(procs,
     peers = start_trainers(procs, baddr, sparse_run, keys, 3, STEPS)
     n = peers[0].wait_event(lambda e: e["event"] == "run_joined", 120)["params"]
     steps = [[committed(p, s) for p in peers] for s in range(1, STEPS + 1)]
+    computed = wire_nbytes(n, SparseConfig(topk_fraction=0.02), 3)
     for evs in steps:
         assert len({e["params_sha256"] for e in evs}) == 1, evs
         assert all(len(e["members"]) == 3 for e in evs), evs
@@ -60,10 +63,12 @@ def test_three_peers_sparse_run_identical_params_loss_falls_bytes_counted(procs,
             payload = e["payload_bytes"]
             assert 2 * payload < e["bytes_sent"] < 2 * payload * 1.15, e
             assert e["bytes_recv"] == e["bytes_sent"], e  # same sizes both ways when all arrived
+            # and what the bench computes for the same messages, to within a few bytes of varint sizes
+            assert abs(e["bytes_sent"] - 2 * computed) <= 64, (e["bytes_sent"], computed)
     e = steps[-1][0]
     ring_int8 = round(2 * 2 / 3 * quantized_nbytes(n))  # what the int8 ring sends per member
     report(f"sparse run, {n} params, 3 peers: sent {e['bytes_sent']} B / recv {e['bytes_recv']} B per peer "
-           f"per outer step (counted), payload {e['payload_bytes']} B (computed), int8 ring would send "
+           f"per outer step (counted; computed {2 * computed} B), payload {e['payload_bytes']} B (computed), int8 ring would send "
            f"{ring_int8} B ({ring_int8 / e['bytes_sent']:.0f}x more); val loss {val}")
     for p in peers:
         assert not [x for x in p.all_events if x["event"] == "contribution_rejected"]

@@ -63,6 +63,20 @@ def framed_nbytes(run_id: str, tag: str, data: bytes) -> int:
     return len(control_pack({"tag": session_tag(run_id, tag), "kind": "data", "data": data}))
 
 
+def wire_nbytes(n: int, cfg: codec.SparseConfig, world: int) -> int:
+    """Bytes one member's collective writes to one other member per round, as `attempt`
+    frames them (header + fragments + vote; a 64-hex run id and fresh peer ids): what the
+    bench counts, and what the real-process test measures."""
+    from p2ptrain.identity import Identity
+
+    ids = [Identity.generate() for _ in range(world)]
+    run, rid, payload = "0" * 64, "999999/0/sparse", b"\0" * SK.payload_nbytes(n, cfg.chunk, cfg.k)
+    header = codec.sign_contribution(ids[0], run, 999999, 0, "0" * 64, n, cfg, payload)
+    msgs = [header, *codec.fragments(payload)]
+    vote = msgpack.packb({"digest": "0" * 64, "used": [i.peer_id_str for i in ids]}, use_bin_type=True)
+    return sum(framed_nbytes(run, f"{rid}/{i}", m) for i, m in enumerate(msgs)) + framed_nbytes(run, rid, vote)
+
+
 class SparseReducer:
     def __init__(self, cfg: codec.SparseConfig, n: int) -> None:
         self.cfg = cfg
