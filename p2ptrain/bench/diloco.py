@@ -11,11 +11,14 @@ Configurations, all from the same initial model (per seed) and at equal compute 
   dp           synchronous data-parallel, S steps at batch M*b (the M workers' batches of each
                step, by gradient accumulation); sends a full fp32 gradient every step
   diloco_H*_fp32 / _int8   M workers, S steps each at batch b, outer step every H steps
+  diloco_H*_sparse         the same with issue 18's compressed contributions (top-k + 2-bit +
+               error feedback, all-gathered; `sparse_mean`) and its own outer lr/momentum
 Optionally all of them start from a briefly pre-trained checkpoint (--warm-start steps of one
 worker, shared by every configuration of a seed).
 
 Wire bytes per worker use the ring formula 2 (M-1)/M * payload per all-reduce, with payload
-quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step.
+quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step;
+sparse sends its framed messages to each of the M-1 others (`p2ptrain.reduce.sparse.wire_nbytes`).
 Configurations run in separate processes (--jobs) of one thread each by default: on two
 shared cores, two single-threaded processes were faster and far steadier than one process with
 two threads (OpenMP barriers stall when another job takes a core).
@@ -33,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from p2ptrain.bench.diloco_report import _name, _table, print_results, summarize  # noqa: F401 (robust.py)
+from p2ptrain.bench.diloco_sparse import sparse_mean, sparse_wire_nbytes
 
 DEFAULT_H = (10, 50, 100)
 
@@ -214,31 +218,6 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
     out["val_loss"] = evaluate(model, ds, batch=st.eval_batch, seq_len=st.seq_len, max_batches=st.eval_batches)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
-
-
-def sparse_mean(deltas: list, efs: list, st: Settings):
-    """The sparse all-gather's result, as every network member computes it: each worker
-    compresses (delta + its error feedback), the decoded contributions are summed in worker
-    (roster) order in float64 and divided by M. numpy kernels, for the reason int8 uses them."""
-    import numpy as np
-
-    from p2ptrain.kernels import sparse as SK
-
-    k = SK.k_for(st.chunk, st.topk_fraction)
-    acc = np.zeros(deltas[0].size, np.float64)
-    for d, ef in zip(deltas, efs):
-        idx, codes, levels = SK.reference.compress_ef(d, ef, st.ef_decay, st.chunk, k)
-        SK.reference.decode_add(idx, codes, levels, acc, st.chunk, k)
-    return (acc / len(deltas)).astype(np.float32)
-
-
-def sparse_wire_nbytes(n: int, st: Settings) -> int:
-    """Bytes one worker sends one other member per round: the exchange messages of its signed
-    contribution (p2ptrain.reduce.sparsecodec), framed exactly as the service writes them."""
-    from p2ptrain.reduce.sparse import wire_nbytes
-    from p2ptrain.reduce.sparsecodec import SparseConfig
-
-    return wire_nbytes(n, SparseConfig(st.topk_fraction, 2, st.chunk, st.ef_decay), st.workers)
 
 
 # ----------------------------------------------------------------------------- plan
