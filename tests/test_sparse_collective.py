@@ -166,3 +166,14 @@ def test_header_checks_bind_step_roster_and_shape():
     with pytest.raises(codec.BadSparse, match="oversize"):
         codec.verify(ident.peer_id_str, b"\0" * 2000, frags, "run", 3, 0, "rh", 5000, CFG)
     assert framed_nbytes("run", "1/0/sparse/0", b"x" * codec.FRAGMENT) <= 4096 + 4
+
+
+def test_manifest_allreduce_values_are_checked():
+    from p2ptrain.run import manifest as mf
+
+    assert mf.allreduce({"train": {"allreduce": "int8"}}) == "int8"
+    assert mf.allreduce({"train": {"allreduce": "sparse", "topk_fraction": 0.02, "chunk": 2048}}) == "sparse"
+    for bad in ({"allreduce": "zip"}, {"allreduce": "sparse", "bits": 3}, {"allreduce": "sparse", "chunk": 8192},
+                {"allreduce": "sparse", "topk_fraction": 0.0}, {"allreduce": "sparse", "ef_decay": "x"}):
+        with pytest.raises(mf.ManifestError):
+            mf.allreduce({"train": bad})
