@@ -69,15 +69,16 @@ class Settings:
     eval_batch: int = 64
     block: int = 16
     """int8 sub-block size of the ring (the network's default)."""
-    topk_fraction: float = 0.015
+    topk_fraction: float = 0.02
     """sparse: entries kept per chunk (SparseLoCo: 1-3 %)."""
     chunk: int = 4096
     """sparse: top-k chunk (12-bit offsets)."""
     ef_decay: float = 0.95
     """sparse: error-feedback decay beta (SparseLoCo's)."""
-    sparse_outer_lr: float = 0.7
-    sparse_outer_momentum: float = 0.9
-    """sparse: outer step (error feedback already carries momentum-like memory)."""
+    sparse_outer_lr: float = 1.0
+    sparse_outer_momentum: float = 0.0
+    """sparse: SparseLoCo's plain outer step (error feedback takes momentum's place; with the
+    DiLoCo default 0.7 / 0.9 Nesterov, sparse was far worse: BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0:

@@ -16,8 +16,10 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default="stdlib", metavar="SPEC", help="'stdlib', 'glob:path/*.txt' or 'bin:file'")
     p.add_argument("--inner-steps", type=int, default=20, metavar="H")
     p.add_argument("--group-size", type=int, default=4, metavar="G")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="default 0.7 (DiLoCo's); 1.0 for --allreduce sparse (SparseLoCo's plain step)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="default 0.9; 0 for --allreduce sparse (its error feedback takes momentum's place)")
     p.add_argument("--inner-lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=20, help="inner warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -47,6 +49,11 @@ def build_manifest(args, data_hash: str, genesis_sha: str, genesis_bytes: int) -
     if args.seq_len > model["max_seq_len"]:
         raise CLIError(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {model['max_seq_len']}",
                        "use a smaller --seq-len")
+    sparse = args.allreduce == "sparse"
+    if args.outer_lr is None:
+        args.outer_lr = 1.0 if sparse else 0.7
+    if args.outer_momentum is None:
+        args.outer_momentum = 0.0 if sparse else 0.9
     for name in ("inner_steps", "group_size", "batch_size", "seq_len", "planned_outer_steps"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1")
