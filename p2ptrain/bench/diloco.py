@@ -11,11 +11,14 @@ Configurations, all from the same initial model (per seed) and at equal compute 
   dp           synchronous data-parallel, S steps at batch M*b (the M workers' batches of each
                step, by gradient accumulation); sends a full fp32 gradient every step
   diloco_H*_fp32 / _int8   M workers, S steps each at batch b, outer step every H steps
+  diloco_H*_sparse         the same with issue 18's compressed contributions (top-k + 2-bit +
+               error feedback, all-gathered; `sparse_mean`) and its own outer lr/momentum
 Optionally all of them start from a briefly pre-trained checkpoint (--warm-start steps of one
 worker, shared by every configuration of a seed).
 
 Wire bytes per worker use the ring formula 2 (M-1)/M * payload per all-reduce, with payload
-quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step.
+quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step;
+sparse sends its framed messages to each of the M-1 others (`p2ptrain.reduce.sparse.wire_nbytes`).
 Configurations run in separate processes (--jobs) of one thread each by default: on two
 shared cores, two single-threaded processes were faster and far steadier than one process with
 two threads (OpenMP barriers stall when another job takes a core).
@@ -31,6 +34,9 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
+
+from p2ptrain.bench.diloco_report import _name, _table, print_results, summarize  # noqa: F401 (robust.py)
+from p2ptrain.bench.diloco_sparse import sparse_mean, sparse_wire_nbytes
 
 DEFAULT_H = (10, 50, 100)
 
@@ -63,6 +69,16 @@ class Settings:
     eval_batch: int = 64
     block: int = 16
     """int8 sub-block size of the ring (the network's default)."""
+    topk_fraction: float = 0.02
+    """sparse: entries kept per chunk (SparseLoCo: 1-3 %)."""
+    chunk: int = 4096
+    """sparse: top-k chunk (12-bit offsets)."""
+    ef_decay: float = 0.95
+    """sparse: error-feedback decay beta (SparseLoCo's)."""
+    sparse_outer_lr: float = 1.0
+    sparse_outer_momentum: float = 0.0
+    """sparse: SparseLoCo's plain outer step (error feedback takes momentum's place; with the
+    DiLoCo default 0.7 / 0.9 Nesterov, sparse was far worse: BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0:
@@ -135,6 +151,7 @@ def _peer(w: int) -> bytes:
 
 def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> dict:
     """Train one configuration for one seed; returns its final validation loss and counters."""
+    import numpy as np
     import torch
 
     from p2ptrain.train.data import evaluate, load_dataset, train_batch
@@ -165,7 +182,10 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
             raise ValueError(f"steps {S} is not a multiple of H {H}")
         models = [model] + [copy.deepcopy(model) for _ in range(M - 1)]
         opts = [_optimizer(m, st, S, opt_state) for m in models]
-        outer = OuterOptimizer(model, OuterConfig(st.outer_lr, st.outer_momentum, st.nesterov))
+        sparse = avg == "sparse"
+        lr, mom = (st.sparse_outer_lr, st.sparse_outer_momentum) if sparse else (st.outer_lr, st.outer_momentum)
+        outer = OuterOptimizer(model, OuterConfig(lr, mom, st.nesterov))
+        efs = [np.zeros(n, np.float32) for _ in range(M)] if sparse else None
         errs = []
         for r in range(S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
@@ -179,16 +199,21 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
                 ring_mean = simulate_ring_mean([d.numpy() for d in deltas], st.block, kernels=reference)
                 mean = torch.from_numpy(ring_mean)
                 errs.append(float((mean - exact).norm() / exact.norm().clamp_min(1e-30)))
+            elif sparse:
+                mean = torch.from_numpy(sparse_mean([d.numpy() for d in deltas], efs, st))
+                errs.append(float((mean - exact).norm() / exact.norm().clamp_min(1e-30)))
             else:
                 mean = exact
             outer.step(mean)  # worker 0's model now holds the outer parameters
             for m in models[1:]:
                 unflatten_into(outer.outer, list(m.parameters()))
         payload = quantized_nbytes(n, st.block) if avg == "int8" else 4 * n
-        out.update(wire_bytes=round((S // H) * ring * payload), inner_steps=S, outer_steps=S // H,
+        # all-gather: each worker sends its contribution's messages to each of the M - 1 others
+        per_round = (M - 1) * sparse_wire_nbytes(n, st) if sparse else ring * payload
+        out.update(wire_bytes=round((S // H) * per_round), inner_steps=S, outer_steps=S // H,
                    tokens=S * M * st.batch * st.seq_len, outer_sha256=outer.params_sha256()[:16])
         if errs:
-            out["int8_rel_err"] = statistics.fmean(errs)
+            out[f"{avg}_rel_err"] = statistics.fmean(errs)
     else:
         raise ValueError(f"unknown configuration kind {kind!r}")
     out["val_loss"] = evaluate(model, ds, batch=st.eval_batch, seq_len=st.seq_len, max_batches=st.eval_batches)
@@ -197,12 +222,6 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
 
 
 # ----------------------------------------------------------------------------- plan
-def _name(kind: str, H: int, avg: str, M: int) -> str:
-    if kind == "diloco":
-        return f"diloco_H{H}_{avg}"
-    return f"single_{M}x" if kind == "single_Mx" else kind
-
-
 def plan(args, st: Settings) -> list[tuple[str, int, str, int]]:
     """(kind, H, avg, seed) tasks. Seeds: all of them for the baselines and for the DiLoCo H
     values in --seeded-h, the first one elsewhere."""
@@ -214,7 +233,7 @@ def plan(args, st: Settings) -> list[tuple[str, int, str, int]]:
     if args.single_mx:
         tasks.append(("single_Mx", 0, "fp32", 0))
     for H in args.H:
-        for avg in ("fp32", "int8"):
+        for avg in args.avg:
             for s in (seeds if H in args.seeded_h else seeds[:1]):
                 tasks.append(("diloco", H, avg, s))
     if args.only:
@@ -271,6 +290,12 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-start", type=int, default=None, help="steps of shared single-worker pre-training")
     p.add_argument("--single-mx", action=argparse.BooleanOptionalAction, default=True,
                    help="also run 1 worker for M x steps (same tokens as DP/DiLoCo), one seed")
+    p.add_argument("--avg", nargs="+", default=["fp32", "int8", "sparse"], choices=["fp32", "int8", "sparse"],
+                   help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18)")
+    p.add_argument("--topk-fraction", type=float, default=None)
+    p.add_argument("--ef-decay", type=float, default=None)
+    p.add_argument("--sparse-outer-lr", type=float, default=None)
+    p.add_argument("--sparse-outer-momentum", type=float, default=None)
     p.add_argument("--only", default="", help="comma-separated configuration names to run")
     p.add_argument("--jobs", type=int, default=2, help="configurations run in parallel processes")
     p.add_argument("--threads", type=int, default=None, help="torch threads per process (default 2 // jobs)")
@@ -286,86 +311,13 @@ def settings_from_args(args) -> Settings:
 
         st.model = ModelConfig.preset(args.model).to_dict()
         st.seq_len = st.model["max_seq_len"]
-    for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start"):
+    for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
+                 "ef_decay", "sparse_outer_lr", "sparse_outer_momentum"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:
         st.nesterov = False
     return st
-
-
-def _agg(results: list[dict]) -> dict:
-    vals = [r["val_loss"] for r in results]
-    return {"val_loss_mean": statistics.fmean(vals), "val_loss_std": statistics.stdev(vals) if len(vals) > 1 else None,
-            "val_losses": [round(v, 5) for v in vals], "seeds": [r["seed"] for r in results]}
-
-
-def summarize(st: Settings, results: list[dict]) -> tuple[list[dict], dict]:
-    groups: dict[str, list[dict]] = {}
-    for r in results:
-        groups.setdefault(_name(r["kind"], r["H"], r["avg"], st.workers), []).append(r)
-    dp = groups.get("dp")
-    dp_bytes = dp[0]["wire_bytes"] if dp else None
-    rows = []
-    for name, rs in groups.items():
-        rs.sort(key=lambda r: r["seed"])
-        row = {"event": "bench_diloco_config", "name": name, "kind": rs[0]["kind"], "H": rs[0]["H"] or None,
-               "avg": rs[0]["avg"] if rs[0]["kind"] == "diloco" else None, **_agg(rs),
-               "wire_bytes_per_worker": rs[0]["wire_bytes"], "tokens": rs[0]["tokens"],
-               "inner_steps": rs[0]["inner_steps"], "seconds_per_run": round(statistics.fmean(r["seconds"] for r in rs), 1)}
-        if dp_bytes and rs[0]["wire_bytes"]:
-            row["bytes_reduction_vs_dp"] = round(dp_bytes / rs[0]["wire_bytes"], 1)
-        if "int8_rel_err" in rs[0]:
-            row["int8_rel_err"] = round(statistics.fmean(r["int8_rel_err"] for r in rs), 5)
-        rows.append(row)
-    order = {"single": 0, "single_Mx": 1, "dp": 2, "diloco": 3}
-    rows.sort(key=lambda r: (order[r["kind"]], r["H"] or 0, r["avg"] or ""))
-    by = {r["name"]: r for r in rows}
-    summary: dict = {"event": "bench_diloco_summary"}
-    dil = [r for r in rows if r["kind"] == "diloco"]
-    if dil:
-        best = min(dil, key=lambda r: r["val_loss_mean"])
-        summary["best_diloco"] = best["name"]
-        summary["best_diloco_val_loss"] = round(best["val_loss_mean"], 4)
-        if "dp" in by:
-            dpv = by["dp"]["val_loss_mean"]
-            summary["dp_val_loss"] = round(dpv, 4)
-            summary["diloco_vs_dp_pct"] = {r["name"]: round(100 * (r["val_loss_mean"] / dpv - 1), 2) for r in dil}
-            summary["goal_within_2pct_of_dp"] = best["val_loss_mean"] <= 1.02 * dpv
-        if "single" in by:
-            summary["single_val_loss"] = round(by["single"]["val_loss_mean"], 4)
-            summary["goal_better_than_single"] = best["val_loss_mean"] < by["single"]["val_loss_mean"]
-        if "single_Mx" in by:
-            summary["single_Mx_val_loss"] = round(by["single_Mx"]["val_loss_mean"], 4)
-        pairs = {}
-        for H in sorted({r["H"] for r in dil}):
-            a, b = groups.get(f"diloco_H{H}_fp32"), groups.get(f"diloco_H{H}_int8")
-            if not a or not b:
-                continue
-            fa, fb = by[f"diloco_H{H}_fp32"], by[f"diloco_H{H}_int8"]
-            diffs = [y["val_loss"] - x["val_loss"] for x, y in zip(a, b) if x["seed"] == y["seed"]]
-            pairs[H] = {"int8_minus_fp32": round(fb["val_loss_mean"] - fa["val_loss_mean"], 5),
-                        "paired_diffs": [round(d, 5) for d in diffs], "fp32_seed_std": fa["val_loss_std"],
-                        "within_one_std": (abs(fb["val_loss_mean"] - fa["val_loss_mean"]) <= fa["val_loss_std"])
-                        if fa["val_loss_std"] is not None else None}
-        summary["int8_vs_fp32"] = pairs
-        i8 = by.get("diloco_H100_int8")
-        if i8 and "bytes_reduction_vs_dp" in i8:
-            summary["bytes_reduction_H100_int8"] = i8["bytes_reduction_vs_dp"]
-            summary["goal_bytes_360x"] = i8["bytes_reduction_vs_dp"] >= 360
-    return rows, summary
-
-
-def _table(rows: list[dict]) -> str:
-    lines = [f"{'config':<20} {'seeds':>5} {'val loss':>9} {'std':>7} {'vs dp':>7} {'bytes/worker':>13} {'x fewer':>8} {'s/run':>6}"]
-    dpv = next((r["val_loss_mean"] for r in rows if r["name"] == "dp"), None)
-    for r in rows:
-        std = f"{r['val_loss_std']:.4f}" if r["val_loss_std"] is not None else "-"
-        vs = f"{100 * (r['val_loss_mean'] / dpv - 1):+.1f}%" if dpv else "-"
-        red = f"{r['bytes_reduction_vs_dp']:.0f}" if "bytes_reduction_vs_dp" in r else "-"
-        lines.append(f"{r['name']:<20} {len(r['seeds']):>5} {r['val_loss_mean']:>9.4f} {std:>7} {vs:>7} "
-                     f"{r['wire_bytes_per_worker']:>13,} {red:>8} {r['seconds_per_run']:>6}")
-    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -418,17 +370,6 @@ def run(args) -> int:
     summary["settings"] = asdict(st)
     print_results(rows, summary, say, args.json, _table)
     return 0
-
-
-def print_results(rows: list[dict], summary: dict, say, json_mode: bool, table) -> None:
-    """The rows and the summary as event lines (`say`, --json), or as a table and the
-    summary's figures on one line; shared by the quality benches (diloco, robust)."""
-    for r in rows:
-        say(r)
-    say(summary)
-    if not json_mode:
-        print(table(rows))
-        print(json.dumps({k: v for k, v in summary.items() if k not in ("event", "settings")}))
 
 
 def main(argv=None) -> int:

@@ -16,15 +16,21 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default="stdlib", metavar="SPEC", help="'stdlib', 'glob:path/*.txt' or 'bin:file'")
     p.add_argument("--inner-steps", type=int, default=20, metavar="H")
     p.add_argument("--group-size", type=int, default=4, metavar="G")
-    p.add_argument("--outer-lr", type=float, default=0.7)
-    p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="default 0.7 (DiLoCo's); 1.0 for --allreduce sparse (SparseLoCo's plain step)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="default 0.9; 0 for --allreduce sparse (its error feedback takes momentum's place)")
     p.add_argument("--inner-lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=20, help="inner warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--planned-outer-steps", type=int, default=10, help="horizon of the inner LR schedule")
-    p.add_argument("--allreduce", default="int8", choices=["int8", "fp32"])
+    p.add_argument("--allreduce", default="int8", choices=["int8", "fp32", "sparse"],
+                   help="'sparse': top-k + 2-bit + error-feedback contributions, all-gathered (issue 18)")
+    p.add_argument("--topk-fraction", type=float, default=0.015, help="sparse: entries kept per chunk")
+    p.add_argument("--chunk", type=int, default=4096, help="sparse: values per top-k chunk (<= 4096)")
+    p.add_argument("--ef-decay", type=float, default=0.95, help="sparse: error-feedback decay")
     p.add_argument("--aggregation", default="mean", choices=["mean", "robust"],
                    help="'robust': each chunk's owner combines every member's copy with CenteredClip "
                         "(Byzantine-robust, costs W-1 connections per member)")
@@ -45,15 +51,19 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
     if args.seq_len > model["max_seq_len"]:
         raise CLIError(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {model['max_seq_len']}",
                        "use a smaller --seq-len")
+    sparse = args.allreduce == "sparse"
+    outer_lr = args.outer_lr if args.outer_lr is not None else 1.0 if sparse else 0.7
+    outer_momentum = args.outer_momentum if args.outer_momentum is not None else 0.0 if sparse else 0.9
+    compressor = dict(topk_fraction=args.topk_fraction, bits=2, chunk=args.chunk, ef_decay=args.ef_decay) if sparse else {}
     try:
         return RunSpec(
             name=args.name or f"run-{int(time.time())}", created=int(time.time()), model=ModelSpec(model),
             data=DataSpec(args.data, data_hash),
             train=TrainSpec(seed=args.seed, inner_steps=args.inner_steps, inner_lr=args.inner_lr, warmup=args.warmup,
                             weight_decay=args.weight_decay, batch_size=args.batch_size, seq_len=args.seq_len,
-                            schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=args.outer_lr,
-                            outer_momentum=args.outer_momentum, group_size=args.group_size,
-                            allreduce=args.allreduce, aggregation=args.aggregation),
+                            schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=outer_lr,
+                            outer_momentum=outer_momentum, group_size=args.group_size,
+                            allreduce=args.allreduce, aggregation=args.aggregation, **compressor),
             timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
             genesis=GenesisSpec(genesis_sha, genesis_bytes))
     except SpecError as exc:

@@ -28,7 +28,10 @@ log = logging.getLogger("p2ptrain.reduce.exchange")
 
 @dataclass
 class InboxConfig:
-    per_sender: int = 4
+    per_sender: int = 64
+    """Early tags kept per sender. A control message is at most 4 KiB, so this bounds a
+    sender at 256 KiB; 64 covers the sparse collective's 32 exchanges in flight
+    (p2ptrain.reduce.sparse.LANES) when a member runs a lane ahead of us."""
     strangers: int = 64
 
     def __post_init__(self) -> None:

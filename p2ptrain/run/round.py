@@ -8,6 +8,9 @@ Attempts, each with a fresh roster (members this peer still trusts):
      them; members with a bad header are rejected (`Ledger.reject`) and we try again;
   3. run the all-reduce with every frame held to those headers; a `RoundFailed` naming
      culprits rejects them and we try again.
+Sparse runs (issue 18) replace steps 2-3 with the compressed collective
+(`p2ptrain.reduce.sparse`): each member's signed top-k payload is all-gathered, verified per
+sender and summed in roster order; senders caught with a bad payload are rejected.
 Alone (every other member dropped out) a trainer commits its own step unless it is a
 newcomer or its group did not confirm it: both skip and catch up instead (see `run`).
 
@@ -66,7 +69,7 @@ class Contributor:
 @dataclass(frozen=True)
 class RoundConfig:
     mode: str
-    """'int8' or 'fp32' (the run's train.allreduce)."""
+    """'int8' or 'fp32' (the ring's wire format), or 'sparse' (the run's train.allreduce)."""
     sub_chunk_bytes: int
     """Must be the service's data-plane frame size: members cut the tensor the same way."""
     exchange_timeout: float
@@ -75,9 +78,13 @@ class RoundConfig:
     max_attempts: int = 4
 
     def __post_init__(self) -> None:
-        ring.RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
+        ring.RingConfig(self.ring_mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
         if not (self.exchange_timeout > 0 and self.max_attempts >= 1):
             raise ValueError("exchange_timeout must be > 0 and max_attempts >= 1")
+
+    @property
+    def ring_mode(self) -> str:
+        return "int8" if self.mode == "sparse" else self.mode
 
 
 @dataclass
@@ -89,6 +96,8 @@ class Outcome:
     bytes_recv: int = 0
     headers: dict = field(default_factory=dict)
     scores: list | None = None
+    payload_bytes: int | None = None
+    """Sparse runs: our compressed contribution's size (computed), beside the counted bytes."""
     alone: bool = False
     """The result is our own delta: every other member dropped out. The caller must not
     commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
@@ -120,7 +129,7 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
 
 class ContributionRound:
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
-                 contributor: Contributor | None = None) -> None:
+                 contributor: Contributor | None = None, sparse=None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -128,13 +137,17 @@ class ContributionRound:
         self.config = config
         self.ledger = ledger
         self.contributor = contributor or Contributor()
-        self.ring_cfg = ring.RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
+        self.ring_cfg = ring.RingConfig(config.ring_mode, sub_chunk_bytes=config.sub_chunk_bytes)
+        self.sparse = sparse
+        """A `p2ptrain.reduce.sparse.SparseReducer` in sparse runs (it holds our error feedback)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False) -> Outcome:
         """Reduce `delta` with `group` (ring order), starting from params hash `base`."""
         out = Outcome(None, list(group))
         roster, unconfirmed = list(group), False
+        if self.sparse is not None:  # compress once per step; error feedback moves only on commit
+            await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         for attempt in range(self.config.max_attempts):
             roster = [p for p in roster if p not in self.ledger.ignored]
             out.members = roster
@@ -155,7 +168,8 @@ class ContributionRound:
                 log.info("step %d attempt %d: roster not confirmed by %s", t, attempt, sorted(set(roster) - set(agreeing)))
                 roster = agreeing
                 continue
-            if await self._attempt(out, t, attempt, roster, rh, delta, tokens, inner_steps):
+            attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
+            if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
                 return out
             roster = [p for p in roster if p not in self.ledger.ignored]
         return out
@@ -194,12 +208,7 @@ class ContributionRound:
             res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker.check,
                                            robust=self.config.robust)
         except RoundFailed as exc:
-            log.info("step %d attempt %d failed: %s", t, attempt, exc)
-            for peer, reason in exc.blamed.items():
-                self.ledger.reject(t, peer, reason)
-            # A member whose accusations nobody corroborates is aborting rounds on purpose.
-            for peer in getattr(exc, "suspects", {}):
-                self.ledger.reject(t, peer, "uncorroborated-blames")
+            self._failed(t, attempt, exc)
             return False
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
@@ -207,4 +216,30 @@ class ContributionRound:
                               for _, c, j in ring.schedule(rank, world, prep.lay)[1])
         self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
+        return True
+
+    def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
+        log.info("step %d attempt %d failed: %s", t, attempt, exc)
+        for peer, reason in exc.blamed.items():
+            self.ledger.reject(t, peer, reason)
+        # A member whose accusations nobody corroborates is aborting rounds on purpose.
+        for peer in getattr(exc, "suspects", {}):
+            self.ledger.reject(t, peer, "uncorroborated-blames")
+
+    async def _sparse_attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str,
+                              delta: np.ndarray, tokens: int, inner_steps: int) -> bool:
+        """The sparse collective instead of headers + ring (p2ptrain.reduce.sparse): True once
+        it committed; senders whose payload failed verification are rejected either way."""
+        try:
+            res = await self.sparse.attempt(self.svc, self.identity, self.run_id, t, attempt, rh, roster,
+                                            self.config.exchange_timeout, robust=self.config.robust is not None)
+        except RoundFailed as exc:
+            self._failed(t, attempt, exc)
+            return False
+        for peer, reason in res.excluded.items():
+            self.ledger.reject(t, peer, reason)
+        self.sparse.commit()
+        out.bytes_sent += res.bytes_sent
+        out.bytes_recv += res.bytes_recv
+        out.members, out.result, out.payload_bytes = res.members, res.result, res.payload_bytes
         return True

@@ -136,7 +136,8 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
     exchange = float(spec.timeouts.exchange)
     svc = AllReduceService(node.host, node.identity, AllReduceConfig(
-        mode=spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
+        # sparse runs use the service for its exchanges only: its ring mode is unused
+        mode="int8" if spec.train.allreduce == "sparse" else spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
         commit_timeout=exchange * 2), listen_ip=_listen_ip(node))
     async with trio.open_nursery() as nursery:
         await nursery.start(svc.run)

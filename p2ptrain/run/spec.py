@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 
 from p2ptrain.run.manifest import ManifestError
 
-ALLREDUCE_MODES = ("int8", "fp32")
+ALLREDUCE_MODES = ("int8", "fp32", "sparse")
 AGGREGATIONS = ("mean", "robust")
 USER = "user"
 _SCALARS = (bool, int, float, str)
@@ -99,6 +99,12 @@ class TrainSpec(_Section):
     seq_len: int | None = None
     schedule: str | None = None
     planned_outer_steps: int | None = None
+    # The compressor of a sparse run (issue 18; p2ptrain.reduce.sparsecodec.SparseConfig);
+    # None, and absent from the manifest, for other runs.
+    topk_fraction: float | None = None
+    bits: int | None = None
+    chunk: int | None = None
+    ef_decay: float | None = None
 
     def __post_init__(self) -> None:
         _int(self.inner_steps, "train.inner_steps", 1)
@@ -110,6 +116,7 @@ class TrainSpec(_Section):
               f"(this version knows {', '.join(ALLREDUCE_MODES)})")
         _need(self.aggregation in AGGREGATIONS, f"unknown aggregation {self.aggregation!r} "
               f"(this version knows {', '.join(AGGREGATIONS)})")
+        self._check_sparse()
         inner = [self.seed, self.inner_lr, self.warmup, self.weight_decay, self.batch_size, self.seq_len,
                  self.schedule, self.planned_outer_steps]
         if all(v is None for v in inner):
@@ -125,6 +132,24 @@ class TrainSpec(_Section):
     @property
     def has_inner(self) -> bool:
         return self.seed is not None
+
+    def _check_sparse(self) -> None:
+        fields_ = {"topk_fraction": self.topk_fraction, "bits": self.bits, "chunk": self.chunk,
+                   "ef_decay": self.ef_decay}
+        if self.allreduce != "sparse":
+            _need(all(v is None for v in fields_.values()), "compressor fields belong to allreduce = 'sparse' runs")
+            return
+        _need(all(v is not None for v in fields_.values()), "a sparse run needs topk_fraction, bits, chunk, ef_decay")
+        self.sparse_config()  # validates
+
+    def sparse_config(self):
+        """The run's compressor (imported here: only sparse runs load the sparse kernels)."""
+        from p2ptrain.reduce.sparsecodec import SparseConfig
+
+        try:
+            return SparseConfig(float(self.topk_fraction), int(self.bits), int(self.chunk), float(self.ef_decay))
+        except (TypeError, ValueError) as exc:
+            raise SpecError(f"invalid sparse compressor settings: {exc}") from None
 
 
 @dataclass(frozen=True)

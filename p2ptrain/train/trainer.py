@@ -26,6 +26,7 @@ from p2ptrain.ckpt.download import CheckpointServer, adopt
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.net.connkinds import kind_counts
 from p2ptrain.reduce.robust import RobustConfig
+from p2ptrain.reduce.sparse import SparseReducer
 from p2ptrain.run import elect, election, records, states
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
@@ -62,8 +63,12 @@ class Trainer:
         self.me = node.identity.peer_id_str
         self.ledger = Ledger(self.me, events)
         robust = RobustConfig() if spec.train.aggregation == "robust" else None
+        # sparse runs (issue 18): compressed all-gather instead of the ring; per-peer error feedback
+        sparse = (SparseReducer(spec.train.sparse_config(), local.n_params)
+                  if spec.train.allreduce == "sparse" else None)
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
-            spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust), self.ledger, contributor)
+            spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust), self.ledger,
+            contributor, sparse)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
@@ -146,7 +151,8 @@ class Trainer:
         self.events.emit("outer_step_committed", step=self.local.step, loss=None if joining else round(loss, 5),
                          val_loss=round(val, 5), params_sha256=sha, bytes_sent=out.bytes_sent,
                          bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
-                         seconds_comm=round(seconds_comm, 3), members=out.members)
+                         seconds_comm=round(seconds_comm, 3), members=out.members,
+                         **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
         return False
 
     async def _skip(self, t: int, reason: str) -> bool:
