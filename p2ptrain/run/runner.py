@@ -80,8 +80,10 @@ async def starting_state(node, manifest: dict, run_id: str, manifest_path: str |
 
 
 async def run_training(node, manifest: dict | None, run_id: str, manifest_path: str | None, workdir: Path,
-                       events, config: TrainerConfig) -> None:
-    from p2ptrain.train.local import DataMismatch, LocalModel, load_run_data
+                       events, config: TrainerConfig, device=None) -> None:
+    from p2ptrain.train import shards
+    from p2ptrain.train.device import DeviceConfig
+    from p2ptrain.train.local import LocalModel
 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
@@ -98,13 +100,13 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     blobs = BlobServer(node.host, config=serve_cfg, tamper=adversary.make(config.adversary).tamper)
     blobs.add(mf.encode(manifest))
     await node.dht.store(run_key(run_id, "manifest"), mf.encode(manifest), ttl=3600)
-    try:
-        ds = await trio.to_thread.run_sync(load_run_data, manifest)
-    except (DataMismatch, ValueError) as exc:
-        raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
+    # local files, else peers (hash-checked against the manifest); then served to others
+    ds = await shards.obtain(node, blobs, manifest, run_id, manifest_path, workdir, events, serve_cfg.chunk_kib << 10)
     state = await starting_state(node, manifest, run_id, manifest_path, workdir, events)
     try:
-        local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads)
+        dc = device or DeviceConfig()
+        local = await trio.to_thread.run_sync(LocalModel, manifest, ds, node.identity.peer_id, state, config.threads,
+                                              dc.device, dc.precision)
     except checkpoint.CheckpointError as exc:
         # Hash-checked bytes that still do not fit this run's model: a broken local
         # checkpoint, or a state its group attested wrongly. Say so; never train on it.
