@@ -42,14 +42,14 @@ def _base_env() -> dict:
     return dict(os.environ)
 
 
-def join(procs, baddr: str, name: str, which: list[str], steps: int, min_peers: int):
+def join(procs, baddr: str, name: str, which: list[str], steps: int, min_peers: int, device: str = "cpu"):
     key = procs.log_dir / f"{name}.key"
     load_or_create(key)
     # each peer its own token cache: a shared one would hide a missing fetch
     env = {**ENV, "P2PTRAIN_CACHE": str(procs.log_dir / f"cache-{name}")}
     return procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(key),
                         "--workdir", str(procs.log_dir / name), *which, "--max-outer-steps", str(steps),
-                        "--min-peers", str(min_peers), "--threads", "1", "--device", "cpu", "--json"], name, env=env)
+                        "--min-peers", str(min_peers), "--threads", "1", "--device", device, "--json"], name, env=env)
 
 
 def committed(peer, step: int, timeout: float = 180) -> dict:
@@ -81,3 +81,18 @@ def test_hf_llama_bpe_jsonl_two_peers_then_a_data_less_joiner(procs):
     want = committed(p0, first["step"])
     assert first["params_sha256"] == want["params_sha256"], (first, want)
     assert (d / "p2" / "data").is_dir()  # kept for a restart without the network
+
+
+def test_a_cuda_peer_and_a_cpu_peer_commit_identical_params(procs):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine (torch.cuda.is_available() is False)")
+    d = procs.log_dir
+    rid = init_run(d)
+    boot, baddr = start_bootstrap(procs)
+    gpu = join(procs, baddr, "gpu", ["--manifest", str(d / "run" / "run.toml")], 2, 2, device="cuda")
+    cpu = join(procs, baddr, "cpu", ["--run", rid], 2, 2, device="cpu")
+    for step in (1, 2):
+        evs = [committed(p, step) for p in (gpu, cpu)]
+        assert evs[0]["params_sha256"] == evs[1]["params_sha256"] and len(evs[0]["members"]) == 2, evs
