@@ -13,6 +13,7 @@ BENCHES = {
     "checkpoint": "p2ptrain.bench.checkpoint",
     "churn": "p2ptrain.bench.churn",
     "robust": "p2ptrain.bench.robust",
+    "throughput": "p2ptrain.bench.throughput",
 }
 
 
