@@ -264,3 +264,13 @@ def test_uint32_token_streams_travel_as_int32():
     got = shards.decode_dataset(shards.encode_dataset(ds), {"data": {"content_hash": ds.content_hash,
                                                                      "spec": "jsonl:x"}})
     assert got.train.dtype == np.uint32 and np.array_equal(got.train, train)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: --device cuda is valid here")
+def test_join_with_a_gpu_this_machine_lacks_is_a_one_line_error(tmp_path, capsys):
+    from p2ptrain.cli.main import main
+
+    code = main(["join", "--bootstrap", "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWNRf48DoVBnk6zmGsB58Vte3WMG3kyhNHujRqiA4mF1Mb",
+                 "--workdir", str(tmp_path), "--run", "0" * 64, "--device", "cuda:0"])
+    err = capsys.readouterr().err
+    assert code != 0 and "no CUDA GPU" in err and "--device cpu" in err, err

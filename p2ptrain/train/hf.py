@@ -128,7 +128,7 @@ def build_hf(section: dict, seed: int, weights: Path | None = None) -> HFCausalL
     hf_cfg = _auto_config(json.loads(text))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        hf = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        hf = AutoModelForCausalLM.from_config(hf_cfg)  # no dtype kwarg: renamed across versions
     if weights is not None:
         from safetensors.torch import load_file
 

@@ -195,7 +195,11 @@ async def obtain(node, blobs, manifest: dict, run_id: str, manifest_path: str | 
         if ds is None:
             log.info("run data not usable locally (%s); fetching it from peers", exc)
             events.emit("data_fetch_started", reason=str(exc)[:200])
-            ds, blob = await fetch_dataset(node, run_id, manifest, events)
+            try:
+                ds, blob = await fetch_dataset(node, run_id, manifest, events)
+            except NodeError as err:
+                raise NodeError(f"{err} (and locally: {exc})", "give the run's data files at the manifest's "
+                                "path, or try again when a peer of the run is online") from None
             await trio.to_thread.run_sync(_save, cached, blob)
     await serve(node, blobs, run_id, ds, tok, chunk_bytes)
     return ds
