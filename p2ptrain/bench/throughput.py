@@ -8,17 +8,18 @@ copy to the device, autocast, one loss sync per H steps); the plain loop feeds b
 made beforehand on the device and never syncs. Goals: tokens/s ratio >= 0.97x, peak memory
 ratio <= 1.1x.
 
-Each (variant, repeat) runs in a fresh child process (so one's allocations cannot hide in
-the other's), alternating plain/peer so load from other processes hits both alike; the best
-tokens/s of each variant is compared. Memory: on a GPU, torch.cuda.max_memory_allocated over
-the timed steps; on the CPU, the peak resident set size sampled every 2 ms over the timed
-steps (after gc and malloc_trim, so set-up transients do not count). The peer's outer state
+Speed: both loops in one child process, H steps of one then H steps of the other, --rounds
+times (the order alternating), medians compared: load from other processes on these shared
+machines then hits both alike. Memory: each loop alone in a fresh child process (so one's
+allocations cannot hide in the other's): on a GPU, torch.cuda.max_memory_allocated over the
+timed steps; on the CPU, the peak resident set size sampled every 2 ms over the timed steps
+(after gc and malloc_trim, so set-up transients do not count). The peer's outer state
 (fp32 master copy, momentum and the pseudo-gradient staging vector: 3 x 4 bytes per
 parameter, host memory) is reported separately, and the CPU ratio is given with and without
 it. Usage:
 
     p2ptrain bench throughput [--sizes 25m,125m] [--steps 4] [--batch 4] [--seq-len 128]
-                              [--device auto] [--precision auto] [--threads 2] [--json]
+                              [--rounds 3] [--device auto] [--precision auto] [--threads 2] [--json]
 """
 
 from __future__ import annotations
@@ -47,12 +48,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2, help="runs per variant (best tokens/s kept)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of H steps per loop (median kept)")
     p.add_argument("--device", default="auto")
     p.add_argument("--precision", default="auto")
     p.add_argument("--threads", type=int, default=2, help="torch threads (CPU)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--worker", choices=["plain", "peer"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["speed", "plain", "peer"], help=argparse.SUPPRESS)
     p.add_argument("--section", help=argparse.SUPPRESS)
 
 
@@ -108,22 +109,21 @@ def _trim() -> None:
         pass
 
 
-def worker(args) -> dict:
+def _setup(args, variant: str):
+    """(step function running H timed steps, params, outer-state bytes, device, autocast dtype)."""
     import numpy as np
     import torch
 
     from p2ptrain.train import device as dev
     from p2ptrain.train.data import Dataset, _hash
 
-    torch.set_num_threads(args.threads)
     section = json.loads(args.section)
     device = dev.resolve_device(args.device)
     amp = dev.resolve_precision(args.precision, device)
     H, B, T = args.steps, args.batch, args.seq_len
     tr = {"seed": 0, "inner_steps": H, "inner_lr": 3e-4, "warmup": 1, "weight_decay": 0.1, "batch_size": B,
           "seq_len": T, "schedule": "cosine", "planned_outer_steps": 100, "outer_lr": 0.7, "outer_momentum": 0.9}
-    outer_bytes = 0
-    if args.worker == "peer":
+    if variant == "peer":
         from p2ptrain.train.data import train_batch
         from p2ptrain.train.local import LocalModel, genesis_state
 
@@ -137,76 +137,99 @@ def worker(args) -> dict:
         local.pseudo_gradient()  # its staging vector is resident from the first outer step on
         outer_bytes = sum(t.numel() * t.element_size()
                           for t in (local.outer.outer, local.outer.momentum, local.outer._staging))
-        step = lambda: local.inner()  # noqa: E731
-        params = local.n_params
-    else:
-        from p2ptrain.train.hf import build_run_model
+        return (lambda: local.inner()), local.n_params, outer_bytes, device, amp
+    from p2ptrain.train.hf import build_run_model
 
-        model = build_run_model(section, 0).to(device)
-        params = sum(p.numel() for p in model.parameters())
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-        g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, section["vocab_size"], (B, T + 1), generator=g).to(device)
-                   for _ in range(H + args.warmup)]
+    model = build_run_model(section, 0).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, section["vocab_size"], (B, T + 1), generator=g).to(device) for _ in range(H)]
 
-        def train(bs) -> None:
-            for b in bs:
-                with dev.autocast(device, amp):
-                    loss = model.loss(b)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
+    def train(bs) -> None:
+        for b in bs:
+            with dev.autocast(device, amp):
+                loss = model.loss(b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
 
-        train(batches[:args.warmup])
-        step = lambda: train(batches[args.warmup:])  # noqa: E731
+    train(batches[:args.warmup])
+    return (lambda: train(batches)), sum(p.numel() for p in model.parameters()), 0, device, amp
+
+
+def _timed(fn, device) -> float:
+    import torch
+
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def worker(args) -> dict:
+    """`speed`: both loops in this process, H steps of each in turn for --rounds rounds (so
+    load from other processes hits both alike); `plain`/`peer`: one loop's peak memory."""
+    import statistics
+
+    import torch
+
+    from p2ptrain.train import device as dev
+
+    torch.set_num_threads(args.threads)
+    if args.worker == "speed":
+        loops = {v: _setup(args, v) for v in ("plain", "peer")}
+        times: dict[str, list[float]] = {"plain": [], "peer": []}
+        for r in range(args.rounds):
+            for v in (("plain", "peer") if r % 2 == 0 else ("peer", "plain")):
+                times[v].append(_timed(loops[v][0], loops[v][3]))
+        tokens = args.steps * args.batch * args.seq_len
+        med = {v: statistics.median(ts) for v, ts in times.items()}
+        return {"plain_tokens_per_s": tokens / med["plain"], "peer_tokens_per_s": tokens / med["peer"],
+                "params": loops["peer"][1], "device": str(loops["peer"][3]),
+                "precision": dev.precision_name(loops["peer"][4]),
+                "seconds": {v: [round(t, 3) for t in ts] for v, ts in times.items()}}
+    step, params, outer_bytes, device, amp = _setup(args, args.worker)
     _trim()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats(device)
     with PeakRSS() as rss:
-        t0 = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        sec = time.perf_counter() - t0
+        _timed(step, device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else rss.peak
-    return {"variant": args.worker, "tokens_per_s": H * B * T / sec, "seconds": sec, "peak_bytes": peak,
-            "memory": "cuda_max_allocated" if device.type == "cuda" else "peak_rss", "outer_state_bytes": outer_bytes,
-            "params": params, "device": str(device), "precision": dev.precision_name(amp)}
+    return {"variant": args.worker, "peak_bytes": peak, "outer_state_bytes": outer_bytes,
+            "memory": "cuda_max_allocated" if device.type == "cuda" else "peak_rss"}
 
 
 def _child(args, variant: str, section: dict) -> dict:
     cmd = [sys.executable, "-m", "p2ptrain.bench.throughput", "--worker", variant, "--section", json.dumps(section),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
            "--seq-len", str(args.seq_len), "--device", args.device, "--precision", args.precision,
-           "--threads", str(args.threads)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+           "--threads", str(args.threads), "--rounds", str(args.rounds)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"{variant} worker failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def compare(args, label: str, section: dict) -> dict:
-    runs: dict[str, list[dict]] = {"plain": [], "peer": []}
-    for _ in range(args.repeats):
-        for variant in ("plain", "peer"):
-            runs[variant].append(_child(args, variant, section))
-    best = {v: max(rs, key=lambda r: r["tokens_per_s"]) for v, rs in runs.items()}
-    mem = {v: min(r["peak_bytes"] for r in rs) for v, rs in runs.items()}
-    plain, peer = best["plain"], best["peer"]
-    outer = peer["outer_state_bytes"]
-    on_host = plain["memory"] == "peak_rss"
-    return {"event": "bench_throughput", "model": label, "params": peer["params"], "device": peer["device"],
-            "precision": peer["precision"], "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
-            "plain_tokens_per_s": round(plain["tokens_per_s"], 1), "peer_tokens_per_s": round(peer["tokens_per_s"], 1),
-            "speed_ratio": round(peer["tokens_per_s"] / plain["tokens_per_s"], 3),
-            "memory": plain["memory"], "plain_peak_mb": round(mem["plain"] / 1e6, 1),
-            "peer_peak_mb": round(mem["peer"] / 1e6, 1), "outer_state_mb": round(outer / 1e6, 1),
-            "memory_ratio": round(mem["peer"] / mem["plain"], 3),
+    speed = _child(args, "speed", section)
+    mem = {v: _child(args, v, section) for v in ("plain", "peer")}
+    outer = mem["peer"]["outer_state_bytes"]
+    plain_b, peer_b = mem["plain"]["peak_bytes"], mem["peer"]["peak_bytes"]
+    on_host = mem["plain"]["memory"] == "peak_rss"
+    return {"event": "bench_throughput", "model": label, "params": speed["params"], "device": speed["device"],
+            "precision": speed["precision"], "batch": args.batch, "seq_len": args.seq_len, "steps": args.steps,
+            "rounds": args.rounds, "plain_tokens_per_s": round(speed["plain_tokens_per_s"], 1),
+            "peer_tokens_per_s": round(speed["peer_tokens_per_s"], 1),
+            "speed_ratio": round(speed["peer_tokens_per_s"] / speed["plain_tokens_per_s"], 3),
+            "memory": mem["plain"]["memory"], "plain_peak_mb": round(plain_b / 1e6, 1),
+            "peer_peak_mb": round(peer_b / 1e6, 1), "outer_state_mb": round(outer / 1e6, 1),
+            "memory_ratio": round(peer_b / plain_b, 3),
             # on the host the peer's RSS includes its outer state: also without it (counted separately)
-            "memory_ratio_without_outer": round((mem["peer"] - (outer if on_host else 0)) / mem["plain"], 3),
-            "tokens_per_s_runs": {v: [round(r["tokens_per_s"], 1) for r in rs] for v, rs in runs.items()}}
+            "memory_ratio_without_outer": round((peer_b - (outer if on_host else 0)) / plain_b, 3),
+            "round_seconds": speed["seconds"]}
 
 
 def run(args) -> int:
