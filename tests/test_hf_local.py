@@ -274,3 +274,19 @@ def test_join_with_a_gpu_this_machine_lacks_is_a_one_line_error(tmp_path, capsys
                  "--workdir", str(tmp_path), "--run", "0" * 64, "--device", "cuda:0"])
     err = capsys.readouterr().err
     assert code != 0 and "no CUDA GPU" in err and "--device cpu" in err, err
+
+
+def test_throughput_bench_runs_and_reports_both_ratios(tmp_path):
+    """The bench itself (figures are in BENCHMARKS.md; this only keeps it from rotting)."""
+    import subprocess
+    import sys
+
+    hf_fixtures.write_llama(tmp_path / "m")
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "throughput", "--model", f"hf:{tmp_path / 'm'}",
+                          "--steps", "1", "--rounds", "1", "--batch", "2", "--seq-len", "32", "--threads", "1",
+                          "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["params"] == 139584 and r["device"] == "cpu" and r["precision"] == "fp32"
+    assert r["speed_ratio"] > 0 and r["memory"] == "peak_rss" and r["plain_peak_mb"] > 0
+    assert r["outer_state_mb"] == round(3 * 4 * 139584 / 1e6, 1)
