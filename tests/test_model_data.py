@@ -120,7 +120,7 @@ def test_train_batch_is_deterministic_per_peer_and_step(stdlib):
     assert len(v1) == 3 and all(torch.equal(x, y) for x, y in zip(v1, v2))
 
 
-@pytest.mark.parametrize("spec, advice", [("", "stdlib"), ("parquet:x", "glob:"), ("stdlib:x", "bin:"),
+@pytest.mark.parametrize("spec, advice", [("", "stdlib"), ("csv:x", "glob:"), ("parquet:/nonexistent/*.parquet", "no data files"), ("stdlib:x", "bin:"),
                                           ("glob:", "glob:"), ("bin:/nonexistent.bin", "does not exist"),
                                           ("glob:/nonexistent/*.txt", "no data files")])
 def test_bad_specs_raise_with_advice(spec, advice):

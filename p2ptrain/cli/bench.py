@@ -14,6 +14,7 @@ BENCHES = {
     "churn": "p2ptrain.bench.churn",
     "robust": "p2ptrain.bench.robust",
     "redteam": "p2ptrain.bench.redteam",
+    "throughput": "p2ptrain.bench.throughput",
 }
 
 

@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
                         "earlier once every peer training it is ready)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--key", metavar="FILE", help="initiator's Ed25519 key (default ~/.p2ptrain/node.key)")
+    from p2ptrain.train.runinit import add_init_args  # --model hf:PATH, --tokenizer PATH
+
+    add_init_args(p)
     p.set_defaults(func=run)
 
 
@@ -47,7 +50,8 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
     from p2ptrain.run.spec import DataSpec, GenesisSpec, ModelSpec, RunSpec, SpecError, TimeoutsSpec, TrainSpec
     from p2ptrain.train.model import ModelConfig
 
-    model = ModelConfig.preset(args.preset).to_dict()
+    prep = getattr(args, "prepared", None)  # p2ptrain.train.runinit: --model hf:, --tokenizer
+    model = dict(prep.model) if prep else ModelConfig.preset(args.preset).to_dict()
     if args.seq_len > model["max_seq_len"]:
         raise CLIError(f"--seq-len {args.seq_len} exceeds the {args.preset} preset's {model['max_seq_len']}",
                        "use a smaller --seq-len")
@@ -58,7 +62,7 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
     try:
         return RunSpec(
             name=args.name or f"run-{int(time.time())}", created=int(time.time()), model=ModelSpec(model),
-            data=DataSpec(args.data, data_hash),
+            data=DataSpec(args.data, data_hash, **(prep.data_extra if prep else {})),
             train=TrainSpec(seed=args.seed, inner_steps=args.inner_steps, inner_lr=args.inner_lr, warmup=args.warmup,
                             weight_decay=args.weight_decay, batch_size=args.batch_size, seq_len=args.seq_len,
                             schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=outer_lr,
@@ -73,22 +77,24 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
 def run(args) -> int:
     from p2ptrain.ckpt import checkpoint
     from p2ptrain.run import manifest as mf
-    from p2ptrain.train.data import load_dataset
     from p2ptrain.train.local import genesis_state
+    from p2ptrain.train.runinit import prepare, write_extras
 
     out = Path(args.out).expanduser()
     if (out / "run.toml").exists():
         raise CLIError(f"{out}/run.toml already exists", "choose another --out directory")
     identity = load_identity(args)
     try:
-        ds = load_dataset(args.data)
+        args.prepared = prepare(args)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    ds = args.prepared.ds
     draft = build_spec(args, ds.content_hash)
-    genesis = genesis_state(draft)
+    genesis = genesis_state(draft, args.prepared.weights)
     signed = mf.sign(draft.with_genesis(checkpoint.sha256(genesis), len(genesis)).to_dict(), identity)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.write_atomic(out / "genesis.p2ck", genesis)
+    write_extras(out, args.prepared)
     rid = mf.write(signed, out)
     print(rid)
     return 0

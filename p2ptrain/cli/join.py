@@ -19,6 +19,9 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
     p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
     p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live web dashboard here (e.g. 127.0.0.1:8080)")
+    from p2ptrain.train.device import add_device_args  # --device, --precision
+
+    add_device_args(p)
     add_node_args(p)
     p.set_defaults(func=run)
 
@@ -58,6 +61,12 @@ def run(args) -> int:
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
             "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers})
+        from p2ptrain.train.device import config_from_args
+
+        try:
+            device_cfg = config_from_args(args)
+        except ValueError as exc:
+            raise CLIError(str(exc)) from None
 
     dashboard_cfg = None
     if args.dashboard:
@@ -86,7 +95,7 @@ def run(args) -> int:
                                         conns=conns)
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
-                                       trainer_cfg)
+                                       trainer_cfg, device=device_cfg)
                     nursery.cancel_scope.cancel()
                     return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)

@@ -35,6 +35,11 @@ def state(run_id: str) -> str:
     return _key(run_id, "state")
 
 
+def data(run_id: str) -> str:
+    """Peers that serve the run's tokenizer and token stream (p2ptrain.train.shards)."""
+    return _key(run_id, "data")
+
+
 def providers(run_id: str) -> str:
     return _key(run_id, "providers")
 

@@ -106,8 +106,10 @@ async def starting_state(node, spec: RunSpec, run_id: str, manifest_path: str | 
 
 
 async def run_training(node, manifest: dict | None, run_id: str, manifest_path: str | None, workdir: Path,
-                       events, config: TrainerConfig, parts: Parts = Parts()) -> None:
-    from p2ptrain.train.local import DataMismatch, LocalModel, load_run_data
+                       events, config: TrainerConfig, parts: Parts = Parts(), device=None) -> None:
+    from p2ptrain.train import shards
+    from p2ptrain.train.device import DeviceConfig
+    from p2ptrain.train.local import LocalModel
 
     if manifest is None:
         manifest = await get_manifest(node.dht, run_id)
@@ -122,13 +124,13 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     blobs = parts.blob_server(node.host, config=serve_cfg)
     blobs.add(mf.encode(manifest))
     await node.dht.store(keys.manifest(run_id), mf.encode(manifest), ttl=3600)
-    try:
-        ds = await trio.to_thread.run_sync(load_run_data, spec)
-    except (DataMismatch, ValueError) as exc:
-        raise NodeError(str(exc), "every peer of a run needs the same data (same Python stdlib for 'stdlib')") from None
+    # local files, else peers (hash-checked against the run's signed content hash); then served
+    ds = await shards.obtain(node, blobs, spec, run_id, manifest_path, workdir, events, serve_cfg.chunk_kib << 10)
     state = await starting_state(node, spec, run_id, manifest_path, workdir, events)
     try:
-        local = await trio.to_thread.run_sync(LocalModel, spec, ds, node.identity.peer_id, state, config.threads)
+        dc = device or DeviceConfig()
+        local = await trio.to_thread.run_sync(LocalModel, spec, ds, node.identity.peer_id, state, config.threads,
+                                              dc.device, dc.precision)
     except checkpoint.CheckpointError as exc:
         # Hash-checked bytes that still do not fit this run's model: a broken local
         # checkpoint, or a state its group attested wrongly. Say so; never train on it.

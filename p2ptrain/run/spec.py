@@ -76,10 +76,18 @@ class ModelSpec:
 class DataSpec(_Section):
     spec: str
     content_hash: str
+    n_tokens: int | None = None
+    """Tokens in the stream (bounds what a joiner downloads: p2ptrain.train.shards)."""
+    tokenizer_sha256: str | None = None
+    """The run's tokenizer.json (None: bytes), fetched from peers by this hash."""
 
     def __post_init__(self) -> None:
         _need(isinstance(self.spec, str) and bool(self.spec), "data.spec must be a non-empty string")
         _need(isinstance(self.content_hash, str), "data.content_hash must be a string")
+        if self.n_tokens is not None:
+            _int(self.n_tokens, "data.n_tokens")
+        _need(self.tokenizer_sha256 is None or (isinstance(self.tokenizer_sha256, str) and len(self.tokenizer_sha256) == 64),
+              "data.tokenizer_sha256 must be a hex SHA-256")
 
 
 @dataclass(frozen=True)

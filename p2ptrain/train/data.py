@@ -9,6 +9,8 @@ Data specs (the run manifest names one, plus the content hash below):
                     -- leaving it out makes two machines with the same Python agree more often).
   "glob:<pattern>"  files matching a glob pattern (recursive "**" allowed), read as bytes.
   "bin:<file>"      a pre-tokenized file of little-endian uint16 token ids (< vocab_size).
+  "jsonl:<glob>", "parquet:<glob>", "hf:<dir>"
+                    text documents tokenized with the run's tokenizer (p2ptrain.train.tokenize).
 
 Validation is held out BY FILE, so no validation text leaks into training through a shared
 file: a file is validation iff sha256(its path relative to the data root) mod 20 == 0 (~5 %).
@@ -42,7 +44,10 @@ VAL_MODULUS = 20  # a file is validation when sha256(relpath) % 20 == 0: about 5
 TAIL_VAL_FRACTION = 0.05
 STDLIB_EXCLUDE_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests"})
 SPEC_HELP = ('use "stdlib" (the embedded default), "glob:<pattern>" (e.g. glob:data/**/*.txt, '
-             'read as bytes) or "bin:<file>" (little-endian uint16 token ids)')
+             'read as bytes), "bin:<file>" (little-endian uint16 token ids), "jsonl:<pattern>" '
+             '(a "text" field per line), "parquet:<pattern>" (a "text" column) or "hf:<dir>" '
+             '(a datasets save_to_disk directory)')
+TEXT_KINDS = ("jsonl", "parquet", "hf")
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,15 @@ class Dataset:
     spec: str
     """The spec this was loaded from."""
     train: np.ndarray
-    """Training tokens, 1-D uint8 (byte data) or uint16 (bin:)."""
+    """Training tokens, 1-D uint8 (bytes), uint16 (bin:, tokenizers up to 65536 ids) or uint32."""
     val: np.ndarray
     """Held-out validation tokens, same dtype."""
     content_hash: str
     """sha256 hex pinning kind, dtype and every token (see the module docstring)."""
     n_train_files: int
     n_val_files: int
+    hash_kind: str = ""
+    """The kind string `content_hash` covers (p2ptrain.train.shards sends it with the tokens)."""
 
     @property
     def n_tokens(self) -> int:
@@ -120,22 +127,36 @@ def _hash(kind: str, train: np.ndarray, val: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def load_dataset(spec: str = "stdlib", vocab_size: int = 256) -> Dataset:
-    """Load (and cache in-process) the dataset named by `spec`; ValueError with advice if not."""
+def load_dataset(spec: str = "stdlib", vocab_size: int = 256, tokenizer_json: bytes | None = None) -> Dataset:
+    """Load (and cache in-process) the dataset named by `spec`; ValueError with advice if not.
+    `tokenizer_json`: the run's tokenizer.json for the text kinds (None: bytes)."""
     if not isinstance(spec, str) or not spec.strip():
         raise ValueError(f"empty data spec; {SPEC_HELP}")
     spec = spec.strip()
     kind, _, arg = spec.partition(":")
-    well_formed = spec == "stdlib" or (kind in ("glob", "bin") and arg.strip() != "")
+    well_formed = spec == "stdlib" or (kind in ("glob", "bin", *TEXT_KINDS) and arg.strip() != "")
     if not well_formed:
         raise ValueError(f"malformed data spec {spec!r}; {SPEC_HELP}")
-    if kind != "bin" and vocab_size < 256:
+    tok = None
+    if kind in TEXT_KINDS:
+        from p2ptrain.train.tokenize import RunTokenizer
+
+        tok = RunTokenizer(tokenizer_json)
+        if tok.vocab_size > vocab_size:
+            raise ValueError(f"the tokenizer has {tok.vocab_size} ids, the model's vocab_size is {vocab_size}")
+    elif kind != "bin" and vocab_size < 256:
         raise ValueError(f"byte-level data needs vocab_size >= 256, got {vocab_size}")
-    key = (spec, vocab_size, os.path.abspath(arg) if arg else "")
+    key = (spec, vocab_size, os.path.abspath(arg) if arg else "", tok.sha256 if tok else "")
     if key in _CACHE:
         return _CACHE[key]
 
-    if kind == "bin":
+    if tok is not None:
+        from p2ptrain.train.tokenize import tokenize_spec
+
+        train, val, *n_files = tokenize_spec(kind, arg, tok)
+        n_files = tuple(n_files)
+        kind = f"{kind}|tok={tok.sha256 or 'bytes'}"  # the hash pins the tokenizer too
+    elif kind == "bin":
         path = Path(arg)
         if not path.is_file():
             raise ValueError(f"bin: file {arg!r} does not exist; {SPEC_HELP}")
@@ -158,9 +179,14 @@ def load_dataset(spec: str = "stdlib", vocab_size: int = 256) -> Dataset:
         n_files = tuple(n_files)
     if train.size < 2 or val.size < 2:
         raise ValueError(f"data spec {spec!r} holds too few tokens ({train.size + val.size}) to train on")
-    ds = Dataset(spec, train, val, _hash(kind, train, val), *n_files)
+    ds = Dataset(spec, train, val, _hash(kind, train, val), *n_files, hash_kind=kind)
     _CACHE[key] = ds
     return ds
+
+
+def load_run_dataset(spec, tokenizer_json: bytes | None = None) -> Dataset:
+    """The dataset a run (`p2ptrain.run.spec.RunSpec`) names, from this machine's files."""
+    return load_dataset(spec.data.spec, int(spec.model.config["vocab_size"]), tokenizer_json)
 
 
 def _check_window(tokens: np.ndarray, seq_len: int, what: str) -> int:
@@ -217,7 +243,9 @@ def evaluate(model, ds: Dataset, batch: int = 32, seq_len: int | None = None,
     model.eval()
     try:
         total, count = 0.0, 0
+        device = next(model.parameters()).device
         for tokens in val_batches(ds, batch, seq_len, max_batches):
+            tokens = tokens.to(device)
             n = tokens.shape[0] * seq_len
             total += float(model.loss(tokens)) * n
             count += n

@@ -15,8 +15,9 @@ import torch
 
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.run.spec import RunSpec
-from p2ptrain.train.data import Dataset, evaluate, load_dataset, train_batch
-from p2ptrain.train.model import ModelConfig, build_model
+from p2ptrain.train import device as dev
+from p2ptrain.train.data import Dataset, evaluate, load_run_dataset, train_batch
+from p2ptrain.train.hf import build_run_model
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
 
 
@@ -24,8 +25,10 @@ class DataMismatch(ValueError):
     pass
 
 
-def load_run_data(spec: RunSpec) -> Dataset:
-    ds = load_dataset(spec.data.spec, int(spec.model.config["vocab_size"]))
+def load_run_data(spec: RunSpec, tokenizer_json: bytes | None = None) -> Dataset:
+    """The run's token stream from this machine's files (`tokenizer_json`: the run's
+    tokenizer.json bytes when the spec names one, p2ptrain.train.tokenize)."""
+    ds = load_run_dataset(spec, tokenizer_json)
     if ds.content_hash != spec.data.content_hash:
         raise DataMismatch(
             f"this machine's data for spec {spec.data.spec!r} hashes to {ds.content_hash[:16]}..., "
@@ -33,9 +36,10 @@ def load_run_data(spec: RunSpec) -> Dataset:
     return ds
 
 
-def genesis_state(spec: RunSpec) -> bytes:
-    """The step-0 checkpoint implied by the model config and seed (what `init` writes)."""
-    model = build_model(ModelConfig.from_dict(spec.model.config), spec.train.seed)
+def genesis_state(spec: RunSpec, weights=None) -> bytes:
+    """The step-0 checkpoint implied by the model config and seed, or by the `weights`
+    file of an HF model (what `init` writes)."""
+    model = build_run_model(spec.model.config, spec.train.seed, weights)
     outer = OuterOptimizer(model, OuterConfig(float(spec.train.outer_lr), float(spec.train.outer_momentum)))
     return encode_state(outer, 0)
 
@@ -64,8 +68,13 @@ def encode_state(outer: OuterOptimizer, step: int) -> bytes:
 
 
 class LocalModel:
-    def __init__(self, spec: RunSpec, ds: Dataset, peer_id: bytes, state: bytes, threads: int = 1) -> None:
+    def __init__(self, spec: RunSpec, ds: Dataset, peer_id: bytes, state: bytes, threads: int = 1,
+                 device: str = "auto", precision: str = "auto") -> None:
         torch.set_num_threads(max(1, threads))
+        # the model and inner optimizer on `device`; the outer state on the host
+        # (p2ptrain.train.device), so the outer step is the same bytes on every peer
+        self.device = dev.resolve_device(device)
+        self.autocast_dtype = dev.resolve_precision(precision, self.device)
         tr = spec.train
         self.spec = spec
         self.ds = ds
@@ -74,7 +83,7 @@ class LocalModel:
         self.batch = tr.batch_size
         self.seq_len = tr.seq_len
         self.seed = tr.seed
-        self.model = build_model(ModelConfig.from_dict(spec.model.config), self.seed)
+        self.model = build_run_model(spec.model.config, self.seed).to(self.device)
         self.outer = OuterOptimizer(self.model, OuterConfig(float(tr.outer_lr), float(tr.outer_momentum)))
         self.step = self.load_state(state)
         total = self.H * tr.planned_outer_steps
@@ -104,17 +113,24 @@ class LocalModel:
         for i in range(self.H):
             global_step = self.step * self.H + i
             tokens = train_batch(self.ds, self.peer_id, global_step, self.batch, self.seq_len, self.seed)
-            loss = self.model.loss(tokens)
-            self.inner_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.inner_opt.step()
-            self.sched.step()
-            losses.append(float(loss.detach()))
+            self.inner_step(dev.to_device(tokens, self.device), losses)
             if progress is not None:
                 progress(i + 1, self.H)
         self.inner_done += self.H
-        return float(np.mean(losses)), self.H * self.batch * self.seq_len, time.perf_counter() - t0
+        # one device->host sync for all H losses (a float() per step would stall the GPU)
+        mean = float(torch.stack(losses).double().mean())
+        return mean, self.H * self.batch * self.seq_len, time.perf_counter() - t0
+
+    def inner_step(self, tokens: torch.Tensor, losses: list) -> None:
+        """One AdamW step on a batch already on the device (the throughput bench times this)."""
+        with dev.autocast(self.device, self.autocast_dtype):
+            loss = self.model.loss(tokens)
+        self.inner_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.inner_opt.step()
+        self.sched.step()
+        losses.append(loss.detach().float())
 
     def pseudo_gradient(self) -> np.ndarray:
         return np.ascontiguousarray(self.outer.pseudo_gradient(self.model).detach().cpu().numpy(), np.float32)
@@ -125,7 +141,8 @@ class LocalModel:
         return self.outer.params_sha256()
 
     def evaluate(self, max_batches: int = 8) -> float:
-        return float(evaluate(self.model, self.ds, batch=16, seq_len=self.seq_len, max_batches=max_batches))
+        with dev.autocast(self.device, self.autocast_dtype):
+            return float(evaluate(self.model, self.ds, batch=16, seq_len=self.seq_len, max_batches=max_batches))
 
     def load_state_at(self, data: bytes) -> None:
         """Adopt a state fetched from peers (catch-up): outer params, momentum and step."""

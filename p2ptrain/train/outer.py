@@ -32,27 +32,23 @@ from typing import Iterable, Sequence
 
 import torch
 
+from p2ptrain.train import device
+
 
 def flatten(params: Iterable[torch.Tensor]) -> torch.Tensor:
-    """One new contiguous fp32 vector of all tensors, in the given order."""
-    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+    """One new contiguous fp32 HOST vector of all tensors, in the given order, wherever they
+    live (p2ptrain.train.device: pinned when CUDA is available, copies overlapped)."""
+    return device.gather_to_host(list(params))
 
 
 def unflatten_into(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of `flat` into `params` (in place, no autograd)."""
-    total = sum(p.numel() for p in params)
-    if flat.numel() != total:
-        raise ValueError(f"flat vector has {flat.numel()} values, the parameters {total}")
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p))
-            offset += n
+    """Copy consecutive slices of host vector `flat` into `params` (in place, no autograd)."""
+    device.scatter_from_host(flat, params)
 
 
 def sha256_f32(flat: torch.Tensor) -> str:
-    return hashlib.sha256(flat.detach().contiguous().numpy().astype("<f4", copy=False).tobytes()).hexdigest()
+    # .cpu(): a CUDA tensor has no .numpy() (a no-op for the host vectors of OuterOptimizer)
+    return hashlib.sha256(flat.detach().cpu().contiguous().numpy().astype("<f4", copy=False).tobytes()).hexdigest()
 
 
 @dataclass
@@ -80,8 +76,9 @@ class OuterOptimizer:
         self.params = list(model.parameters())
         self.outer = flatten(self.params)
         # zeros, not torch's "first buf = grad": 0 * m + g == g exactly, and a fixed-size tensor
-        # keeps checkpoints uniform
-        self.momentum = torch.zeros_like(self.outer)
+        # keeps checkpoints uniform. Host memory, like `outer` (p2ptrain.train.device).
+        self.momentum = device.host_empty(self.outer.numel()).zero_()
+        self._staging = device.host_empty(self.outer.numel())  # reused by pseudo_gradient
         self.steps = 0
         """Successful outer steps applied."""
         self.skipped = 0
@@ -95,12 +92,12 @@ class OuterOptimizer:
         """outer_params - current params, fp32 (new tensor). `model` defaults to the one given
         at construction (its parameters are the ones this optimizer writes)."""
         params = self.params if model is None else list(model.parameters())
-        return self.outer - flatten(params)
+        return self.outer - device.gather_to_host(params, self._staging)
 
     def step(self, avg_pseudo_grad: torch.Tensor) -> None:
         """Nesterov SGD on the outer parameters with grad = avg_pseudo_grad, then load them
         into the model. Separately rounded ops only (module docstring): bit-portable."""
-        g = avg_pseudo_grad.detach().to(torch.float32).reshape(-1)
+        g = avg_pseudo_grad.detach().to("cpu", torch.float32).reshape(-1)
         if g.numel() != self.outer.numel():
             raise ValueError(f"pseudo-gradient has {g.numel()} values, the model {self.outer.numel()}")
         if not bool(torch.isfinite(g).all()):
@@ -138,8 +135,8 @@ class OuterOptimizer:
             raise ValueError(f"outer state holds {outer.numel()} / {momentum.numel()} values, "
                              f"the model {self.numel} (checkpoint of another model config?)")
         steps, skipped = int(state.get("steps", 0)), int(state.get("skipped", 0))  # may raise: before any change
-        self.outer = outer.clone()
-        self.momentum = momentum.clone()
+        self.outer = device.host_copy(outer)
+        self.momentum = device.host_copy(momentum)
         self.steps, self.skipped = steps, skipped
         # A checkpoint's "config" is ignored: hyperparameters come only from the signed run
         # manifest (a donor must not be able to set the outer lr of whoever loads its state).
