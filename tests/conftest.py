@@ -48,6 +48,46 @@ def start_peer(group: ProcessGroup, bootstrap: str, name: str, *extra: str, env:
                         "--workdir", str(group.log_dir / name), "--json", *extra], name, env=env)
 
 
+async def each_member(n: int, call, timeout: float = 60.0) -> list:
+    """`await call(i)` for members 0..n-1 at once; each one's result, or the RoundFailed it
+    raised (one member's failure is an outcome to check, not a test error)."""
+    from p2ptrain.reduce.service import RoundFailed
+
+    out: list = [None] * n
+
+    async def one(i: int) -> None:
+        try:
+            out[i] = await call(i)
+        except RoundFailed as exc:
+            out[i] = exc
+
+    with trio.fail_after(timeout):
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+    return out
+
+
+def run_user_scripts(script, argvs: list[list[str]], cwd, timeout: float = 240) -> list[dict]:
+    """Run `script` once per argv, all at once (a user's own training program per peer);
+    each one's last stdout line as JSON, after checking it exited 0."""
+    import json
+    import subprocess
+    import sys
+
+    runs = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=cwd) for argv in argvs]
+    outs = []
+    for p in runs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        finally:
+            p.kill()
+        assert p.returncode == 0, err[-2000:]
+        outs.append(json.loads(out.strip().splitlines()[-1]))
+    return outs
+
+
 # -- measured figures, shown at the end of every run (CI logs included) -------------------
 _MEASURED: list[str] = []
 

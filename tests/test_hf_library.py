@@ -3,14 +3,11 @@ real processes: both apply the same outer steps (identical params hashes)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import start_bootstrap
+from conftest import run_user_scripts, start_bootstrap
 
 pytestmark = pytest.mark.integration
 
@@ -45,17 +42,7 @@ def run_pair(procs, tmp_path, devices: tuple[str, str]) -> list[dict]:
     boot, baddr = start_bootstrap(procs)
     script = tmp_path / "user_hf.py"
     script.write_text(SCRIPT)
-    runs = [subprocess.Popen([sys.executable, str(script), baddr, str(i), devices[i]], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=tmp_path) for i in range(2)]
-    outs = []
-    for p in runs:
-        try:
-            out, err = p.communicate(timeout=240)
-        finally:
-            p.kill()
-        assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
-    return outs
+    return run_user_scripts(script, [[baddr, str(i), devices[i]] for i in range(2)], tmp_path)
 
 
 def test_two_processes_train_a_transformers_model(procs, tmp_path):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import start_bootstrap
+from conftest import run_user_scripts, start_bootstrap
 
 pytestmark = pytest.mark.integration
 
@@ -38,15 +35,6 @@ def test_two_processes_share_outer_steps(procs, tmp_path):
     boot, baddr = start_bootstrap(procs)
     script = tmp_path / "user.py"
     script.write_text(SCRIPT)
-    runs = [subprocess.Popen([sys.executable, str(script), baddr, str(i)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, cwd=tmp_path) for i in range(2)]
-    outs = []
-    for p in runs:
-        try:
-            out, err = p.communicate(timeout=240)
-        finally:
-            p.kill()
-        assert p.returncode == 0, err[-2000:]
-        outs.append(json.loads(out.strip().splitlines()[-1]))
+    outs = run_user_scripts(script, [[baddr, str(i)] for i in range(2)], tmp_path)
     assert outs[0]["steps"] == outs[1]["steps"] == 3
     assert outs[0]["applied"] == outs[1]["applied"] and len(outs[0]["applied"]) == 3

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import trio
 
+from conftest import each_member
 from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity
@@ -34,19 +35,7 @@ async def _cluster(nursery, world: int, **cfg):
 
 
 async def _round(svcs, vecs, members, rid: str):
-    out: list = [None] * len(svcs)
-
-    async def one(i: int) -> None:
-        try:
-            out[i] = await svcs[i].allreduce(vecs[i], "run", rid, members)
-        except RoundFailed as exc:
-            out[i] = exc
-
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            for i in range(len(svcs)):
-                nursery.start_soon(one, i)
-    return out
+    return await each_member(len(svcs), lambda i: svcs[i].allreduce(vecs[i], "run", rid, members))
 
 
 def test_links_are_reused_and_replaced_without_changing_a_bit():

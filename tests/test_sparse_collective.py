@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import trio
 
+from conftest import each_member
+
 from p2ptrain.identity import Identity
 from p2ptrain.kernels import sparse as SK
 from p2ptrain.reduce import sparsecodec as codec
@@ -32,20 +34,8 @@ class _Tamper:
 
 
 async def _attempt(svcs, nodes, reducers, members, step=1, robust=False):
-    out: list = [None] * len(svcs)
-
-    async def one(i):
-        try:
-            out[i] = await reducers[i].attempt(svcs[i], nodes[i].identity, "run", step, 0, "rh", members, 5.0,
-                                               robust)
-        except RoundFailed as exc:
-            out[i] = exc
-
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            for i in range(len(svcs)):
-                nursery.start_soon(one, i)
-    return out
+    return await each_member(len(svcs), lambda i: reducers[i].attempt(
+        svcs[i], nodes[i].identity, "run", step, 0, "rh", members, 5.0, robust))
 
 
 def _reducers(members, seed=0):

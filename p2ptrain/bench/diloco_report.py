@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import statistics
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from p2ptrain.bench.diloco import Settings
 
 
 def _name(kind: str, H: int, avg: str, M: int) -> str:

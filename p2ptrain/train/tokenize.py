@@ -21,7 +21,6 @@ restart, reads the token arrays instead of re-tokenizing.
 
 from __future__ import annotations
 
-import glob as globlib
 import hashlib
 import json
 import os
