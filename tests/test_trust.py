@@ -331,3 +331,12 @@ def test_an_early_peer_does_not_close_the_step_on_expected_peers_not_yet_ready()
     # the candidates are those ready by the deadline the caller waited for
     late = _ready("h1", 1005.5)
     assert [r.peer for r in election.candidates([me, liar, late], 3.0, at=1008.0)] == ["h0", "liar", "h1"]
+
+
+def test_zero_contributions_twice_are_not_a_replay_but_real_ones_are():
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"a": 1.0, "b": 1.0, "j": 0.0})
+    history = {ids["j"]: {(H[2],)}, ids["a"]: {(H[0],)}}  # both sent these digests before
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, history)
+    assert bad == {ids["a"]: "replay"} and ids["j"] in ok

@@ -142,7 +142,9 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
             bad[peer] = "non-finite"
         elif not consistent(h):
             bad[peer] = "chunk-norms-inconsistent"
-        elif h.own_digests in history.get(peer, set()):
+        elif h.norm > 0 and h.own_digests in history.get(peer, set()):
+            # zeros (a joiner's contribution) hash the same every time: sending them again
+            # replays nothing, and an honest peer that joins twice must not be excluded
             bad[peer] = "replay"
         else:
             ok[peer] = h
