@@ -75,10 +75,10 @@ class Settings:
     """sparse: top-k chunk (12-bit offsets)."""
     ef_decay: float = 0.95
     """sparse: error-feedback decay beta (SparseLoCo's)."""
-    sparse_outer_lr: float = 1.0
-    sparse_outer_momentum: float = 0.0
-    """sparse: SparseLoCo's plain outer step (error feedback takes momentum's place; with the
-    DiLoCo default 0.7 / 0.9 Nesterov, sparse was far worse: BENCHMARKS.md)."""
+    sparse_outer_lr: float = 1.5
+    sparse_outer_momentum: float = 0.5
+    """sparse: the best outer step measured at H=50 (3 seeds; SparseLoCo's plain 1.0 / 0 was 2.7 %
+    worse, DiLoCo's 0.7 / 0.9 far worse: error feedback already re-sends; BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0:
