@@ -10,6 +10,11 @@ their own identities:
                   itself, a state record at that step, and 2 Sybil records (holes 3 and 5)
   chunknorm       one peer signs chunk norms of 1e30 and sends 1000 x its update (hole 4)
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
+  withhold        one member trains and sends honest data but withholds its commit vote in
+                  every ring round (closes its ring channels after the data plane)
+  garbage         after the honest peers started, a process with its own identity sends
+                  random and malformed bytes on every run protocol (DHT, round/vote, bulk,
+                  blob fetch) to every peer it finds: a fixed number of streams over 20 s
   sybil-K         K identities join with the honest peers, free-ride (zeros) for their first
                   2 steps, then each sends -4 x its pseudo-gradient with a header true to it
                   (hole 6; K = 1, 2, 4)
@@ -34,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4")
+ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
+           "withhold", "garbage")
 
 
 def init_run(work: Path, inner_steps: int, window: float, group: int) -> tuple[Path, str]:
@@ -77,7 +83,7 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                  for i in range(honest)]
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
-        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil"):
+        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold"):
             hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
         wait_for(peers, t0 + limit, straggle=30.0)
