@@ -58,3 +58,24 @@ def test_a_withheld_vote_aborts_the_round_on_every_member_and_the_retry_without_
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_garbage_on_every_run_protocol_is_dropped_and_the_next_round_commits():
+    from p2ptrain.bench.attacker import garbage
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, [AllReduceService, AllReduceService])
+            members = [n.identity.peer_id_str for n in nodes]
+            vecs = [np.full(50_000, float(i + 1), np.float32) for i in range(2)]
+            said = await garbage(nodes[0].full_addrs()[0], 70, 7.0)
+            assert said["sent"] >= 35 and said["targets"] >= 1, said
+            # it reached the handlers this cluster serves (no blob server or NAT probe here)
+            served = ("/p2ptrain/dht/1.0.0", "/p2ptrain/round/1.1.0", "/p2ptrain/bulk/1.0.0")
+            assert all(said["by_protocol"][p] > 0 for p in served), said
+            got = await each_member(2, lambda i: svcs[i].allreduce(vecs[i], "run", "1/0", members))
+            assert all(not isinstance(r, RoundFailed) for r in got), got
+            assert got[0].digest == got[1].digest
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

@@ -86,10 +86,20 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
         if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold"):
             hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
+        elif mode == "garbage":  # bounded: 400 streams over 20 s, to every peer it finds
+            hostile = [group.start(["garbage", "--bootstrap", baddr, "--count", "400", "--seconds", "20"], "a0",
+                                   module="p2ptrain.bench.attacker")]
         wait_for(peers, t0 + limit, straggle=30.0)
         honest_ids = {e["peer"] for p in peers for e in p.all_events if "peer" in e}
         events = [e for p in peers for e in p.all_events]
-    return measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
+        said = [{k: v for k, v in e.items() if k != "event"} for h in hostile for e in h.all_events
+                if str(e.get("event", "")).startswith("attacker_")]
+        crashed = sum(p.proc.returncode not in (None, 0) for p in peers)
+    row = measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
+    row["honest_crashed"] = crashed
+    if said:
+        row["attacker"] = said[0]
+    return row
 
 
 def wait_for(peers, deadline: float, straggle: float) -> None:
@@ -150,6 +160,7 @@ def summarize(rows: list[dict]) -> dict:
             "honest_progress_min_ratio": round(worst_prog, 3),
             "honest_param_forks": sum(r["param_forks"] for r in rows),
             "honest_wrongly_excluded": sum(r["wrongly_excluded"] for r in rows),
+            "honest_crashed": sum(r.get("honest_crashed", 0) for r in rows),
             "worst_val_loss_pct": round(worst_val, 2),
             "missing_val_loss": [r["attack"] for r in rows[1:] if r["val_loss_pct"] is None]}
 
@@ -187,5 +198,6 @@ def run(args) -> int:
                   f"val loss {r['val_loss_pct']} %, attackers rejected {r['attackers_rejected']}")
         print(json.dumps(summary))
         print(f"logs: {work}")
-    ok = summary["honest_param_forks"] == 0 and summary["honest_wrongly_excluded"] == 0
+    ok = summary["honest_param_forks"] == 0 and summary["honest_wrongly_excluded"] == 0 \
+        and summary["honest_crashed"] == 0
     return 0 if ok else 1
