@@ -69,7 +69,7 @@ def test_garbage_on_every_run_protocol_is_dropped_and_the_next_round_commits():
             members = [n.identity.peer_id_str for n in nodes]
             vecs = [np.full(50_000, float(i + 1), np.float32) for i in range(2)]
             said = await garbage(nodes[0].full_addrs()[0], 70, 7.0)
-            assert said["sent"] >= 35 and said["targets"] >= 1, said
+            assert said["sent"] >= 15 and said["targets"] >= 1, said
             # it reached the handlers this cluster serves (no blob server or NAT probe here)
             served = ("/p2ptrain/dht/1.0.0", "/p2ptrain/round/1.1.0", "/p2ptrain/bulk/1.0.0")
             assert all(said["by_protocol"][p] > 0 for p in served), said
