@@ -183,6 +183,8 @@ async def garbage(bootstrap: str, count: int, seconds: float) -> dict:
             except (Exception, trio.TooSlowError):
                 out["refused"] += 1
             i += 1
+            if i % 25 == 0:  # the bench may stop us when the honest run ends: report as we go
+                print(json.dumps({"event": "attacker_garbage", **out, "targets": len(seen)}), flush=True)
             await trio.sleep(gap)
         out["targets"] = len(seen)
         nursery.cancel_scope.cancel()

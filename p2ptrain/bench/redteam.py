@@ -92,8 +92,9 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
         wait_for(peers, t0 + limit, straggle=30.0)
         honest_ids = {e["peer"] for p in peers for e in p.all_events if "peer" in e}
         events = [e for p in peers for e in p.all_events]
-        said = [{k: v for k, v in e.items() if k != "event"} for h in hostile for e in h.all_events
-                if str(e.get("event", "")).startswith("attacker_")]
+        # the attacker's last report (it reports as it goes: the run may end before it does)
+        said = [{k: v for k, v in e.items() if k != "event"} for h in hostile
+                for e in h.all_events if str(e.get("event", "")).startswith("attacker_")][-1:]
         crashed = sum(p.proc.returncode not in (None, 0) for p in peers)
     row = measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
     row["honest_crashed"] = crashed
