@@ -22,6 +22,10 @@ Modes:
                (what standing's probation is for, p2ptrain.run.standing)
   chunk    trains honestly but serves every blob (checkpoint chunks, chunk manifests) with
            one byte flipped
+  withhold trains and sends honest data, but withholds its commit vote in every ring round:
+           after its data plane it closes its ring channels instead of joining the vote
+           gather (issue 15, "withheld votes"); its group holds no certificate, so the round
+           must abort on every member, never commit on some
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ import functools
 import sys
 
 import numpy as np
+import trio
 
 import p2ptrain  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.identity import Identity
+from p2ptrain.reduce import ring
+from p2ptrain.reduce.service import AllReduceService, _Plane
 from p2ptrain.run.round import Contributor
 
 CONTRIBUTION_MODES = ("forge", "nan", "norm", "replay", "signflip", "noise", "zeros", "early-ready",
@@ -60,6 +67,30 @@ class CorruptBlobServer(BlobServer):
 
     def view(self, blob) -> memoryview:
         return memoryview(self.corrupt(bytes(blob)))
+
+
+class WithholdingService(AllReduceService):
+    """Runs the ring's data plane honestly, then never sends its vote: it closes both ring
+    channels (its neighbours' vote gathers fail at once) and signs nothing, so no member can
+    hold a certificate. Its own `_decide` then asks for one (none exists) and aborts."""
+
+    withheld = 0
+
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, own, check, out) -> _Plane:
+        world = len(rnd.ids)
+        send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
+        result, sent, digest = ring.allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
+                                              out, self._arenas)
+        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        if world == 1:  # alone: nobody to withhold from
+            plane.sigs = [self.board.sign_vote(rnd, digest)]
+            return plane
+        for ch in (send_ch, recv_ch):
+            if ch is not None:
+                ch.close()
+        self.withheld += 1
+        plane.gather_error = "vote withheld"
+        return plane
 
 
 class HostileContributor(Contributor):
@@ -113,6 +144,8 @@ def parts_for(mode: str):
 
     if mode == "chunk":
         return Parts(blob_server=CorruptBlobServer)
+    if mode == "withhold":
+        return Parts(service=WithholdingService)
     HostileContributor(mode)  # validates the mode
     return Parts(contributor=functools.partial(HostileContributor, mode))
 

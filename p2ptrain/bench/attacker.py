@@ -5,7 +5,10 @@ Real libp2p, its own process, a fresh identity each run. Modes:
              claiming a 400 KiB frame it never sends (ties up handler tasks and pending bytes);
   dht-flood  join the DHT through BOOTSTRAP and send signed-record store requests as fast as
              possible to every node it learns, from WRITERS identities (so the per-writer cap
-             alone cannot stop it).
+             alone cannot stop it);
+  garbage    join the DHT through BOOTSTRAP and send COUNT streams of random or malformed
+             bytes, spread over SECONDS, on every run protocol (DHT, round/vote, bulk session,
+             blob fetch, NAT probe) to every peer it learns (`p2ptrain bench redteam`).
 Prints one JSON line at the end: what it managed and what was refused.
 """
 
@@ -117,6 +120,77 @@ async def dht_flood(bootstrap: str, writers: int, seconds: float) -> dict:
     return out
 
 
+def garbage_payload(rng, kind: int) -> bytes:
+    """One hostile message: raw noise, a length prefix claiming 2 GiB, a true length with a
+    noise body, or well-framed msgpack with wrong fields (a vote with a random signature, a
+    data message for a random tag, a certificate request, a list instead of a map)."""
+    from p2ptrain.reduce.control import pack
+
+    noise = rng.bytes(int(rng.integers(1, 4096)))
+    tag = rng.bytes(32)
+    return [noise,
+            (2 ** 31).to_bytes(4, "big") + noise[:64],
+            len(noise).to_bytes(4, "big") + noise,
+            pack({"tag": tag, "kind": "vote", "ok": True, "digest": rng.bytes(32).hex(), "sig": rng.bytes(64),
+                  "blame": "", "reason": ""}),
+            pack({"tag": tag, "kind": "data", "data": rng.bytes(2000)}),
+            pack({"tag": tag, "kind": "certq"}),
+            pack([1, 2, 3]),
+            ][kind % 7]
+
+
+async def garbage(bootstrap: str, count: int, seconds: float) -> dict:
+    import numpy as np
+    import trio
+    from libp2p.peer.id import ID
+
+    from p2ptrain.ckpt.fetch import PROTOCOL as FETCH
+    from p2ptrain.dht.libp2p_rpc import PROTOCOL_ID as DHT
+    from p2ptrain.events import EventSink
+    from p2ptrain.identity import Identity
+    from p2ptrain.net.natprobe import PROTOCOL as NAT
+    from p2ptrain.net.node import Node, NodeConfig
+    from p2ptrain.reduce.service import BULK_PROTOCOL, VOTE_PROTOCOL
+
+    protocols = [DHT, VOTE_PROTOCOL, BULK_PROTOCOL, FETCH, NAT]
+    me = Identity.generate()
+    node = Node(me, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[bootstrap]), EventSink("x", False))
+    rng = np.random.default_rng()
+    out = {"sent": 0, "refused": 0, "targets": 0, "by_protocol": {str(p): 0 for p in protocols}}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        deadline = trio.current_time() + seconds
+        gap = seconds / max(1, count)
+        seen: set[bytes] = set()
+        i = 0
+        while i < count and trio.current_time() < deadline:
+            if i % 25 == 0:  # learn peers that joined since (honest peers start as we do)
+                with trio.move_on_after(5):
+                    await node.dht.refresh()
+                seen.update(node.dht.routing.closest(node.dht.routing.local_id, 64))
+            targets = sorted(seen - {me.peer_id})
+            if not targets:
+                await trio.sleep(0.5)
+                continue
+            peer, proto = targets[i % len(targets)], protocols[(i // len(targets)) % len(protocols)]
+            try:
+                with trio.fail_after(3):
+                    stream = await node.host.new_stream(ID(peer), [proto])
+                    await stream.write(garbage_payload(rng, int(rng.integers(0, 7))))
+                    await stream.close()
+                out["sent"] += 1
+                out["by_protocol"][str(proto)] += 1
+            except (Exception, trio.TooSlowError):
+                out["refused"] += 1
+            i += 1
+            if i % 25 == 0:  # the bench may stop us when the honest run ends: report as we go
+                print(json.dumps({"event": "attacker_garbage", **out, "targets": len(seen)}), flush=True)
+            await trio.sleep(gap)
+        out["targets"] = len(seen)
+        nursery.cancel_scope.cancel()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import trio
 
@@ -130,10 +204,16 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--bootstrap", required=True)
     f.add_argument("--writers", type=int, default=20)
     f.add_argument("--seconds", type=float, default=30.0)
+    g = sub.add_parser("garbage")
+    g.add_argument("--bootstrap", required=True)
+    g.add_argument("--count", type=int, default=400, help="streams in all")
+    g.add_argument("--seconds", type=float, default=20.0)
     args = p.parse_args(argv)
     t0 = time.monotonic()
     if args.mode == "streams":
         out = trio.run(streams, args.target, args.count, args.seconds)
+    elif args.mode == "garbage":
+        out = trio.run(garbage, args.bootstrap, args.count, args.seconds)
     else:
         out = trio.run(dht_flood, args.bootstrap, args.writers, args.seconds)
     out.update(event=f"attacker_{args.mode.replace('-', '_')}", seconds=round(time.monotonic() - t0, 1))

@@ -10,6 +10,11 @@ their own identities:
                   itself, a state record at that step, and 2 Sybil records (holes 3 and 5)
   chunknorm       one peer signs chunk norms of 1e30 and sends 1000 x its update (hole 4)
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
+  withhold        one member trains and sends honest data but withholds its commit vote in
+                  every ring round (closes its ring channels after the data plane)
+  garbage         after the honest peers started, a process with its own identity sends
+                  random and malformed bytes on every run protocol (DHT, round/vote, bulk,
+                  blob fetch) to every peer it finds: a fixed number of streams over 20 s
   sybil-K         K identities join with the honest peers, free-ride (zeros) for their first
                   2 steps, then each sends -4 x its pseudo-gradient with a header true to it
                   (hole 6; K = 1, 2, 4)
@@ -34,7 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4")
+ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
+           "withhold", "garbage")
 
 
 def init_run(work: Path, inner_steps: int, window: float, group: int) -> tuple[Path, str]:
@@ -77,13 +83,24 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                  for i in range(honest)]
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
-        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil"):
+        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold"):
             hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
+        elif mode == "garbage":  # bounded: 400 streams over 20 s, to every peer it finds
+            hostile = [group.start(["garbage", "--bootstrap", baddr, "--count", "400", "--seconds", "20"], "a0",
+                                   module="p2ptrain.bench.attacker")]
         wait_for(peers, t0 + limit, straggle=30.0)
         honest_ids = {e["peer"] for p in peers for e in p.all_events if "peer" in e}
         events = [e for p in peers for e in p.all_events]
-    return measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
+        # the attacker's last report (it reports as it goes: the run may end before it does)
+        said = [{k: v for k, v in e.items() if k != "event"} for h in hostile
+                for e in h.all_events if str(e.get("event", "")).startswith("attacker_")][-1:]
+        crashed = sum(p.proc.returncode not in (None, 0) for p in peers)
+    row = measure(attack, events, honest_ids, steps, round(time.monotonic() - t0, 1))
+    row["honest_crashed"] = crashed
+    if said:
+        row["attacker"] = said[0]
+    return row
 
 
 def wait_for(peers, deadline: float, straggle: float) -> None:
@@ -144,6 +161,7 @@ def summarize(rows: list[dict]) -> dict:
             "honest_progress_min_ratio": round(worst_prog, 3),
             "honest_param_forks": sum(r["param_forks"] for r in rows),
             "honest_wrongly_excluded": sum(r["wrongly_excluded"] for r in rows),
+            "honest_crashed": sum(r.get("honest_crashed", 0) for r in rows),
             "worst_val_loss_pct": round(worst_val, 2),
             "missing_val_loss": [r["attack"] for r in rows[1:] if r["val_loss_pct"] is None]}
 
@@ -181,5 +199,6 @@ def run(args) -> int:
                   f"val loss {r['val_loss_pct']} %, attackers rejected {r['attackers_rejected']}")
         print(json.dumps(summary))
         print(f"logs: {work}")
-    ok = summary["honest_param_forks"] == 0 and summary["honest_wrongly_excluded"] == 0
+    ok = summary["honest_param_forks"] == 0 and summary["honest_wrongly_excluded"] == 0 \
+        and summary["honest_crashed"] == 0
     return 0 if ok else 1

@@ -48,6 +48,8 @@ class Parts:
     blob_server: type = BlobServer
     writer: object = make_writer
     """(workdir, run_id, events) -> p2ptrain.ckpt.checkpoint.AsyncWriter"""
+    service: type = AllReduceService
+    """(host, identity, AllReduceConfig, listen_ip=...) -> the all-reduce service"""
 
 
 async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
@@ -137,7 +139,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         raise NodeError(f"the run's state does not load: {exc}",
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
     exchange = float(spec.timeouts.exchange)
-    svc = AllReduceService(node.host, node.identity, AllReduceConfig(
+    svc = parts.service(node.host, node.identity, AllReduceConfig(
         # sparse runs use the service for its exchanges only: its ring mode is unused
         mode="int8" if spec.train.allreduce == "sparse" else spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
         commit_timeout=exchange * 2), listen_ip=_listen_ip(node))
