@@ -8,30 +8,14 @@ import numpy as np
 import pytest
 import trio
 
-from conftest import each_member
-from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
-from p2ptrain.events import EventSink
-from p2ptrain.identity import Identity
-from p2ptrain.net.node import Node, NodeConfig
+from conftest import each_member, service_cluster
+from p2ptrain.reduce.service import AllReduceService, RoundFailed
 
 pytestmark = pytest.mark.integration
 
 
 async def _cluster(nursery, world: int, **cfg):
-    nodes, svcs = [], []
-    for _ in range(world):
-        ident = Identity.generate()
-        node = Node(ident, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), EventSink(ident.peer_id_str, False))
-        await nursery.start(node.run)
-        svc = AllReduceService(node.host, ident, AllReduceConfig(**cfg))
-        await nursery.start(svc.run)
-        nodes.append(node)
-        svcs.append(svc)
-    for n in nodes:
-        for m in nodes:
-            if m is not n:
-                n.rpc.learn_addrs(m.identity.peer_id, [a.split("/p2p/")[0] for a in m.full_addrs()])
-    return nodes, svcs
+    return await service_cluster(nursery, [AllReduceService] * world, **cfg)
 
 
 async def _round(svcs, vecs, members, rid: str):
