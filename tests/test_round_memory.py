@@ -105,14 +105,16 @@ def deltas(k: int) -> list[np.ndarray]:
     return [rng.standard_normal(N).astype(np.float32) for _ in range(k)]
 
 
-def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None):
-    """Every member's `run` at once; their Outcomes in member order."""
+def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None):
+    """Every member's `run` at once (`views`: each member's own elected group, when they
+    differ); their Outcomes in member order."""
     ids = [r.me for r in rounds]
     group = group or election.ring_order(RUN, t, ids)
     outs = [None] * len(rounds)
 
     async def one(i: int) -> None:
-        outs[i] = await rounds[i].run(t, ds[i], group, (bases or ["base"] * len(rounds))[i], 100, 4,
+        g = election.ring_order(RUN, t, views[i]) if views else group
+        outs[i] = await rounds[i].run(t, ds[i], g, (bases or ["base"] * len(rounds))[i], 100, 4,
                                       bool(joining and joining[i]))
 
     async def main() -> None:
@@ -237,3 +239,60 @@ def test_a_member_that_never_shows_up_is_dropped_at_the_next_confirmation():
     for o in outs:
         assert ghost not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
         assert len(o.members) == 3
+
+
+def _split(vouching: bool):
+    """a, b, c trained; newcomer n's ready record reached a (and n) before the deadline but
+    b and c after it. With `vouching`, b and c find n's ready record when they look again."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(4)]
+    a, b, c, n = (r.me for r in rounds)
+
+    async def vouch(t, peers):
+        return set(peers) & {n} if vouching else set()
+
+    for r in rounds:
+        r.vouch = vouch
+    ds = deltas(3) + [np.zeros(N, np.float32)]
+    views = [[a, b, c, n], [a, b, c], [a, b, c], [a, b, c, n]]
+    return rounds, run_rounds(rounds, ds, views=views, joining=[False, False, False, True]), ds
+
+
+def test_members_that_saw_different_rosters_reconcile_instead_of_forking():
+    # Before: a and n confirmed each other, b and c each other: two pairs committed two
+    # different averages of one step (the fork CI saw when a newcomer joined). Now a, b and c
+    # reconcile on the union of their views; n heard nothing from b and c (they did not know
+    # it) and waited them out, so it is late for that attempt: it skips and catches up.
+    rounds, outs, ds = _split(vouching=True)
+    a, b, c, n = outs
+    assert len({o.result.tobytes() for o in outs if o.result is not None}) == 1
+    assert a.members == b.members == c.members and {r.me for r in rounds[:3]} <= set(a.members)
+    assert np.allclose(a.result, np.mean(ds, axis=0) if len(a.members) == 4 else np.mean(ds[:3], axis=0), atol=1e-6)
+    assert n.result is None or n.members == a.members
+
+
+def test_an_unreconcilable_split_commits_on_one_side_only():
+    # b and c cannot vouch for n (its record never reached them): the union cannot agree, and
+    # only the side holding a majority of the members that answered may go on.
+    rounds, outs, ds = _split(vouching=False)
+    a, b, c, n = outs
+    committed = [o for o in outs if o.result is not None]
+    assert len({o.result.tobytes() for o in committed}) == 1
+    assert a.result is None and n.result is None
+    assert np.allclose(b.result, np.mean(ds[1:3], axis=0), atol=1e-6) and b.members == c.members
+
+
+def test_confirmation_messages_are_checked_before_they_count():
+    from p2ptrain.run import roster
+
+    ids = [Identity.from_seed(bytes([i]) * 32).peer_id_str for i in (1, 2, 3)]
+    good = roster.Confirm(election.roster_hash(RUN, 1, 0, ids), "base", 4096, tuple(ids))
+    assert roster.decode(good.encode(), RUN, 1, 0) == good
+    lying = roster.Confirm(good.rh, "base", 4096, tuple(ids[:2]))  # a hash of another view
+    for raw in (None, b"", b"\xff\xfe", lying.encode(), good.encode() + b"," + b"x" * roster.MAX_BYTES,
+                b"a/b/notint/" + ids[0].encode(), good.encode().replace(b"4096", b"4096/x")):
+        assert roster.decode(raw, RUN, 1, 0) is None, raw
+    assert roster.decode(good.encode(), RUN, 1, 1) is None  # another attempt's hash
+    v = roster.reconcile(good, {ids[0]: good, ids[1]: None, ids[2]: roster.Confirm("h", "other", 4096, (ids[2],))})
+    # silent and other-params members are not responders: the lone agreeing member is a majority
+    assert v.agreeing == [ids[0]] and v.responders == {ids[0]} and v.majority() and not v.views_differ

@@ -133,10 +133,11 @@ def test_state_record_codec_round_trips_and_bounds():
             records.decode_state(bad)
 
 
-def test_status_and_dashboard_decode_records_without_the_trainer():
+def test_status_and_dashboard_decode_records_without_the_trainer(tmp_path):
     code = ("import sys, p2ptrain.cli.status, p2ptrain.run.states, p2ptrain.dashboard.server; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('numba', 'torch') "
             "or m.startswith(('p2ptrain.reduce', 'p2ptrain.train', 'p2ptrain.kernels'))]; print(bad)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # cwd: not the checkout, whose p2ptrain/ (without dht/ etc.) would shadow the installed package
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout

@@ -2,7 +2,10 @@
 
 Attempts, each with a fresh roster (members this peer still trusts):
   1. confirm the roster with every member: its hash, the params we start from and the frame
-     size must all agree (`exchange`); members that disagree are dropped and we try again;
+     size must all agree (`exchange`). Members that saw another roster are reconciled with
+     once (the union of the views); after that dissenters are dropped, but only while those
+     who agree are a majority of those who answered (`p2ptrain.run.roster`: never two halves
+     of one group committing two averages);
   2. encode our contribution (int8 ring payloads, or the butterfly's per-chunk copies), sign
      a header describing it (`p2ptrain.run.contribution`), exchange headers and verify
      them; members with a bad header are rejected (`Ledger.reject`) and we try again;
@@ -25,6 +28,7 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import numpy as np
@@ -34,10 +38,12 @@ from p2ptrain.reduce import butterfly, ring
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
+from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
+Vouch = Callable[[int, set[str]], Awaitable[set[str]]]
 
 
 class ReduceService(Protocol):
@@ -129,7 +135,7 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
 
 class ContributionRound:
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
-                 contributor: Contributor | None = None, sparse=None) -> None:
+                 contributor: Contributor | None = None, sparse=None, vouch: Vouch | None = None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -140,12 +146,15 @@ class ContributionRound:
         self.ring_cfg = ring.RingConfig(config.ring_mode, sub_chunk_bytes=config.sub_chunk_bytes)
         self.sparse = sparse
         """A `p2ptrain.reduce.sparse.SparseReducer` in sparse runs (it holds our error feedback)."""
+        self.vouch = vouch
+        """Which of some peers hold a ready record for a step (and are dialable): merging
+        another member's view admits only those."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False) -> Outcome:
         """Reduce `delta` with `group` (ring order), starting from params hash `base`."""
         out = Outcome(None, list(group))
-        roster, unconfirmed = list(group), False
+        roster, unconfirmed, merged = list(group), False, False
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         for attempt in range(self.config.max_attempts):
@@ -162,11 +171,20 @@ class ContributionRound:
                     out.result, out.alone = delta.copy(), True
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
-            agreeing = await self._confirm(f"{t}/{attempt}", roster, rh, base)
-            if agreeing != roster:
+            verdict = await self._confirm(t, attempt, roster, rh, base)
+            if verdict.agreeing != roster:
                 unconfirmed = True
-                log.info("step %d attempt %d: roster not confirmed by %s", t, attempt, sorted(set(roster) - set(agreeing)))
-                roster = agreeing
+                log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
+                         sorted(set(roster) - set(verdict.agreeing)))
+                if verdict.views_differ and not merged:  # p2ptrain.run.roster, rule 1
+                    merged = True
+                    roster = await self._merge(t, roster, verdict)
+                    continue
+                if not verdict.majority():  # rule 2: the other side may commit; never both
+                    log.info("step %d: %d of %d members agree, not a majority: skipping", t,
+                             len(verdict.agreeing), len(verdict.responders))
+                    return out
+                roster = verdict.agreeing
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
@@ -174,14 +192,24 @@ class ContributionRound:
             roster = [p for p in roster if p not in self.ledger.ignored]
         return out
 
-    async def _confirm(self, rid: str, roster: list[str], rh: str, base: str) -> list[str]:
-        """Members that start from the same roster, params and frame size as we do: a peer
-        that forked (or caught up to another fork's state) is left out rather than averaged
-        with, and one that cuts the tensor differently (another version) is left out
-        instead of failing every round."""
-        mine = f"{rh}/{base}/{self.config.sub_chunk_bytes}".encode()
-        got = await self.svc.exchange(self.run_id, rid + "/roster", roster, mine, self.config.exchange_timeout)
-        return [p for p in roster if got.get(p) == mine]
+    async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str) -> rosters.Verdict:
+        """Every member's roster, params and frame size against ours: a peer that forked (or
+        caught up to another fork's state) is left out rather than averaged with, one that
+        cuts the tensor differently (another version) is left out instead of failing every
+        round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
+        mine = rosters.Confirm(rh, base, self.config.sub_chunk_bytes, tuple(roster))
+        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(),
+                                      self.config.exchange_timeout)
+        replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
+        return rosters.reconcile(mine, replies)
+
+    async def _merge(self, t: int, roster: list[str], verdict: rosters.Verdict) -> list[str]:
+        """The union of the views we heard; peers we did not elect ourselves only where their
+        own ready record for this step vouches for them (a claim of a view is not enough)."""
+        extra = set(verdict.union) - set(roster) - self.ledger.ignored
+        vouched = await self.vouch(t, extra) if extra and self.vouch is not None else set()
+        keep = (set(verdict.union) & set(roster)) | (extra & vouched)
+        return election.ring_order(self.run_id, t, sorted(keep))
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

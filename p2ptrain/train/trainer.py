@@ -68,7 +68,7 @@ class Trainer:
                   if spec.train.allreduce == "sparse" else None)
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust), self.ledger,
-            contributor, sparse)
+            contributor, sparse, vouch=self._vouch)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
@@ -163,6 +163,14 @@ class Trainer:
     async def _others_ready(self, t: int) -> bool:
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         return bool({r.peer for r in recs} - {self.me} - self.ledger.ignored)
+
+    async def _vouch(self, t: int, peers: set[str]) -> set[str]:
+        """Those of `peers` with a ready record for step t (their addresses learned)."""
+        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        ok = [r for r in recs if r.peer in peers and r.peer not in self.ledger.ignored]
+        for r in ok:
+            self._learn(r.peer, list(r.addrs))
+        return {r.peer for r in ok}
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
