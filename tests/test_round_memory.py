@@ -43,6 +43,7 @@ class Hub:
         self.fail: dict[str, dict[str, str]] = {}  # round id -> blamed, raised once per member
         self.suspects: dict[str, dict[str, int]] = {}  # round id -> blamers nobody corroborated
         self.calls: list[tuple[str, str, tuple]] = []
+        self.withholder: str | None = None  # every round it is in aborts, nobody blamed
 
     def poke(self) -> None:
         self.changed.set()
@@ -76,6 +77,8 @@ class FakeService:
         if round_id in self.hub.fail:
             raise RoundFailed("fake abort", dict(self.hub.fail[round_id]),
                               suspects=dict(self.hub.suspects.get(round_id, {})))
+        if self.hub.withholder in members:
+            raise RoundFailed("no certificate: a vote never came", {})
         got = self.hub.vecs.setdefault(round_id, {})
         got[self.me] = np.array(vec, np.float32)
         self.hub.poke()
@@ -296,3 +299,41 @@ def test_confirmation_messages_are_checked_before_they_count():
     v = roster.reconcile(good, {ids[0]: good, ids[1]: None, ids[2]: roster.Confirm("h", "other", 4096, (ids[2],))})
     # silent and other-params members are not responders: the lone agreeing member is a majority
     assert v.agreeing == [ids[0]] and v.responders == {ids[0]} and v.majority() and not v.views_differ
+
+
+def test_a_member_that_withholds_its_vote_is_left_out_then_rejected():
+    # Before: every attempt with the withholder aborted with nobody blamed, all 4 attempts of
+    # every step failed and no honest member ever committed (red team: 0 of 9 commits).
+    hub = Hub()
+    rounds = [member(hub, i + 1) for i in range(4)]
+    ids = [r.me for r, _ in rounds]
+    hub.withholder = ids[2]
+    honest = [0, 1, 3]
+    committers = []
+    for t in (1, 2, 3, 4):
+        ds = [d * t for d in deltas(4)]  # new values every step (the same digests again are a replay)
+        outs = run_rounds([r for r, _ in rounds], ds, t=t)
+        done = [i for i in honest if outs[i].result is not None]
+        committers.append(done)
+        # Commit or skip, never a fork: whoever commits, commits the same mean of the same members.
+        assert len(done) >= 2 and outs[2].result is None, (t, done)
+        assert len({outs[i].result.tobytes() for i in done}) == 1 and len({tuple(outs[i].members) for i in done}) == 1
+        assert ids[2] not in outs[done[0]].members
+        assert np.allclose(outs[done[0]].result, np.mean([ds[ids.index(p)] for p in outs[done[0]].members], axis=0),
+                           atol=1e-6)
+    # Two strikes reject it; then every honest member commits every step, at its first attempt.
+    assert committers[-1] == honest, committers
+    assert {c[1] for c in hub.calls if c[1].startswith("4/")} == {"4/0"}
+    assert all(ids[2] in rounds[i][0].ledger.ignored for i in honest if rounds[i][0].ledger.strikes.get(ids[2], 0) >= 2)
+    assert not any(ids[j] in rounds[i][0].ledger.ignored for i in honest for j in honest)
+
+
+def test_one_unexplained_abort_is_retried_with_everyone_and_strikes_nobody():
+    hub = Hub()
+    rounds = [member(hub, i + 1) for i in range(3)]
+    hub.fail["1/0"] = {}  # a transient: aborted, nobody blamed
+    ds = deltas(3)
+    outs = run_rounds([r for r, _ in rounds], ds)
+    for o in outs:
+        assert np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6) and len(o.members) == 3
+    assert all(ev != "member_struck" for r, e in rounds for ev, _ in e.seen)

@@ -29,6 +29,7 @@ class Ledger:
         self.norm_history: dict[str, list[float]] = {}  # accepted header norms per peer (last 16)
         self.standing = Standing(me)
         self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
+        self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
 
     def reject(self, t: int, peer: str, reason: str) -> None:
         if peer == self.me or peer in self.ignored:
@@ -37,6 +38,14 @@ class Ledger:
         self.standing.forget(peer)
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
         self.events.emit("contribution_rejected", step=t, remote=peer, reason=reason)
+
+    def strike(self, t: int, peer: str, reason: str) -> None:
+        """A round committed only once `peer` was left out (`p2ptrain.run.roster.LeaveOneOut`).
+        One strike can be bad luck (a transient on its side); the second rejects it."""
+        self.strikes[peer] = self.strikes.get(peer, 0) + 1
+        self.events.emit("member_struck", step=t, remote=peer, strikes=self.strikes[peer], reason=reason)
+        if self.strikes[peer] >= 2:
+            self.reject(t, peer, "withholds-votes")
 
     def remember(self, t: int, headers: dict) -> None:
         """A committed round of step `t`: its signed digests (the same header again is a

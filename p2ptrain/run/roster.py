@@ -71,6 +71,8 @@ class Verdict:
     """Members that answered from our params and frame size, whatever roster they saw."""
     union: frozenset[str]
     """Our roster and the views of those responders, less the roster members that were silent."""
+    silent: frozenset[str] = frozenset()
+    """Roster members we heard nothing (valid) from."""
 
     @property
     def views_differ(self) -> bool:
@@ -91,4 +93,75 @@ def reconcile(mine: Confirm, replies: dict[str, Confirm | None]) -> Verdict:
     union = set(mine.view) - silent
     for c in same.values():
         union |= set(c.view)
-    return Verdict(agreeing, frozenset(same), frozenset(union - silent))
+    return Verdict(agreeing, frozenset(same), frozenset(union - silent), frozenset(silent))
+
+
+class RosterPlan:
+    """What a member does after each confirmation of one step (pure; see the module doc):
+    ('go', roster) reduce now; ('merge', None) reconcile on the union (the caller vouches for
+    new peers: I/O); ('retry', roster) confirm that roster next; ('skip', None) skip the step."""
+
+    def __init__(self) -> None:
+        self.merged = False
+
+    def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
+        if v.agreeing == roster:
+            return "go", roster
+        if v.views_differ and not self.merged:  # rule 1, once
+            self.merged = True
+            return "merge", None
+        if v.majority():  # rule 2
+            return "retry", list(v.agreeing)
+        return "skip", None
+
+
+class LeaveOneOut:
+    """Who to leave out after aborts nobody can explain (pure bookkeeping for one step).
+
+    A member that runs the data plane honestly and then withholds its commit vote (or closes
+    its channels in the vote gather) aborts every round it is in, and nothing attributes it:
+    its successor sees a closed connection, exactly as for a crash, and an accusation from
+    the successor alone cannot be told from a lie. So after an abort with nobody blamed, the
+    group first retries the same roster once (a transient), then retries with one member
+    left out at a time, in an order every member computes alike (a per-step hash: strike
+    counts differ between members, so they cannot order it). The member left out does not
+    leave: it goes straight on to the next attempt's confirmation and waits there, so it is
+    back in if the attempt without it fails too; if that attempt commits, nobody comes, and
+    it skips the step and catches up. The first roster that commits names the member whose
+    absence made the difference (a *strike*; `Ledger.strike` rejects at 2). Only that member
+    sat out the attempt that committed, so every honest member of the group records the
+    same strikes. (A member that was in other groups has not: it keeps the withholder in
+    its roster, disagrees, and rule 2 decides.) A group of two
+    cannot be helped this way (either member alone is no majority): it skips the step.
+    """
+
+    def __init__(self, run_id: str, step: int) -> None:
+        self.run_id, self.step = run_id, step
+        self.fails = 0
+        self.base: list[str] | None = None
+        self.order: list[str] = []
+        self.left: str | None = None
+
+    @property
+    def out(self) -> set[str]:
+        return {self.left} if self.left is not None else set()
+
+    def failed(self, roster: list[str]) -> list[str] | None:
+        """The roster to try after an unexplained abort of `roster` (or, for the member left
+        out, after the attempt it sat out); None when every member was left out once."""
+        self.fails += 1
+        if self.fails == 1:
+            return list(roster)
+        if self.base is None:
+            self.base = list(roster)
+            self.order = sorted(roster, key=lambda p: election.order_key(self.run_id, self.step, f"out/{p}"))
+        if not self.order:
+            self.left = None
+            return None
+        self.left = self.order.pop(0)
+        return [p for p in self.base if p != self.left]
+
+    @property
+    def extra_attempts(self) -> int:
+        """Attempts the probe may need beyond the round's usual budget."""
+        return 1 + len(self.base or ())

@@ -147,6 +147,7 @@ class ContributionRound:
         self.sparse = sparse
         """A `p2ptrain.reduce.sparse.SparseReducer` in sparse runs (it holds our error feedback)."""
         self.vouch = vouch
+        self._unexplained = False
         """Which of some peers hold a ready record for a step (and are dialable): merging
         another member's view admits only those."""
 
@@ -154,10 +155,17 @@ class ContributionRound:
                   joining: bool = False) -> Outcome:
         """Reduce `delta` with `group` (ring order), starting from params hash `base`."""
         out = Outcome(None, list(group))
-        roster, unconfirmed, merged = list(group), False, False
+        roster, unconfirmed = list(group), False
+        plan, probe = rosters.RosterPlan(), rosters.LeaveOneOut(self.run_id, t)
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
-        for attempt in range(self.config.max_attempts):
+        attempt = -1
+        while (attempt := attempt + 1) < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
+            if probe.left == self.me:  # we sit this attempt out and wait at the next one
+                roster = probe.failed(roster)
+                if roster is None:
+                    return out
+                continue
             roster = [p for p in roster if p not in self.ledger.ignored]
             out.members = roster
             if roster == [self.me]:
@@ -167,29 +175,32 @@ class ContributionRound:
                 # base): the others may be committing this step without it, and its own step
                 # would fork it from them for good (its base hash would never match again).
                 # Both skip the step and catch up to what the group commits.
-                if not (joining or unconfirmed):
+                if not (joining or unconfirmed or probe.fails):
                     out.result, out.alone = delta.copy(), True
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             verdict = await self._confirm(t, attempt, roster, rh, base)
-            if verdict.agreeing != roster:
+            action, nxt = plan.after(roster, verdict)
+            if action != "go":
                 unconfirmed = True
-                log.info("step %d attempt %d: roster not confirmed by %s", t, attempt,
-                         sorted(set(roster) - set(verdict.agreeing)))
-                if verdict.views_differ and not merged:  # p2ptrain.run.roster, rule 1
-                    merged = True
-                    roster = await self._merge(t, roster, verdict)
-                    continue
-                if not verdict.majority():  # rule 2: the other side may commit; never both
-                    log.info("step %d: %d of %d members agree, not a majority: skipping", t,
-                             len(verdict.agreeing), len(verdict.responders))
+                log.info("step %d attempt %d: roster not confirmed by %s: %s", t, attempt,
+                         sorted(set(roster) - set(verdict.agreeing)), action)
+                if action == "skip":  # the other side may commit; never both (p2ptrain.run.roster)
                     return out
-                roster = verdict.agreeing
+                roster = await self._merge(t, roster, verdict, probe.out) if action == "merge" else nxt
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
+            self._unexplained = False
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
+                if probe.left is not None:  # its absence made the difference
+                    self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
-            roster = [p for p in roster if p not in self.ledger.ignored]
+            if self._unexplained:
+                roster = probe.failed(roster)
+                if roster is None:
+                    return out
+            else:  # someone was caught: a later commit says nothing about who we left out
+                probe.left = None
         return out
 
     async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str) -> rosters.Verdict:
@@ -203,10 +214,11 @@ class ContributionRound:
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         return rosters.reconcile(mine, replies)
 
-    async def _merge(self, t: int, roster: list[str], verdict: rosters.Verdict) -> list[str]:
+    async def _merge(self, t: int, roster: list[str], verdict: rosters.Verdict, left_out: set[str]) -> list[str]:
         """The union of the views we heard; peers we did not elect ourselves only where their
-        own ready record for this step vouches for them (a claim of a view is not enough)."""
-        extra = set(verdict.union) - set(roster) - self.ledger.ignored
+        own ready record for this step vouches for them (a claim of a view is not enough),
+        never one we rejected or left out this step."""
+        extra = set(verdict.union) - set(roster) - self.ledger.ignored - left_out
         vouched = await self.vouch(t, extra) if extra and self.vouch is not None else set()
         keep = (set(verdict.union) & set(roster)) | (extra & vouched)
         return election.ring_order(self.run_id, t, sorted(keep))
@@ -248,6 +260,8 @@ class ContributionRound:
 
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
         log.info("step %d attempt %d failed: %s", t, attempt, exc)
+        # Nobody named: a crash, a transient, or a member withholding its vote (leave-one-out).
+        self._unexplained = not exc.blamed and not getattr(exc, "suspects", {})
         for peer, reason in exc.blamed.items():
             self.ledger.reject(t, peer, reason)
         # A member whose accusations nobody corroborates is aborting rounds on purpose.
