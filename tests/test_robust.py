@@ -173,6 +173,41 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
         fresh.check(0, 1, 0, bytes(own[0][1][0]), np.array([np.nan], np.float32))
 
 
+def test_butterfly_members_catch_an_owner_that_publishes_more_than_the_copies_allow(monkeypatch):
+    # Before: the owner's published chunk was only checked for finiteness, so owner 1 could
+    # publish anything for its 1/W of the model (here: 50x the aggregate) and every member
+    # committed it. Now every member holds it to the members' signed chunk norms.
+    world, n = 4, 20_000
+    vecs = honest(world, n, seed=11)
+    cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
+    own = [butterfly.own_payloads(v, world, cfg) for v in vecs]
+    lay = butterfly.layout(n, world, cfg)
+    members = [f"m{i}" for i in range(world)]
+    headers = {m: Header("run", 1, 0, "roster", m, tuple(float(np.linalg.norm(vecs[i][s[0][0]:s[-1][1]]))
+                                                          for s in lay), butterfly.chunk_digests(own[i]),
+                         float(np.linalg.norm(vecs[i])), 10, 100) for i, m in enumerate(members)}
+    subs = [len(s) for s in lay]
+    honest_publish = butterfly._Butterfly.publish
+
+    def hostile_publish(self):
+        if self.rank == 1:  # combine 50x copies: a result far outside what the members sent
+            for q in range(self.world):
+                self.copies[q] = [c * 50 for c in self.copies[q]]
+        honest_publish(self)
+
+    def run(checks):
+        return run_mesh(vecs, cfg, rcfg, *make_mesh(world, timeout=3.0), timeout=3.0, own=own, check=checks)
+
+    out, errors = run([butterfly.Checker(members, headers, subs) for _ in range(world)])
+    assert errors == [None] * world  # honest owners pass the bound
+    monkeypatch.setattr(butterfly._Butterfly, "publish", hostile_publish)
+    _, errors = run([butterfly.Checker(members, headers, subs).check for _ in range(world)])
+    assert errors == [None] * world  # the copies-only check (the old one) lets it through
+    _, errors = run([butterfly.Checker(members, headers, subs) for _ in range(world)])
+    for i in (0, 2, 3):  # every other member caught it, blaming the owner
+        assert isinstance(errors[i], RingError) and errors[i].blame == "m1", errors
+
+
 # ----------------------------------------------------------------------------- reputation
 def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
     from p2ptrain.run import reputation

@@ -24,6 +24,7 @@ and one pump thread per channel, so no member ever blocks on a send nobody reads
 from __future__ import annotations
 
 import hashlib
+import math
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -112,7 +113,26 @@ class Checker:
     members: list[str]
     headers: dict
     sub_counts: list[int]
+    slack: float = 1.05
     _seen: dict = field(default_factory=dict)
+    _result_sq: dict = field(default_factory=dict)
+
+    def check_result(self, owner: int, chunk: int, values: np.ndarray) -> None:
+        """An owner's published chunk, sub-chunk by sub-chunk: every robust rule here puts
+        each coordinate of its output between the members' values for it (CenteredClip: a
+        convex combination), so its norm is at most sqrt(sum of the members' signed chunk
+        norms squared). An owner that publishes anything larger (scaling its 1/W of the
+        model, or its own values in place of the aggregate) is caught by every member alike."""
+        from p2ptrain.run.contribution import BadContribution
+
+        peer = self.members[owner]
+        if owner != chunk:
+            raise BadContribution(peer, f"sent chunk {chunk}, which it does not own")
+        v = values.astype(np.float64)
+        self._result_sq[chunk] = self._result_sq.get(chunk, 0.0) + float(np.dot(v, v))
+        bound = math.sqrt(math.fsum(self.headers[m].chunk_norms[chunk] ** 2 for m in self.members))
+        if math.sqrt(self._result_sq[chunk]) > self.slack * bound + 1e-6:
+            raise BadContribution(peer, f"published chunk {chunk} exceeds the members' signed norms")
 
     def check(self, sender: int, chunk: int, sub: int, payload, values: np.ndarray) -> None:
         from p2ptrain.run.contribution import BadContribution
@@ -154,7 +174,9 @@ class _Butterfly:
 
     def __init__(self, vec, rank, world, sends, recvs, cfg: RingConfig, rcfg, own, check) -> None:
         self.rank, self.world, self.sends, self.recvs = rank, world, sends, recvs
-        self.cfg, self.rcfg, self.own, self.check = cfg, rcfg, own, check
+        # `check`: a callable for the members' copies, or a `Checker` (copies and owners' results)
+        self.cfg, self.rcfg, self.own, self.check = cfg, rcfg, own, getattr(check, "check", check)
+        self.check_result = getattr(check, "check_result", None)
         self.lay = lay = layout(vec.size, world, cfg)
         self.others = [p for p in range(world) if p != rank]
         self.inq: queue.Queue = queue.Queue()
@@ -276,6 +298,13 @@ class _Butterfly:
         values = decode(buf, hi - lo, self.cfg)
         if not np.isfinite(values).all():
             raise RingError(f"member {p} sent a non-finite result", reason="non-finite result")
+        if self.check_result is not None:
+            try:
+                self.check_result(p, c, values)
+            except Exception as exc:
+                if getattr(exc, "peer", None):
+                    raise RingError(f"bad result: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
+                raise
         self.result[lo:hi] = values
         self.final[(c, j)] = hashlib.sha256(buf).digest()
 

@@ -243,9 +243,10 @@ class ContributionRound:
         if bad:
             return False
         subs = [len(s) for s in prep.lay]
-        checker = butterfly.Checker(roster, ok, subs) if robust else FrameChecker(roster, ok, rank, subs)
+        # robust: the Checker itself (members' copies and owners' published chunks)
+        checker = butterfly.Checker(roster, ok, subs) if robust else FrameChecker(roster, ok, rank, subs).check
         try:
-            res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker.check,
+            res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker,
                                            robust=self.config.robust)
         except RoundFailed as exc:
             self._failed(t, attempt, exc)
