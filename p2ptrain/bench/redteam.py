@@ -12,6 +12,10 @@ their own identities:
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
   withhold        one member trains and sends honest data but withholds its commit vote in
                   every ring round (closes its ring channels after the data plane)
+  dropfwd         one member contributes honestly but drops every partial sum it relays in the
+                  ring (forwards only its own values; as owner publishes own / W): passes the
+                  frame checks and commits (hole 5, not defended); its `attacker_dropfwd`
+                  report says how much of the others' contribution each committed round lost
   garbage         after the honest peers started, a process with its own identity sends
                   random and malformed bytes on every run protocol (DHT, round/vote, bulk,
                   blob fetch) to every peer it finds: a fixed number of streams over 20 s
@@ -40,7 +44,7 @@ import time
 from pathlib import Path
 
 ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
-           "withhold", "garbage")
+           "withhold", "garbage", "dropfwd")
 
 
 def init_run(work: Path, inner_steps: int, window: float, group: int) -> tuple[Path, str]:
@@ -83,7 +87,7 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                  for i in range(honest)]
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
-        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold"):
+        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold", "dropfwd"):
             hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
         elif mode == "garbage":  # bounded: 400 streams over 20 s, to every peer it finds
