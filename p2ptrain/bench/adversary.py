@@ -247,6 +247,8 @@ def parts_for(mode: str):
         return Parts(service=WithholdingService)
     if mode == "dropfwd":
         return Parts(service=DroppingService)
+    if mode == "extra-honest":  # the red-team bench's control: the same process, nothing hostile
+        return Parts()
     HostileContributor(mode)  # validates the mode
     return Parts(contributor=functools.partial(HostileContributor, mode))
 

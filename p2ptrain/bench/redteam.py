@@ -16,6 +16,7 @@ their own identities:
                   ring (forwards only its own values; as owner publishes own / W): passes the
                   frame checks and commits (hole 5, not defended); its `attacker_dropfwd`
                   report says how much of the others' contribution each committed round lost
+  extra-honest    (a control, only when named) one more member with no hostile part
   garbage         after the honest peers started, a process with its own identity sends
                   random and malformed bytes on every run protocol (DHT, round/vote, bulk,
                   blob fetch) to every peer it finds: a fixed number of streams over 20 s
@@ -45,6 +46,10 @@ from pathlib import Path
 
 ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
            "withhold", "garbage", "dropfwd")
+# Not attacks, not in the default list: one more plain `join` process with its own identity
+# (the same process the attacks build, with no hostile part), so an attack that joins the
+# group (dropfwd) can be told apart from the effect of a 4th honest member.
+CONTROLS = ("extra-honest",)
 
 
 def init_run(work: Path, inner_steps: int, window: float, group: int) -> tuple[Path, str]:
@@ -87,8 +92,11 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                  for i in range(honest)]
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
-        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold", "dropfwd"):
-            hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
+        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold", "dropfwd",
+                    "extra-honest"):
+            # dropfwd and its control share one key: same data windows, they differ only by the drops
+            keys = run[0].parent if mode in ("dropfwd", "extra-honest") else None
+            hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [], keys)], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
         elif mode == "garbage":  # bounded: 400 streams over 20 s, to every peer it finds
             hostile = [group.start(["garbage", "--bootstrap", baddr, "--count", "400", "--seconds", "20"], "a0",
@@ -175,7 +183,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="outer steps each honest peer commits")
     p.add_argument("--inner-steps", type=int, default=5, metavar="H")
     p.add_argument("--limit", type=float, default=240.0, help="seconds a scenario may take")
-    p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS + CONTROLS)
     p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
 
 
