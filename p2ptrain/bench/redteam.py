@@ -30,7 +30,8 @@ is >= 0.8), the fraction of started steps that committed, the honest commit rate
 protocol harm with plain load), steps where honest peers committed different params
 (`param_forks`), honest peers rejected by honest peers (`wrongly_excluded`), and the honest
 peers' validation loss at the run's last step (the highest step at least two honest peers
-committed) vs the baseline's at the same step (`val_loss_pct`).
+committed) vs the baseline's at the same step (`val_loss_pct`), and over every step both
+committed (`val_curve_pct`: the mean of the honest per-step means vs the baseline's).
 The last JSON line is `bench_redteam_summary`. Figures are from a noisy shared machine.
 """
 
@@ -152,6 +153,8 @@ def measure(attack: str, events: list[dict], honest_ids: set[str], steps: int, s
             "param_forks": sum(len(h) > 1 for h in by_step.values()),
             "wrongly_excluded": len(wrongly), "attackers_rejected": rejected,
             "val_loss": round(statistics.fmean(val[common]), 5) if common in val else None,
+            # the honest mean at every step: one step's val loss is noisy at this scale (+-5 %)
+            "val_curve": {s: round(statistics.fmean(v), 4) for s, v in sorted(val.items())},
             "seconds": seconds}
 
 
@@ -166,6 +169,9 @@ def summarize(rows: list[dict]) -> dict:
             r["val_loss_pct"] = round(100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"], 2)
         else:
             r["val_loss_pct"] = None
+        both = [s for s in r["val_curve"] if s in base["val_curve"]]
+        r["val_curve_pct"] = round(100 * (sum(r["val_curve"][s] for s in both)
+                                          / sum(base["val_curve"][s] for s in both) - 1), 2) if both else None
         worst_prog = min(worst_prog, r["progress_ratio"])
         if r["val_loss_pct"] is not None:
             worst_val = max(worst_val, r["val_loss_pct"])
