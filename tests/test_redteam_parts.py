@@ -67,6 +67,49 @@ def test_garbage_on_every_run_protocol_is_dropped_and_the_next_round_commits():
     trio.run(main)
 
 
+def _dropped_ranks(c: int, bad: int, world: int) -> list[int]:
+    """Chunk c travels ranks c, c+1, ..., c+W-1 (its owner): a forwarder at `bad` keeps its
+    own value and whatever joins after it; the ranks before it on that path are dropped."""
+    return [(c + k) % world for k in range((bad - c) % world)]
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp32"])
+def test_the_dropping_ring_keeps_only_what_joins_at_or_after_the_forwarder(mode):
+    """The attack's data plane alone (`dropping_allreduce`, over TCP socket pairs, both wire
+    modes): every member decodes identical bytes; each chunk's mean lacks exactly the members
+    before the forwarder on that chunk's path."""
+    import threading
+
+    from p2ptrain.bench.adversary import dropping_allreduce
+    from p2ptrain.reduce.ring import ArenaPool, RingConfig, allreduce, layout
+    from test_ring import make_ring, run_members
+
+    world, bad, n = 3, 1, 30_000
+    cfg = RingConfig(mode, sub_chunk_bytes=16_384)  # several frames per chunk
+    rng = np.random.default_rng(5)
+    vecs = [(rng.standard_normal(n) * 0.1 + (i + 1)).astype(np.float32) for i in range(world)]
+    sends, recvs = make_ring(world)
+    out, rounds, lock = [None] * world, [None], threading.Lock()
+
+    def member(i):
+        if i == bad:
+            *r, rounds[0] = dropping_allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, None, None, None,
+                                               ArenaPool(0))
+        else:
+            r = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0)
+        with lock:
+            out[i] = r
+
+    run_members(member, world)
+    assert all(r is not None for r in out), out
+    assert len({r[2] for r in out}) == 1 and all(np.array_equal(r[0], out[0][0]) for r in out)
+    for c, subs in enumerate(layout(n, world, cfg)):
+        lo, hi = subs[0][0], subs[-1][1]
+        want = sum(vecs[r][lo:hi] for r in range(world) if r not in _dropped_ranks(c, bad, world)) / world
+        assert np.allclose(out[0][0][lo:hi], want, atol=0.05 if mode == "int8" else 1e-5), c
+    assert rounds[0].dropped_terms == world * (world - 1) // 2
+
+
 def _signed_checks(vecs: list[np.ndarray], members: list[str], cfg):
     """What run/round.py holds every frame to: each member's headers (per-chunk norms, the
     digests of its step-0 frames) and a FrameChecker per rank; plus each member's `own`."""
@@ -117,12 +160,10 @@ def test_a_dropping_forwarder_commits_a_mean_without_half_the_others_contributio
     assert len({r.digest for r in got}) == 1
     assert all(np.array_equal(r.result, got[0].result) for r in got)
     exact = np.mean(vecs, axis=0)
-    # Chunk c travels ranks c, c+1, ..., c+3 (its owner). The forwarder keeps its own value
-    # and whatever joins after it; the members before it on that path are gone.
     missing_total = 0
     for c, subs in enumerate(lay):
         lo, hi = subs[0][0], subs[-1][1]
-        before = [(c + k) % world for k in range((bad - c) % world)]
+        before = _dropped_ranks(c, bad, world)
         kept = [r for r in range(world) if r not in before]
         want = sum(vecs[r][lo:hi] for r in kept) / world
         assert np.allclose(got[0].result[lo:hi], want, atol=0.05), (c, before)
