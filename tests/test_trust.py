@@ -320,6 +320,7 @@ def test_redteam_measures_forks_exclusions_and_progress():
     s = redteam.summarize(rows)
     assert s["honest_progress_min_ratio"] == 1.0 and s["honest_param_forks"] == 1
     assert s["honest_wrongly_excluded"] == 1 and s["worst_val_loss_pct"] == 10.0
+    assert rows[1]["val_curve"] == {1: 3.3, 2: 3.3} and rows[1]["val_curve_pct"] == 10.0  # every step, not the last
 
 
 def test_an_early_peer_does_not_close_the_step_on_expected_peers_not_yet_ready():

@@ -26,12 +26,20 @@ Modes:
            after its data plane it closes its ring channels instead of joining the vote
            gather (issue 15, "withheld votes"); its group holds no certificate, so the round
            must abort on every member, never commit on some
+  dropfwd  trains and sends its own contribution honestly, but every reduce-scatter partial
+           sum it receives is dropped after it passed the frame check: what it forwards
+           carries only its own values, and as the owner of its chunk it publishes
+           own / W. Smaller norms pass every check, it signs honest votes on the bytes
+           everyone decodes, so the round commits without half of the other members'
+           chunk contributions (issue 15, hole 5: known, not defended; DESIGN "What ring
+           verification can and cannot catch"). Ring rounds only (robust rounds: honest).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 
 import numpy as np
@@ -39,8 +47,9 @@ import trio
 
 import p2ptrain  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from p2ptrain.ckpt.fetch import BlobServer
-from p2ptrain.identity import Identity
-from p2ptrain.reduce import ring
+from p2ptrain import kernels as K
+from p2ptrain.identity import Identity, public_from_peer_id_bytes, verify
+from p2ptrain.reduce import ring, ringvote
 from p2ptrain.reduce.service import AllReduceService, _Plane
 from p2ptrain.run.round import Contributor
 
@@ -91,6 +100,96 @@ class WithholdingService(AllReduceService):
         self.withheld += 1
         plane.gather_error = "vote withheld"
         return plane
+
+
+class _DroppingRound(ring._RingRound):
+    """The honest ring schedule, except that every reduce-scatter frame it receives is
+    replaced by zeros after the frame check saw it (it was honest: nobody is blamed) and
+    before it is mixed in. `dropped` keeps what was thrown away (fp32, per element)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.dropped = np.zeros_like(self.vec)
+        self.dropped_terms = 0  # (member, chunk) contributions thrown away
+        self._zeros = np.zeros(self.scratch.size, np.float32)
+
+    def step(self, fid, c: int, j: int, buf: memoryview) -> None:
+        if fid.step <= self.world - 2:  # a partial sum of fid.step + 1 members' chunk c
+            lo, hi = self.lay[c][j]
+            m = hi - lo
+            if self.fp32:
+                vals = np.frombuffer(buf, np.float32)
+                self.dropped[lo:hi] = vals
+                vals[:] = 0.0
+            else:
+                q, meta = ring._split(buf, m)
+                K.dequantize(q, meta, self.cfg.block, out=self.dropped[lo:hi])
+                K.quantize(self._zeros[:m], self.cfg.block, q=q, meta=meta)
+            if j == 0:
+                self.dropped_terms += fid.step + 1
+        super().step(fid, c, j, buf)
+
+
+def dropping_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check, out, pool):
+    """`ring.allreduce` with `_DroppingRound`: (result, sent, digest, the round)."""
+    vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
+    ring._set_kernel_threads(cfg.kernel_threads)
+    rr = _DroppingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool)
+    return (*rr.run(timeout), rr)
+
+
+def drop_stats(vec: np.ndarray, result: np.ndarray, rr: _DroppingRound) -> dict:
+    """How much of the other members' contribution the committed mean lacks. The mean is
+    (total - dropped) / W, so the others' sum is W * mean + dropped - ours (int8 error aside)."""
+    w = rr.world
+    others = w * result.astype(np.float64) + rr.dropped - vec
+    n_others = float(np.linalg.norm(others))
+    return {"dropped_contributions": rr.dropped_terms, "other_contributions": w * (w - 1),
+            "dropped_norm_fraction": round(float(np.linalg.norm(rr.dropped)) / max(n_others, 1e-30), 4)}
+
+
+class DroppingService(AllReduceService):
+    """Ring rounds run `_DroppingRound`, then the honest signed vote gather on the digest of
+    the (doctored) bytes every member decoded: the round commits. Robust rounds are honest.
+    After each committed ring round it prints an `attacker_dropfwd` JSON line (the red-team
+    bench reads the last one) and keeps the figures in `stats`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stats: list[dict] = []  # one per committed ring round
+        self._last: dict | None = None
+        self.quiet = False
+
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, own, check, out) -> _Plane:
+        world = len(rnd.ids)
+        if world == 1:
+            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, own, check, out)
+        send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
+        result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own,
+                                                      check, out, self._arenas)
+        self._last = drop_stats(np.ascontiguousarray(vec, np.float32).ravel(), result, rr)
+        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        publics = [public_from_peer_id_bytes(p) for p in rnd.ids]
+        try:  # honest votes: the digest is of what every member decoded
+            plane.sigs = ringvote.gather(send_ch, recv_ch, rnd.rank, world, rnd.tag, bytes.fromhex(digest),
+                                         self.identity.sign, lambda i, sig, msg: verify(publics[i], sig, msg))
+        except ring.RingError as exc:
+            plane.gather_error = str(exc)
+        return plane
+
+    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, out=None):
+        self._last = None
+        res = await super().allreduce(vec, run_id, round_id, members, own=own, check=check, robust=robust, out=out)
+        if self._last is not None:  # committed with our drops in it
+            self.stats.append({"round": round_id, **self._last})
+            if not self.quiet:
+                fr = [s["dropped_norm_fraction"] for s in self.stats]
+                sys.stdout.write(json.dumps({
+                    "event": "attacker_dropfwd", "rounds_committed": len(fr), **self._last,
+                    "dropped_norm_fraction_mean": round(float(np.mean(fr)), 4),
+                    "dropped_norm_fractions": fr[-20:]}) + "\n")
+                sys.stdout.flush()
+        return res
 
 
 class HostileContributor(Contributor):
@@ -146,6 +245,10 @@ def parts_for(mode: str):
         return Parts(blob_server=CorruptBlobServer)
     if mode == "withhold":
         return Parts(service=WithholdingService)
+    if mode == "dropfwd":
+        return Parts(service=DroppingService)
+    if mode == "extra-honest":  # the red-team bench's control: the same process, nothing hostile
+        return Parts()
     HostileContributor(mode)  # validates the mode
     return Parts(contributor=functools.partial(HostileContributor, mode))
 

@@ -12,6 +12,11 @@ their own identities:
   replay, forge, nan, norm   the older hostile-header modes (p2ptrain/bench/adversary.py)
   withhold        one member trains and sends honest data but withholds its commit vote in
                   every ring round (closes its ring channels after the data plane)
+  dropfwd         one member contributes honestly but drops every partial sum it relays in the
+                  ring (forwards only its own values; as owner publishes own / W): passes the
+                  frame checks and commits (hole 5, not defended); its `attacker_dropfwd`
+                  report says how much of the others' contribution each committed round lost
+  extra-honest    (a control, only when named) one more member with no hostile part
   garbage         after the honest peers started, a process with its own identity sends
                   random and malformed bytes on every run protocol (DHT, round/vote, bulk,
                   blob fetch) to every peer it finds: a fixed number of streams over 20 s
@@ -25,7 +30,8 @@ is >= 0.8), the fraction of started steps that committed, the honest commit rate
 protocol harm with plain load), steps where honest peers committed different params
 (`param_forks`), honest peers rejected by honest peers (`wrongly_excluded`), and the honest
 peers' validation loss at the run's last step (the highest step at least two honest peers
-committed) vs the baseline's at the same step (`val_loss_pct`).
+committed) vs the baseline's at the same step (`val_loss_pct`), and over every step both
+committed (`val_curve_pct`: the mean of the honest per-step means vs the baseline's).
 The last JSON line is `bench_redteam_summary`. Figures are from a noisy shared machine.
 """
 
@@ -40,7 +46,11 @@ import time
 from pathlib import Path
 
 ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
-           "withhold", "garbage")
+           "withhold", "garbage", "dropfwd")
+# Not attacks, not in the default list: one more plain `join` process with its own identity
+# (the same process the attacks build, with no hostile part), so an attack that joins the
+# group (dropfwd) can be told apart from the effect of a 4th honest member.
+CONTROLS = ("extra-honest",)
 
 
 def init_run(work: Path, inner_steps: int, window: float, group: int) -> tuple[Path, str]:
@@ -83,8 +93,11 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
                  for i in range(honest)]
         hostile = []
         mode, k = (attack.split("-")[0], int(attack.split("-")[1])) if attack.startswith("sybil") else (attack, 1)
-        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold"):
-            hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [])], f"a{j}",
+        if mode in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "sybil", "withhold", "dropfwd",
+                    "extra-honest"):
+            # dropfwd and its control share one key: same data windows, they differ only by the drops
+            keys = run[0].parent if mode in ("dropfwd", "extra-honest") else None
+            hostile = [group.start([mode, *_join(baddr, run, work, f"a{j}", False, [], keys)], f"a{j}",
                                    module="p2ptrain.bench.adversary") for j in range(k)]
         elif mode == "garbage":  # bounded: 400 streams over 20 s, to every peer it finds
             hostile = [group.start(["garbage", "--bootstrap", baddr, "--count", "400", "--seconds", "20"], "a0",
@@ -140,6 +153,8 @@ def measure(attack: str, events: list[dict], honest_ids: set[str], steps: int, s
             "param_forks": sum(len(h) > 1 for h in by_step.values()),
             "wrongly_excluded": len(wrongly), "attackers_rejected": rejected,
             "val_loss": round(statistics.fmean(val[common]), 5) if common in val else None,
+            # the honest mean at every step: one step's val loss is noisy at this scale (+-5 %)
+            "val_curve": {s: round(statistics.fmean(v), 4) for s, v in sorted(val.items())},
             "seconds": seconds}
 
 
@@ -154,6 +169,9 @@ def summarize(rows: list[dict]) -> dict:
             r["val_loss_pct"] = round(100 * (r["val_loss"] - base["val_loss"]) / base["val_loss"], 2)
         else:
             r["val_loss_pct"] = None
+        both = [s for s in r["val_curve"] if s in base["val_curve"]]
+        r["val_curve_pct"] = round(100 * (sum(r["val_curve"][s] for s in both)
+                                          / sum(base["val_curve"][s] for s in both) - 1), 2) if both else None
         worst_prog = min(worst_prog, r["progress_ratio"])
         if r["val_loss_pct"] is not None:
             worst_val = max(worst_val, r["val_loss_pct"])
@@ -171,7 +189,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=6, help="outer steps each honest peer commits")
     p.add_argument("--inner-steps", type=int, default=5, metavar="H")
     p.add_argument("--limit", type=float, default=240.0, help="seconds a scenario may take")
-    p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS)
+    p.add_argument("--attacks", nargs="+", default=list(ATTACKS), choices=ATTACKS + CONTROLS)
     p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
 
 
