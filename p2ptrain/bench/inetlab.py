@@ -17,6 +17,7 @@ API (stable; `p2ptrain bench allreduce --lab-mbit`, `bench utilization` and test
         lab.boot_prefix, lab.boot_ip, lab.boot_ns
         lab.rate_mbit(i)            # (up, down) Mbit/s, None = unshaped
         lab.link_stats(i)           # {"up": {"bytes", "packets", "drops"}, "down": {...}} from tc
+        tcp_goodput(lab, 0, 1, 12_000_000)  # {"seconds", "mbit"}: one plain TCP transfer 0 -> 1
     # every namespace (and with it every veth and qdisc) is gone here, even after an exception
 
 An entry of `rates_mbit` is a number (the same rate both ways), an `(up, down)` pair, or None
@@ -48,13 +49,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from p2ptrain.net import netns
 from p2ptrain.net.netns import LabUnavailable
 
 __all__ = ["LabConfig", "InternetLab", "LabUnavailable", "internet_lab", "unavailable_reason",
-           "bandwidth_bound_s", "FAMILY", "NET"]
+           "bandwidth_bound_s", "tcp_goodput", "FAMILY", "NET"]
 
 FAMILY = "p2pi"
 NET = "10.78.0"
@@ -217,3 +220,49 @@ def internet_lab(rates_mbit: list[Rate], boot: bool = True, boot_mbit: Rate = No
         failed = netns.teardown(lab.namespaces)
         if failed:
             print("inetlab: teardown problems:", "; ".join(failed))
+
+
+_RECV = """
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 0)); s.listen(1); s.settimeout(60)
+print(s.getsockname()[1], flush=True)
+c, _ = s.accept(); c.settimeout(60); n, t0 = 0, None
+while True:
+    b = c.recv(1 << 20)
+    if not b:
+        break
+    t0 = t0 or time.monotonic()
+    n += len(b)
+print(n, time.monotonic() - (t0 or time.monotonic()), flush=True)
+"""
+_SEND = """
+import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+left, block = int(sys.argv[3]), b"x" * (1 << 20)
+while left > 0:
+    s.sendall(block[:min(left, len(block))]); left -= len(block)
+s.close()
+"""
+
+
+def tcp_goodput(lab: InternetLab, src: int, dst: int, nbytes: int, timeout: float = 60.0) -> dict:
+    """One plain TCP transfer of `nbytes` from peer src to peer dst (two processes in their
+    namespaces); goodput timed at the receiver from its first byte to EOF."""
+    recv = subprocess.Popen([*lab.prefix(dst), sys.executable, "-c", _RECV, lab.ip(dst)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = recv.stdout.readline().strip()
+        if not port.isdigit():
+            raise RuntimeError(f"tcp_goodput receiver failed: {recv.stderr.read()[-300:]}")
+        subprocess.run([*lab.prefix(src), sys.executable, "-c", _SEND, lab.ip(dst), port, str(nbytes)],
+                       check=True, timeout=timeout, capture_output=True)
+        got, secs = recv.communicate(timeout=timeout)[0].split()
+    finally:
+        if recv.poll() is None:
+            recv.kill()
+            recv.wait(5)
+    if int(got) != nbytes:
+        raise RuntimeError(f"tcp_goodput: received {got} of {nbytes} bytes")
+    secs = float(secs)
+    return {"bytes": nbytes, "seconds": round(secs, 4), "mbit": round(nbytes * 8 / secs / 1e6, 1)}
