@@ -73,7 +73,7 @@ def test_shaping_limits_throughput_both_ways():
 
 def _worker(group: ProcessGroup, lab, i: int):
     ip = lab.ip(i)
-    return group.start(["--listen", f"/ip4/{ip}/tcp/4001", "--bulk-ip", ip], f"w{i}",
+    return group.start(["--listen", f"/ip4/{ip}/tcp/0", "--bulk-ip", ip], f"w{i}",
                        module="p2ptrain.bench.allreduce_worker", stdin=True, prefix=lab.prefix(i))
 
 
