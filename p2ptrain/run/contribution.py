@@ -166,6 +166,15 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
     return ok, bad
 
 
+def sumsq64(x: np.ndarray) -> float:
+    """Sum of squares accumulated in float64 (float32 sums lose the bound on long chunks).
+    einsum, not a float64 copy and np.dot: BLAS's dot runs on OpenBLAS's thread pool, whose
+    threads spin-wait for work; next to the ring's own threads on 2 shared cores that cost
+    ~0.5 CPU s per member per 64 MiB round and stretched a 1 Gbit/s round 5x
+    (BENCHMARKS.md, "Emulated internet"). einsum buffers the cast and stays on this thread."""
+    return float(np.einsum("i,i->", x, x, dtype=np.float64))
+
+
 class FrameChecker:
     """Holds each frame of a ring round to the members' signed headers.
 
@@ -200,7 +209,6 @@ class FrameChecker:
         else:  # all-gather: the owner's mean
             bound = self._bound(chunk, list(range(w))) / w
         key = (step, chunk)
-        v = values.astype(np.float64)  # float32 sums of squares lose the bound on long chunks
-        self._partial[key] = self._partial.get(key, 0.0) + float(np.dot(v, v))
+        self._partial[key] = self._partial.get(key, 0.0) + sumsq64(values)
         if math.sqrt(self._partial[key]) > self.slack * bound + 1e-6:
             raise BadContribution(prev, f"chunk {chunk} norm exceeds the signed bound at step {step}")
