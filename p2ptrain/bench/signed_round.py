@@ -32,7 +32,7 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
         digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
         # Not np.linalg.norm: its BLAS dot spins OpenBLAS threads (see contribution.sumsq64).
         norms = tuple(math.sqrt(sumsq64(vec[subs[0][0]:subs[-1][1]])) for subs in lay)
-        header = Header(run, 0, 0, roster, me, norms, digests, math.sqrt(sum(n * n for n in norms)), 1, 0)
+        header = Header(run, 0, 0, roster, me, norms, digests, math.sqrt(math.fsum(n * n for n in norms)), 1, 0)
         return own, sign_header(header, svc.identity)
 
     t0 = trio.current_time()
