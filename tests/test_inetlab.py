@@ -104,3 +104,18 @@ def test_verified_allreduce_commits_identically_in_the_lab(tmp_path):
     assert np.linalg.norm(got - exact) / np.linalg.norm(exact) < 0.01
     # Every member's share of the ring (2(W-1)/W x ~1 MiB) went through its shaped uplink.
     assert min(shaped) >= 2 * (world - 1) / world * n * 0.9, shaped
+
+
+@skip_without_lab
+def test_namespaces_of_a_dead_run_are_removed_on_entry():
+    import subprocess
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{inetlab.FAMILY}{dead.pid}_dead-net"
+    netns.sh("ip", "netns", "add", stale)
+    try:
+        with internet_lab([None], boot=False):
+            assert stale not in netns.list_namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)
