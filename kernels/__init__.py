@@ -11,6 +11,8 @@ Public API (identical on both backends, bit for bit):
         -> (q_out, meta_out, out)
         # q_out = quantize((deq(q_in) + local) * float32(mul)); out = dequantize(q_out), so the
         # owner's result is bit-identical to every other peer's decoding of the forwarded bytes
+    sumsq(x) -> float               # sum of float64(x_i)^2 in a fixed 8-lane order; non-finite
+                                    # iff some x_i is (the verified path's norm checks)
     quantized_nbytes(n, block=16)   # wire bytes: n (int8) + meta_nbytes(n, block)
     meta_nbytes(n, block=16)        # 2 per super-block of 16 sub-blocks + 1 per sub-block
     split_bounds(n, parts, block=16)  # ring chunk boundaries on super-block multiples
@@ -49,6 +51,7 @@ dequantize = _impl.dequantize
 dequantize_add = _impl.dequantize_add
 ring_hop = _impl.ring_hop
 owner_hop = _impl.owner_hop
+sumsq = _impl.sumsq
 
 
 def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=False):
@@ -71,4 +74,5 @@ __all__ = [
     "ring_hop",
     "simulate_ring_mean",
     "split_bounds",
+    "sumsq",
 ]

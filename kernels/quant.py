@@ -33,6 +33,7 @@ import numpy as np
 import numba
 
 from .reference import (  # noqa: F401  (re-exported: same layout helpers on both backends)
+    SUMSQ_LANES,
     DEFAULT_BLOCK,
     MMAX,
     QMAX,
@@ -143,3 +144,43 @@ def owner_hop(q_in, meta_in, local, mul=1.0, block=DEFAULT_BLOCK, q_out=None, me
     """Owner's last hop: quantize((deq(q_in) + local) * float32(mul)) into (q_out, meta_out),
     and out = dequantize(q_out, meta_out). Returns (q_out, meta_out, out)."""
     return _hop(q_in, meta_in, local, mul, block, q_out, meta_out, out, True)
+
+
+@numba.njit(cache=True, nogil=True)
+def _sumsq(x):
+    # The reference's order exactly, SUMSQ_LANES (8) lanes (no fast-math: LLVM may not
+    # reassociate a lane's sum). Lanes in locals, not an array: an accumulator array is
+    # stored and reloaded every step and ran 5x slower.
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    n = x.size
+    head = n - n % 8
+    for i in range(0, head, 8):
+        v0, v1, v2, v3 = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
+        v4, v5, v6, v7 = np.float64(x[i + 4]), np.float64(x[i + 5]), np.float64(x[i + 6]), np.float64(x[i + 7])
+        a0 += v0 * v0
+        a1 += v1 * v1
+        a2 += v2 * v2
+        a3 += v3 * v3
+        a4 += v4 * v4
+        a5 += v5 * v5
+        a6 += v6 * v6
+        a7 += v7 * v7
+    tail = np.zeros(8, np.float64)
+    for j in range(n - head):
+        v = np.float64(x[head + j])
+        tail[j] = v * v
+    a0 += tail[0]
+    a1 += tail[1]
+    a2 += tail[2]
+    a3 += tail[3]
+    a4 += tail[4]
+    a5 += tail[5]
+    a6 += tail[6]
+    a7 += tail[7]
+    return 0.0 + a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+
+
+def sumsq(x) -> float:
+    """sum of float64(x[i])^2, bit-identical to reference.sumsq (see there)."""
+    assert SUMSQ_LANES == 8  # _sumsq's unrolled lanes
+    return float(_sumsq(_ro(_arr(x, np.float32, "x"))))

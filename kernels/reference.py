@@ -284,6 +284,28 @@ def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=Fa
     return results if return_all else results[0]
 
 
+SUMSQ_LANES = 8
+
+
+def sumsq(x) -> float:
+    """sum of float64(x[i])^2 over fp32 x, in one fixed order so both backends give the same
+    bits: lane j accumulates x[j], x[j+8], ... in sequence (np.add.accumulate is sequential by
+    definition), the tail x[n - n % 8 + j] goes into lane j, then lanes are added 0..7. A
+    non-finite x[i] makes the result non-finite (squares are >= 0: no inf - inf), so one
+    isfinite on the result replaces a pass over x. Used by the verified path's norm checks."""
+    x = _arr(x, np.float32, "x")
+    sq = x.astype(np.float64) ** 2
+    head = x.size - x.size % SUMSQ_LANES
+    lanes = np.zeros(SUMSQ_LANES)
+    if head:
+        lanes = np.add.accumulate(sq[:head].reshape(-1, SUMSQ_LANES), axis=0)[-1].copy()
+    lanes[:x.size - head] += sq[head:]
+    total = 0.0
+    for v in lanes:
+        total += float(v)
+    return total
+
+
 def _this():
     import sys
 

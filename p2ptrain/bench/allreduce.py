@@ -34,11 +34,17 @@ def add_arguments(p) -> None:
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up)")
     p.add_argument("--fallback", action="store_true", help="also measure the libp2p-stream fallback path")
     p.add_argument("--no-baselines", action="store_true", help="skip hivemind and the raw ring")
+    p.add_argument("--lab-mbit", type=float, action="append", default=None, metavar="MBIT",
+                   help="run the peers in the emulated internet (p2ptrain.bench.inetlab) on links of this rate, "
+                        "against the bandwidth bound; repeatable (e.g. --lab-mbit 100 --lab-mbit 1000)")
+    p.add_argument("--lab-fp32", action="store_true", help="with --lab-mbit: also a verified fp32 row")
     p.add_argument("--json", action="store_true")
 
 
 def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work: Path,
-                 verified: bool = False) -> dict:
+                 verified: bool = False, lab=None) -> dict:
+    """`lab`: an `inetlab.InternetLab` with >= `peers` peers; member i then runs in its
+    namespace on its shaped link, else all members run on 127.0.0.1."""
     from p2ptrain.bench.allreduce_worker import make_tensor
     from p2ptrain.procs import ProcessGroup
 
@@ -46,7 +52,8 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
     extra = [] if direct else ["--no-direct"]
     name = f"{mode}-{'direct' if direct else 'libp2p'}{'-verified' if verified else ''}"
     with ProcessGroup(work / name) as group:
-        ws = [group.start(extra, f"w{i}", module="p2ptrain.bench.allreduce_worker", stdin=True) for i in range(peers)]
+        ws = [group.start(extra + _where(lab, i), f"w{i}", module="p2ptrain.bench.allreduce_worker", stdin=True,
+                          prefix=lab.prefix(i) if lab else None) for i in range(peers)]
         ready = [w.wait_event(lambda e: e["event"] == "worker_ready", 120) for w in ws]
         members = [[r["peer"], r["addrs"][0]] for r in ready]
         for i, w in enumerate(ws):
@@ -104,6 +111,10 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
             "rss_over_idle_x_tensor": round(max(r - i for r, i in zip(rss, idle)) / mb, 2)}
 
 
+def _where(lab, i: int) -> list[str]:
+    return ["--listen", f"/ip4/{lab.ip(i)}/tcp/0", "--bulk-ip", lab.ip(i)] if lab else []
+
+
 def _sub(module: str, args: list[str], work: Path) -> dict | None:
     r = subprocess.run([sys.executable, "-m", module, *args, "--json"], capture_output=True, text=True,
                        timeout=1800, cwd=str(work))
@@ -115,6 +126,10 @@ def _sub(module: str, args: list[str], work: Path) -> dict | None:
 
 
 def run(args) -> int:
+    if args.lab_mbit:
+        from p2ptrain.bench.allreduce_lab import run_lab
+
+        return run_lab(args)
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-allreduce-"))
     common = ["--peers", str(args.peers), "--mb", str(args.mb), "--rounds", str(args.rounds)]
     rows: list[tuple[str, dict | None]] = []

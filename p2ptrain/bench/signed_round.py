@@ -8,13 +8,14 @@ the members exchange headers (`AllReduceService.exchange`) and check them
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import trio
 
 from p2ptrain.reduce import ring
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
-from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
+from p2ptrain.run.contribution import FrameChecker, Header, sign_header, sumsq64, verify_headers
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
@@ -29,8 +30,9 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
     def prepare() -> tuple[list, bytes]:  # quantizing and hashing: off the trio loop
         own = ring.own_payloads(vec, rank, world, cfg)
         digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
-        norms = tuple(float(np.linalg.norm(vec[subs[0][0]:subs[-1][1]])) for subs in lay)
-        header = Header(run, 0, 0, roster, me, norms, digests, float(np.linalg.norm(vec)), 1, 0)
+        # Not np.linalg.norm: its BLAS dot spins OpenBLAS threads (see contribution.sumsq64).
+        norms = tuple(math.sqrt(sumsq64(vec[subs[0][0]:subs[-1][1]])) for subs in lay)
+        header = Header(run, 0, 0, roster, me, norms, digests, math.sqrt(math.fsum(n * n for n in norms)), 1, 0)
         return own, sign_header(header, svc.identity)
 
     t0 = trio.current_time()

@@ -362,4 +362,5 @@ def _warm_kernels() -> None:
     q, meta = K.quantize(x)
     q2, m2 = K.ring_hop(q, meta, x)
     K.owner_hop(q2, m2, x, 0.5)
+    K.sumsq(x)  # the verified path's frame checks (run/contribution.py)
     K.dequantize(q, meta)

@@ -166,6 +166,20 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
     return ok, bad
 
 
+def sumsq64(x: np.ndarray) -> float:
+    """Sum of squares accumulated in float64 (float32 sums lose the bound on long chunks);
+    non-finite iff some value is. Not a float64 copy and np.dot: BLAS's dot runs on
+    OpenBLAS's thread pool, whose threads spin-wait for work; next to the ring's own threads
+    on 2 shared cores that cost ~0.5 CPU s per member per 64 MiB round and stretched a
+    1 Gbit/s round 5x (BENCHMARKS.md, "Emulated internet"). The kernel (`kernels.sumsq`, one
+    pass, this thread) is ~3x faster than einsum, which other dtypes/layouts still take."""
+    if x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
+        from p2ptrain import kernels as K
+
+        return K.sumsq(x)
+    return float(np.einsum("i,i->", x.ravel(), x.ravel(), dtype=np.float64))
+
+
 class FrameChecker:
     """Holds each frame of a ring round to the members' signed headers.
 
@@ -186,7 +200,8 @@ class FrameChecker:
 
     def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
         prev = self.members[(self.rank - 1) % self.world]
-        if not np.isfinite(values).all():
+        sq = sumsq64(values)  # non-finite iff a value is: no separate isfinite pass
+        if not math.isfinite(sq):
             raise BadContribution(prev, "non-finite values")
         w = self.world
         if step == 0:  # the predecessor's own data, exactly as it signed it
@@ -200,7 +215,6 @@ class FrameChecker:
         else:  # all-gather: the owner's mean
             bound = self._bound(chunk, list(range(w))) / w
         key = (step, chunk)
-        v = values.astype(np.float64)  # float32 sums of squares lose the bound on long chunks
-        self._partial[key] = self._partial.get(key, 0.0) + float(np.dot(v, v))
+        self._partial[key] = self._partial.get(key, 0.0) + sq
         if math.sqrt(self._partial[key]) > self.slack * bound + 1e-6:
             raise BadContribution(prev, f"chunk {chunk} norm exceeds the signed bound at step {step}")

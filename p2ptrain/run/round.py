@@ -39,7 +39,7 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import FrameChecker, Header, sign_header, verify_headers
+from p2ptrain.run.contribution import FrameChecker, Header, sign_header, sumsq64, verify_headers
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -129,8 +129,9 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
         own = butterfly.own_payloads(send, world, cfg)
         digests = butterfly.chunk_digests(own)
     lay = ring.layout(delta.size, world, cfg)
-    norms = tuple(float(np.linalg.norm(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
-    return _Prepared(send, own, digests, norms, float(np.linalg.norm(delta)), lay)
+    # float64 sums without BLAS (np.linalg.norm's dot spins OpenBLAS threads: contribution.sumsq64)
+    norms = tuple(math.sqrt(sumsq64(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
+    return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
 class ContributionRound:

@@ -1,0 +1,61 @@
+"""The verified path's sums of squares (`contribution.sumsq64`, `kernels.sumsq`): float64
+without BLAS (whose spinning thread pool cost ~0.5 CPU s per member per 64 MiB round in the
+emulated internet), the numba kernel bit-identical to its numpy reference, non-finite iff a
+value is, and FrameChecker still holds a frame to its signed norm with them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from p2ptrain.kernels import quant as NB
+from p2ptrain.kernels import reference as NP
+from p2ptrain.run.contribution import BadContribution, FrameChecker, Header, sumsq64
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4097, 1_000_003])
+def test_sumsq_kernel_is_bit_identical_to_its_reference(n):
+    rng = np.random.default_rng(n)
+    for scale in (1e-6, 1.0, 1e6):
+        x = (rng.standard_t(2, n) * scale).astype(np.float32)
+        a, b = NP.sumsq(x), NB.sumsq(x)
+        assert np.float64(a).tobytes() == np.float64(b).tobytes(), (n, scale, a, b)
+        assert a == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-12)
+
+
+def test_sumsq_is_non_finite_iff_a_value_is():
+    x = np.ones(1001, np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 500, 1000):  # a lane, the middle, the tail
+            y = x.copy()
+            y[at] = bad
+            assert not np.isfinite(NB.sumsq(y)) and not np.isfinite(NP.sumsq(y))
+    big = np.full(1 << 16, np.finfo(np.float32).max, np.float32)
+    assert np.isfinite(NB.sumsq(big))  # fp32 extremes square finitely in float64
+
+
+def test_sumsq64_matches_a_float64_dot():
+    x = np.random.default_rng(3).standard_normal(1 << 22).astype(np.float32) + np.float32(3.0)
+    ref = float(np.dot(x.astype(np.float64), x.astype(np.float64)))
+    assert sumsq64(x) == pytest.approx(ref, rel=1e-12)
+    assert sumsq64(x[:0]) == 0.0
+    assert sumsq64(x[::2]) == pytest.approx(float(np.sum(x[::2].astype(np.float64) ** 2)), rel=1e-12)
+
+
+def _header(m: str, norms: tuple[float, ...]) -> Header:
+    return Header("run", 0, 0, "r" * 64, m, norms, ("d" * 64,), float(np.sqrt(sum(n * n for n in norms))), 1, 0)
+
+
+def test_frame_checker_bounds_partial_sums_by_the_signed_norms():
+    members = ["a", "b", "c"]
+    v = np.full(1000, 0.1, np.float32)
+    norm = float(np.sqrt(sumsq64(v)))
+    headers = {m: _header(m, (norm, norm, norm)) for m in members}
+    ok = FrameChecker(members, headers, 1, [1, 1, 1])
+    ok.check(1, 0, 0, b"", v * 2)  # a partial sum of two members: within 2 x norm
+    nan = v.copy()
+    nan[7] = np.nan
+    with pytest.raises(BadContribution, match="non-finite"):
+        FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", nan)
+    with pytest.raises(BadContribution, match="exceeds the signed bound"):
+        FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", v * 2.2)
