@@ -166,8 +166,9 @@ def recv_setup():
     return RunSpec.from_dict(meta["spec"]), ds, bytes.fromhex(meta["peer_id"]), int(meta["threads"]), meta["precision"]
 
 
-def follow(env: RankEnv, device: torch.device) -> int:
-    """A non-zero rank's whole life: build the shard on SETUP, then obey rank 0 until STOP."""
+def follow(env: RankEnv, device: torch.device, on_stop=None) -> int:
+    """A non-zero rank's whole life: build the shard on SETUP, then obey rank 0 until STOP
+    (`on_stop(model)`: the memory bench reports the shard there)."""
     from p2ptrain.train import sharded
 
     cmd, _ = recv_cmd()
@@ -193,6 +194,8 @@ def follow(env: RankEnv, device: torch.device) -> int:
         elif cmd == EVAL:
             model.evaluate()
         elif cmd == STOP:
+            if on_stop is not None:
+                on_stop(model)
             return 0
         else:
             raise RuntimeError(f"rank {env.rank}: unexpected {NAMES[cmd]} after setup")
