@@ -3,17 +3,18 @@ single-process peer train one run on 127.0.0.1 and commit identical parameters."
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
 
-pytestmark = pytest.mark.integration
 STEPS = 2
 
 
@@ -39,6 +40,66 @@ def join_args(baddr: str, key: Path, work: Path, which: list[str]) -> list[str]:
             "--threads", "1", "--device", "cpu", "--json"]
 
 
+def _layout_worker(rank: int, world: int, store: str, failures) -> None:
+    """One rank: shard the tiny model, gather to rank 0, scatter a changed vector back, and
+    compare both with the unsharded model's flat parameters (p2ptrain.train.outer.flatten)."""
+    import os
+
+    import torch.distributed as dist
+
+    from p2ptrain.bench.ranks import _setup
+    from p2ptrain.train import leader, ranks
+    from p2ptrain.train.hf import build_run_model
+    from p2ptrain.train.outer import flatten
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        env, cfg, cpu = ranks.detect(), ranks.RanksConfig(timeout=120, verify=True), torch.device("cpu")
+
+        class Args:
+            preset, batch, seq_len = "tiny", 4, 32
+        if not env.leader:
+            ranks.follow(env, cpu)
+        else:
+            spec, ds, state = _setup(Args)
+            lead = leader.LeaderModel(spec, ds, b"peer", state, 1, cpu, "fp32", env, cfg)
+            ref = flatten(build_run_model(spec.model.config, spec.train.seed).parameters())
+            got = lead._gather(torch.empty_like(ref))
+            assert torch.equal(got, ref), "gathered shards are not the model's flat parameters"
+            lead.outer.load_state_dict({"outer": ref * 2 + 1, "momentum": torch.zeros_like(ref)})  # APPLY + verify
+            assert torch.equal(lead._gather(torch.empty_like(ref)), ref * 2 + 1)
+            loss, tokens, _ = lead.inner()
+            assert math.isfinite(loss) and tokens == spec.train.inner_steps * 4 * 32, (loss, tokens)
+            lead.stop()
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the test process
+        failures.put(f"rank {rank}: {exc!r}")
+        raise
+
+
+def test_shards_gather_to_the_full_flat_params_and_apply_back(tmp_path):
+    """The layout (FSDP2's dim-0 chunks, in rank order, per parameter) is the single-process
+    peer's flat vector: checked against the unsharded model, over a real 2-process gloo group."""
+    ctx = mp.get_context("spawn")
+    failures = ctx.Queue()
+    procs = [ctx.Process(target=_layout_worker, args=(r, 2, str(tmp_path / "store"), failures)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(120)
+        assert failures.empty(), failures.get()
+        assert [p.exitcode for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.mark.integration
 def test_two_rank_peer_and_single_peer_commit_identical_params(procs, tmp_path):
     run_path, rid = init_run(tmp_path)
     keys = [tmp_path / "single.key", tmp_path / "node.key"]
@@ -64,6 +125,7 @@ def test_two_rank_peer_and_single_peer_commit_identical_params(procs, tmp_path):
     assert len(peers) == 1, peers
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs for a 2-rank NCCL node "
                     "(this machine has %d)" % torch.cuda.device_count())
 def test_two_rank_peer_on_cuda_nccl(procs, tmp_path):
