@@ -12,7 +12,10 @@ and one outer step, so every buffer exists; then each process reports:
   outer state: the fp32 outer parameters, momentum and staging vector on the host (3 x 4
       bytes per parameter; rank 0 and the baseline only: the node keeps one copy, as prime);
   peak RSS: ru_maxrss of the process (everything: torch, the transient full model each rank
-      builds before sharding, the tokens, the process group's buffers).
+      builds before sharding, the tokens, the process group's buffers);
+  outer s: rank 0's (the baseline's) seconds for the pseudo-gradient and the outer step --
+      on the node that includes gathering the shards and scattering the new parameters
+      (the price of "rank 0 speaks for the node"; the network round it feeds is not run).
 
 Usage: p2ptrain bench ranks [--nproc 2] [--preset small] [--batch 8] [--seq-len 128] [--threads 1]
 Noisy on shared machines only in time, not in bytes; the RSS figures vary by a few MiB.
@@ -54,11 +57,12 @@ def run(args) -> int:
         return 0
     print(f"preset {args.preset}: {rows[0]['n_params']:,} parameters, batch {args.batch} x {args.seq_len}, "
           f"node of {args.nproc} ranks (gloo, CPU)")
-    print(f"{'process':<16}{'params MiB':>12}{'AdamW MiB':>12}{'p+opt ratio':>13}{'outer MiB':>11}{'peak RSS MiB':>14}")
+    print(f"{'process':<16}{'params MiB':>12}{'AdamW MiB':>12}{'p+opt ratio':>13}{'outer MiB':>11}{'peak RSS MiB':>14}{'outer s':>9}")
     for r in rows:
         name = "single-process" if r["world"] == 1 else f"rank {r['rank']}/{r['world']}"
         print(f"{name:<16}{r['params'] / MIB:>12.2f}{r['optimizer'] / MIB:>12.2f}"
-              f"{(r['params'] + r['optimizer']) / ref:>12.3f}x{r['outer_state'] / MIB:>11.2f}{r['rss'] / MIB:>14.1f}")
+              f"{(r['params'] + r['optimizer']) / ref:>12.3f}x{r['outer_state'] / MIB:>11.2f}{r['rss'] / MIB:>14.1f}"
+              f"{r['outer_s']:>9.3f}")
     return 0
 
 
@@ -96,13 +100,24 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def _row(rank: int, world: int, n_params: int, mem: dict) -> str:
+def _row(rank: int, world: int, n_params: int, mem: dict, outer_s: float = 0.0) -> str:
     return json.dumps({"rank": rank, "world": world, "n_params": n_params, "params": mem["params"],
-                       "optimizer": mem["optimizer"], "outer_state": mem.get("outer_state", 0), "rss": _rss()})
+                       "optimizer": mem["optimizer"], "outer_state": mem.get("outer_state", 0), "rss": _rss(),
+                       "outer_s": round(outer_s, 4)})
+
+
+def _outer(local) -> float:
+    """Seconds for one pseudo-gradient and one (zero) outer step, as the trainer runs them."""
+    import time
+
+    import numpy as np
+
+    t0 = time.perf_counter()
+    local.outer_step(local.pseudo_gradient() * np.float32(0))
+    return time.perf_counter() - t0
 
 
 def _single(a) -> None:
-    import numpy as np
     import torch
 
     from p2ptrain.train.local import LocalModel
@@ -110,16 +125,15 @@ def _single(a) -> None:
     spec, ds, state = _setup(a)
     local = LocalModel(spec, ds, b"bench-peer", state, a.threads, "cpu", "fp32")
     local.inner()
-    local.outer_step(local.pseudo_gradient() * np.float32(0))
+    sec = _outer(local)
     opt = sum(v.numel() * v.element_size() for st in local.inner_opt.state.values() for v in st.values()
               if torch.is_tensor(v) and v.dim() > 0)
     outer = sum(t.numel() * t.element_size() for t in (local.outer.outer, local.outer.momentum, local.outer._staging))
     par = sum(p.numel() * p.element_size() for p in local.model.parameters())
-    print(_row(0, 1, local.n_params, {"params": par, "optimizer": opt, "outer_state": outer}), flush=True)
+    print(_row(0, 1, local.n_params, {"params": par, "optimizer": opt, "outer_state": outer}, sec), flush=True)
 
 
 def _rank(a, env) -> None:
-    import numpy as np
     import torch
 
     from p2ptrain.train import leader, ranks
@@ -135,8 +149,8 @@ def _rank(a, env) -> None:
         spec, ds, state = _setup(a)
         lead = leader.LeaderModel(spec, ds, b"bench-peer", state, a.threads, device, "fp32", env, cfg)
         lead.inner()
-        lead.outer_step(lead.pseudo_gradient() * np.float32(0))
-        print(_row(0, env.world, lead.n_params, lead.memory()), flush=True)
+        sec = _outer(lead)
+        print(_row(0, env.world, lead.n_params, lead.memory(), sec), flush=True)
         lead.stop()
     finally:
         ranks.close()
