@@ -34,8 +34,7 @@ def run(args) -> int:
     from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
-    node_ranks = _ranks(args, toml)  # torchrun: (env, leader parts), or this rank's exit code
-    if isinstance(node_ranks, int):
+    if isinstance(node_ranks := _ranks(args, toml), int):  # torchrun: rank 0's parts, or a rank's exit code
         return node_ranks
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
@@ -45,14 +44,7 @@ def run(args) -> int:
         args.key = str(workdir / "node.key")
     identity = load_identity(args)
     events = EventSink(identity.peer_id_str, args.json)
-    manifest = run_id = None
-    if args.manifest:
-        from p2ptrain.run import manifest as mf
-
-        try:
-            manifest, run_id = mf.read(Path(args.manifest))
-        except mf.ManifestError as exc:
-            raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
+    manifest, run_id = _read_manifest(args)
     from p2ptrain.net.nat import NatConfig
 
     nat_cfg = section(NatConfig, toml, "nat")
@@ -101,10 +93,7 @@ def run(args) -> int:
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
                                        trainer_cfg, device=device_cfg, **node_ranks)
-                    if node_ranks:  # the other ranks leave with us (issue 19)
-                        from p2ptrain.train import ranks
-
-                        await trio.to_thread.run_sync(ranks.send_cmd, ranks.STOP)
+                    await _stop_ranks(node_ranks)
                     nursery.cancel_scope.cancel()
                     return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
@@ -151,3 +140,25 @@ def _ranks(args, toml) -> dict | int:
         return ranks.follow(env, device)
     finally:
         ranks.close()
+
+
+async def _stop_ranks(node_ranks: dict) -> None:
+    """Rank 0 done training: the other ranks leave with it (issue 19)."""
+    if node_ranks:
+        import trio
+
+        from p2ptrain.train import ranks
+
+        await trio.to_thread.run_sync(ranks.send_cmd, ranks.STOP)
+
+
+def _read_manifest(args) -> tuple:
+    """(manifest, run id) of --manifest, or (None, None)."""
+    if not args.manifest:
+        return None, None
+    from p2ptrain.run import manifest as mf
+
+    try:
+        return mf.read(Path(args.manifest))
+    except mf.ManifestError as exc:
+        raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
