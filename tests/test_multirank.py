@@ -143,3 +143,50 @@ def test_two_rank_peer_on_cuda_nccl(procs, tmp_path):
         evs = [p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] == step, 180)
                for p in (single, node)]
         assert evs[0]["params_sha256"] == evs[1]["params_sha256"], evs
+
+
+LIB_SCRIPT = '''
+import json, os, sys
+from p2ptrain import DiLoCo          # before torch (p2ptrain/__init__.py)
+import torch
+torch.set_num_threads(1)
+torch.manual_seed(0)                 # the same starting params on every peer: the same run id
+model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+if world > 1:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    fully_shard(model)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+diloco = DiLoCo(model, opt, run="lib-ranks", bootstrap=[sys.argv[1]], listen="/ip4/127.0.0.1/tcp/0",
+                inner_steps=5, group_size=4, min_peers=2, join_window=15, workdir=sys.argv[3])
+g = torch.Generator().manual_seed(int(sys.argv[2]) * 10 + rank)   # each peer (and rank) its own rows
+applied = []
+for i in range(15):
+    x = torch.randn(32 // world, 16, generator=g)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if diloco.step(loss) and rank == 0:
+        applied.append(diloco.local.outer.params_sha256())
+diloco.close()
+print(json.dumps({"rank": rank, "applied": applied, "steps": diloco.outer_step_count}), flush=True)
+if world > 1:
+    dist.destroy_process_group()
+'''
+
+
+@pytest.mark.integration
+def test_library_api_two_rank_peer_and_single_peer_share_outer_steps(procs):
+    """p2ptrain.DiLoCo under torchrun: the user's FSDP2 model on 2 ranks, one peer identity."""
+    (procs.log_dir / "libuser.py").write_text(LIB_SCRIPT)
+    boot, baddr = start_bootstrap(procs)
+    single = procs.start([baddr, "0", str(procs.log_dir / "w0")], "single", module="libuser")
+    node = procs.start(torchrun_args(2)[:-1] + ["libuser", baddr, "1", str(procs.log_dir / "w1")], "node",
+                       env={"P2PTRAIN_RANKS_VERIFY": "1"}, module="torch.distributed.run")  # shards re-hashed
+    outs = [p.wait_event(lambda e: e.get("rank") == 0 and "applied" in e, 180) for p in (single, node)]
+    assert outs[0]["steps"] == outs[1]["steps"] == 3, outs
+    assert outs[0]["applied"] == outs[1]["applied"] and len(outs[0]["applied"]) == 3, outs
+    assert node.proc.wait(60) == 0, node.stderr_tail()
+    follower = [e for e in node.all_events if e.get("rank") == 1]
+    assert len(follower) == 1 and follower[0]["steps"] == 3, follower  # rank 1 took the 3 outer steps

@@ -26,14 +26,13 @@ import threading
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.train import device as dev
 from p2ptrain.train import ranks
 from p2ptrain.train.local import decode_state, encode_state
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, sha256_f32
-from p2ptrain.train.sharded import ShardedModel, assemble, split
+from p2ptrain.train.sharded import ShardedModel
 
 log = logging.getLogger("p2ptrain.train.leader")
 
@@ -121,28 +120,23 @@ class LeaderModel:
     # -- collectives ---------------------------------------------------------------------
     def _gather(self, out: torch.Tensor) -> torch.Tensor:
         ranks.send_cmd(ranks.GATHER)
-        pad = ranks.shard_pad(self.shard)
-        pieces = [torch.zeros(pad, dtype=torch.float32) for _ in range(self.env.world)]
-        dist.gather(self.shard.shard_flat(pad), pieces, dst=0)
-        return assemble(pieces, self.shard.layout, out)
+        return ranks.gather_full(self.shard, out)
 
     def _apply(self, full: torch.Tensor) -> None:
         """Every rank's shard := its slice of `full` (the committed or adopted outer params)."""
         with self.lock:
             ranks.send_cmd(ranks.APPLY)
-            pieces = split(full, self.shard.layout, ranks.shard_pad(self.shard))
-            mine = torch.zeros_like(pieces[0])
-            dist.scatter(mine, pieces, src=0)
-            self.shard.load_shard_flat(mine)
+            ranks.scatter_full(self.shard, full)
             if self.cfg.verify:
-                self._verify(full)
+                verify(full, self._gather(torch.empty_like(full)), self.env.world)
 
-    def _verify(self, full: torch.Tensor) -> None:
-        back = self._gather(torch.empty_like(full))
-        want, got = sha256_f32(full), sha256_f32(back)
-        if want != got:
-            raise RuntimeError(f"after apply the ranks' shards hash to {got[:16]}, the outer params to {want[:16]}")
-        log.info("shards verified: %d ranks hold params %s", self.env.world, want[:16])
+
+def verify(full: torch.Tensor, back: torch.Tensor, world: int) -> None:
+    """The shards gathered back after an APPLY hash to the parameters sent (RanksConfig.verify)."""
+    want, got = sha256_f32(full), sha256_f32(back)
+    if want != got:
+        raise RuntimeError(f"after apply the ranks' shards hash to {got[:16]}, the outer params to {want[:16]}")
+    log.info("shards verified: %d ranks hold params %s", world, want[:16])
 
 
 def factory(env: ranks.RankEnv, cfg: ranks.RanksConfig):

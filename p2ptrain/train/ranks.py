@@ -18,6 +18,7 @@ The command protocol over the process group (all collectives; rank 0 is the sour
   APPLY   rank 0 scatters the full params it committed (or adopted: a catch-up) as shards
   EVAL    the validation loss, rows split over the ranks
   STOP    leave the loop
+  DONE    (p2ptrain.DiLoCo only, p2ptrain.api_ranks) the outer step is over: back to the user's loop
 Ranks only ever write parameters on APPLY, which rank 0 sends after its outer step (or
 checkpoint load) succeeded: they never hold a result rank 0 did not commit. Every wait is
 bounded by the process group's timeout (`RanksConfig.timeout`); torchrun ends the other
@@ -38,8 +39,9 @@ import torch.distributed as dist
 
 log = logging.getLogger("p2ptrain.train.ranks")
 MAGIC = 0x1962
-SETUP, INNER, GATHER, APPLY, EVAL, STOP = range(1, 7)
-NAMES = {SETUP: "setup", INNER: "inner", GATHER: "gather", APPLY: "apply", EVAL: "eval", STOP: "stop"}
+SETUP, INNER, GATHER, APPLY, EVAL, STOP, DONE = range(1, 8)
+NAMES = {SETUP: "setup", INNER: "inner", GATHER: "gather", APPLY: "apply", EVAL: "eval", STOP: "stop",
+         DONE: "done"}
 MAX_SETUP_JSON = 1 << 20
 
 
@@ -114,13 +116,13 @@ def close() -> None:
         dist.destroy_process_group()
 
 
-def send_cmd(cmd: int, arg: int = 0) -> None:
-    dist.broadcast(torch.tensor([MAGIC, cmd, arg], dtype=torch.int64), 0)
+def send_cmd(cmd: int, arg: int = 0, group=None) -> None:
+    dist.broadcast(torch.tensor([MAGIC, cmd, arg], dtype=torch.int64), 0, group=group)
 
 
-def recv_cmd() -> tuple[int, int]:
+def recv_cmd(group=None) -> tuple[int, int]:
     t = torch.zeros(3, dtype=torch.int64)
-    dist.broadcast(t, 0)
+    dist.broadcast(t, 0, group=group)
     magic, cmd, arg = (int(x) for x in t)
     if magic != MAGIC or cmd not in NAMES:
         raise RuntimeError(f"rank 0 sent a malformed command {t.tolist()} (mixed p2ptrain versions?)")
@@ -186,11 +188,9 @@ def follow(env: RankEnv, device: torch.device, on_stop=None) -> int:
         if cmd == INNER:
             model.inner(arg)
         elif cmd == GATHER:
-            dist.gather(model.shard_flat(shard_pad(model)), None, dst=0)
+            send_shard(model)
         elif cmd == APPLY:
-            buf = torch.zeros(shard_pad(model), dtype=torch.float32)
-            dist.scatter(buf, None, src=0)
-            model.load_shard_flat(buf)
+            recv_shard(model)
         elif cmd == EVAL:
             model.evaluate()
         elif cmd == STOP:
@@ -212,5 +212,32 @@ def exchange_layout(model) -> np.ndarray:
     return model.layout
 
 
-def shard_pad(model) -> int:
-    return model.pad
+def send_shard(model, group=None) -> None:
+    """GATHER on a non-zero rank: this rank's flat shard to rank 0."""
+    dist.gather(model.shard_flat(model.pad), None, dst=0, group=group)
+
+
+def recv_shard(model, group=None) -> None:
+    """APPLY on a non-zero rank: this rank's slice of rank 0's parameters into its shard."""
+    buf = torch.zeros(model.pad, dtype=torch.float32)
+    dist.scatter(buf, None, src=0, group=group)
+    model.load_shard_flat(buf)
+
+
+def gather_full(model, out: torch.Tensor, group=None) -> torch.Tensor:
+    """GATHER on rank 0: every rank's shard, assembled into the full flat vector `out`."""
+    from p2ptrain.train.sharded import assemble
+
+    pieces = [torch.zeros(model.pad, dtype=torch.float32) for _ in range(model.world)]
+    dist.gather(model.shard_flat(model.pad), pieces, dst=0, group=group)
+    return assemble(pieces, model.layout, out)
+
+
+def scatter_full(model, full: torch.Tensor, group=None) -> None:
+    """APPLY on rank 0: every rank's slice of `full` (the committed or adopted params) sent."""
+    from p2ptrain.train.sharded import split
+
+    pieces = split(full, model.layout, model.pad)
+    mine = torch.zeros_like(pieces[0])
+    dist.scatter(mine, pieces, src=0, group=group)
+    model.load_shard_flat(mine)

@@ -85,6 +85,23 @@ def split(full: torch.Tensor, numels: np.ndarray, pad_to: int) -> list[torch.Ten
     return outs
 
 
+def local(p: torch.Tensor) -> torch.Tensor:
+    """A parameter's values on this rank: its shard (DTensor) or itself."""
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+def shard_flat(params: list, n_local: int, pad_to: int) -> torch.Tensor:
+    """This rank's values of `params` as one fp32 host vector (n_local of them), zero-padded."""
+    out = torch.zeros(pad_to, dtype=torch.float32)
+    dev.gather_to_host([local(p) for p in params], out[:n_local])
+    return out
+
+
+def load_shard_flat(params: list, flat: torch.Tensor, n_local: int) -> None:
+    """Write this rank's values of `params` from `flat` (the layout `shard_flat` reads)."""
+    dev.scatter_from_host(flat[:n_local].contiguous(), [local(p) for p in params])
+
+
 class ShardedModel:
     """This rank's shard of the node's model, its AdamW state and its rows of each batch."""
 
@@ -105,12 +122,8 @@ class ShardedModel:
         self.inner_opt, self.sched = make_inner_optimizer(
             self.model, float(tr.inner_lr), float(tr.weight_decay), tr.warmup, tr.inner_steps * tr.planned_outer_steps,
             tr.schedule)
-        self.local_numels = np.array([self._local(p).numel() for p in self.params], np.int64)
+        self.local_numels = np.array([local(p).numel() for p in self.params], np.int64)
         self.n_params = int(sum(p.numel() for p in self.params))
-
-    @staticmethod
-    def _local(p: torch.Tensor) -> torch.Tensor:
-        return p.to_local() if hasattr(p, "to_local") else p
 
     def inner(self, step: int, progress=None) -> tuple[float, int, float]:
         """H AdamW steps on this rank's rows; (the node's mean loss, the node's tokens,
@@ -138,25 +151,19 @@ class ShardedModel:
         losses.append(loss.detach().float())
 
     def shard_flat(self, pad_to: int) -> torch.Tensor:
-        """This rank's parameter values as one fp32 host vector, zero-padded to `pad_to`."""
-        out = torch.zeros(pad_to, dtype=torch.float32)
-        locals_ = [self._local(p) for p in self.params]
-        dev.gather_to_host(locals_, out[:int(self.local_numels.sum())])
-        return out
+        return shard_flat(self.params, int(self.local_numels.sum()), pad_to)
 
     def load_shard_flat(self, flat: torch.Tensor) -> None:
-        """Write this rank's parameter values from `flat` (the layout `shard_flat` reads)."""
-        n = int(self.local_numels.sum())
-        dev.scatter_from_host(flat[:n].contiguous(), [self._local(p) for p in self.params])
+        load_shard_flat(self.params, flat, int(self.local_numels.sum()))
 
     def param_bytes(self) -> dict:
         """Exact bytes this rank holds: its parameter shards, and the AdamW state of them."""
-        par = sum(self._local(p).numel() * self._local(p).element_size() for p in self.params)
+        par = sum(local(p).numel() * local(p).element_size() for p in self.params)
         opt = 0
         for st in self.inner_opt.state.values():
             for v in st.values():
                 if torch.is_tensor(v) and v.dim() > 0:
-                    loc = self._local(v)
+                    loc = local(v)
                     opt += loc.numel() * loc.element_size()
         return {"params": par, "optimizer": opt}
 
