@@ -123,6 +123,8 @@ def test_two_rank_peer_and_single_peer_commit_identical_params(procs, tmp_path):
     # rank 0 speaks for the node: one peer id in the events, and only JSON from rank 0 on stdout
     peers = {e["peer"] for e in node.all_events if "peer" in e}
     assert len(peers) == 1, peers
+    assert node.lines and all(line.startswith("{") for line in node.lines), node.lines[:5]
+    assert "[rank 1] " in err and "shard of 418368/836736 values ready" in err, err[-2000:]
 
 
 @pytest.mark.integration
@@ -190,3 +192,41 @@ def test_library_api_two_rank_peer_and_single_peer_share_outer_steps(procs):
     assert node.proc.wait(60) == 0, node.stderr_tail()
     follower = [e for e in node.all_events if e.get("rank") == 1]
     assert len(follower) == 1 and follower[0]["steps"] == 3, follower  # rank 1 took the 3 outer steps
+
+
+def test_assemble_and_split_are_inverse_for_uneven_and_empty_shards():
+    """The layout arithmetic alone: parameter i's values are its ranks' pieces in rank order
+    (one rank may hold nothing of a parameter: a 1-row weight over 2 ranks)."""
+    import numpy as np
+
+    from p2ptrain.train.sharded import assemble, split
+
+    numels = np.array([[6, 2, 0, 3], [4, 2, 0, 0], [0, 1, 0, 3]], np.int64)  # [rank, param]
+    full = torch.arange(int(numels.sum()), dtype=torch.float32)
+    pieces = split(full, numels, pad_to=int(numels.sum(axis=1).max()))
+    assert [p.numel() for p in pieces] == [11] * 3
+    assert pieces[0][:6].tolist() == list(range(6)) and pieces[1][:4].tolist() == list(range(6, 10))
+    assert pieces[2][0].item() == 14 and pieces[2][1:4].tolist() == [18, 19, 20]
+    assert torch.equal(assemble(pieces, numels, torch.empty_like(full)), full)
+    with pytest.raises(ValueError):
+        split(full[:-1], numels, 11)
+
+
+def test_rank_env_detection(monkeypatch):
+    from p2ptrain.train import ranks
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert ranks.detect() is None  # not under torchrun: a single-process peer
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ranks.detect() is None  # one rank: the ordinary peer
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert ranks.detect() == ranks.RankEnv(3, 4, 3) and not ranks.detect().leader
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # 2 machines x 2 ranks: each machine must be its own peer
+    with pytest.raises(ValueError, match="nnodes 1"):
+        ranks.detect()
+    with pytest.raises(ValueError):
+        ranks.RanksConfig(timeout=0)

@@ -133,9 +133,7 @@ def _ranks(args, toml) -> dict | int:
     ranks.init(env, device, cfg)
     if env.leader:
         return {"parts": Parts(local=leader.factory(env, cfg))}
-    import logging
-
-    logging.basicConfig(level=logging.INFO, format=f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+    ranks.tag_logs(env.rank)
     try:
         return ranks.follow(env, device)
     finally:

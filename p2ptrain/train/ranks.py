@@ -116,6 +116,22 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def tag_logs(rank: int) -> None:
+    """Prefix this process's stderr log lines with `rank r` (rank 0's stay the node's)."""
+    for handler in logging.getLogger().handlers:
+        fmt = handler.formatter or logging.Formatter()
+        handler.setFormatter(_Tagged(fmt, f"[rank {rank}] "))
+
+
+class _Tagged(logging.Formatter):
+    def __init__(self, inner: logging.Formatter, tag: str) -> None:
+        super().__init__()
+        self.inner, self.tag = inner, tag
+
+    def format(self, record: logging.LogRecord) -> str:
+        return self.tag + self.inner.format(record)
+
+
 def send_cmd(cmd: int, arg: int = 0, group=None) -> None:
     dist.broadcast(torch.tensor([MAGIC, cmd, arg], dtype=torch.int64), 0, group=group)
 
@@ -182,7 +198,7 @@ def follow(env: RankEnv, device: torch.device, on_stop=None) -> int:
     model = sharded.ShardedModel(spec, ds, peer_id, threads, device, precision, env.rank, env.world,
                                  make_mesh(device, env.world))
     exchange_layout(model)
-    log.info("rank %d: shard of %d/%d values ready", env.rank, int(model.local_numels.sum()), model.n_params)
+    log.info("shard of %d/%d values ready", int(model.local_numels.sum()), model.n_params)
     while True:
         cmd, arg = recv_cmd()
         if cmd == INNER:
