@@ -79,6 +79,7 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
         raise
 
 
+@pytest.mark.integration
 def test_shards_gather_to_the_full_flat_params_and_apply_back(tmp_path):
     """The layout (FSDP2's dim-0 chunks, in rank order, per parameter) is the single-process
     peer's flat vector: checked against the unsharded model, over a real 2-process gloo group."""
@@ -97,6 +98,47 @@ def test_shards_gather_to_the_full_flat_params_and_apply_back(tmp_path):
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+def _timeout_worker(rank: int, store: str, failures) -> None:
+    """Rank 1 waits for a command that rank 0 never sends (rank 0 sleeps, then leaves)."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from p2ptrain.train import ranks
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=3))
+    if rank == 0:
+        time.sleep(20)
+        return
+    t0 = time.monotonic()
+    try:
+        ranks.follow(ranks.detect(), torch.device("cpu"))
+        failures.put("rank 1: follow returned without a command")
+    except RuntimeError:
+        failures.put(f"timed out after {time.monotonic() - t0:.1f}s")
+
+
+@pytest.mark.integration
+def test_a_rank_waiting_for_commands_gives_up_after_the_group_timeout(tmp_path):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_timeout_worker, args=(r, str(tmp_path / "store"), out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        msg = out.get(timeout=60)
+        assert msg.startswith("timed out after"), msg
+        assert float(msg.split()[-1].rstrip("s")) < 15, msg  # the 3 s timeout, not rank 0's 20 s sleep
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(5)
 
 
 @pytest.mark.integration
