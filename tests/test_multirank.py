@@ -49,6 +49,7 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
 
     from p2ptrain.bench.ranks import _setup
     from p2ptrain.train import leader, ranks
+    from p2ptrain.train.data import evaluate
     from p2ptrain.train.hf import build_run_model
     from p2ptrain.train.outer import flatten
 
@@ -65,9 +66,13 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
         else:
             spec, ds, state = _setup(Args)
             lead = leader.LeaderModel(spec, ds, b"peer", state, 1, cpu, "fp32", env, cfg)
-            ref = flatten(build_run_model(spec.model.config, spec.train.seed).parameters())
+            ref_model = build_run_model(spec.model.config, spec.train.seed)
+            ref = flatten(ref_model.parameters())
             got = lead._gather(torch.empty_like(ref))
             assert torch.equal(got, ref), "gathered shards are not the model's flat parameters"
+            # the sharded forward (meta-built, rope tables recomputed) is the unsharded model's
+            want = evaluate(ref_model, ds, batch=16, seq_len=spec.train.seq_len, max_batches=8)
+            assert abs(lead.evaluate() - want) < 1e-4 * want, (lead.evaluate(), want)
             lead.outer.load_state_dict({"outer": ref * 2 + 1, "momentum": torch.zeros_like(ref)})  # APPLY + verify
             assert torch.equal(lead._gather(torch.empty_like(ref)), ref * 2 + 1)
             loss, tokens, _ = lead.inner()

@@ -51,6 +51,30 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     return model
 
 
+def build_sharded(section: dict, seed: int, device: torch.device, mesh) -> torch.nn.Module:
+    """The run's model, sharded. A preset model is built on the meta device and allocated
+    only as this rank's shards (no rank ever holds the whole model; only the rope tables,
+    derived from the config, are computed); its values come from the run's state, which rank
+    0 applies to every rank before any inner step (`LeaderModel.load_state`). HF models
+    build whole on the CPU first (their non-persistent buffers come from their own init)."""
+    if section.get("kind") == "hf":
+        return shard_model(build_run_model(section, seed).to(device), mesh)
+    from p2ptrain.train.model import ModelConfig, Transformer, rope_tables
+
+    cfg = ModelConfig.from_dict(section)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    shard_model(model, mesh)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for p in model.parameters():
+            local(p).zero_()  # defined bytes until the state is applied
+        cos, sin = rope_tables(cfg)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+    return model
+
+
 def assemble(pieces: list[torch.Tensor], numels: np.ndarray, out: torch.Tensor) -> torch.Tensor:
     """The full flat vector from every rank's flat shard. numels[r, i]: how many values of
     parameter i rank r holds (its local shard); pieces[r] holds them for every i in order."""
@@ -117,7 +141,7 @@ class ShardedModel:
         self.device = device
         self.autocast_dtype = dev.resolve_precision(precision, device)
         self.H, self.batch, self.seq_len, self.seed = tr.inner_steps, tr.batch_size, tr.seq_len, tr.seed
-        self.model = shard_model(build_run_model(spec.model.config, self.seed).to(device), mesh)
+        self.model = build_sharded(spec.model.config, self.seed, device, mesh)
         self.params = list(self.model.parameters())
         self.inner_opt, self.sched = make_inner_optimizer(
             self.model, float(tr.inner_lr), float(tr.weight_decay), tr.warmup, tr.inner_steps * tr.planned_outer_steps,
