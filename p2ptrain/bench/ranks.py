@@ -11,8 +11,9 @@ and one outer step, so every buffer exists; then each process reports:
       tensors' LOCAL shards (DTensor.to_local()): the goal is about 1/N of the baseline's;
   outer state: the fp32 outer parameters, momentum and staging vector on the host (3 x 4
       bytes per parameter; rank 0 and the baseline only: the node keeps one copy, as prime);
-  peak RSS: ru_maxrss of the process (everything: torch, the transient full model each rank
-      builds before sharding, the tokens, the process group's buffers);
+  peak RSS: ru_maxrss of the process (everything: torch itself, the tokens, the process
+      group's buffers, activations; on rank 0 also the genesis state this bench builds whole;
+      preset models are built on the meta device, so no rank holds a whole model otherwise);
   outer s: rank 0's (the baseline's) seconds for the pseudo-gradient and the outer step --
       on the node that includes gathering the shards and scattering the new parameters
       (the price of "rank 0 speaks for the node"; the network round it feeds is not run).
