@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from p2ptrain.api import _UserModel
+from p2ptrain.train import device as dev
 from p2ptrain.train import ranks
 from p2ptrain.train.leader import HostOuter, verify
 from p2ptrain.train.outer import OuterConfig
@@ -82,7 +83,8 @@ class LeaderUserModel(_UserModel):
         self.cfg = resolve(ranks.RanksConfig, section="ranks")  # P2PTRAIN_RANKS_* too
         self.shards = UserShards(model, env.world, group)
         outer = HostOuter(self.shards.n_params, cfg, self._apply)
-        ranks.gather_full(self.shards, outer.outer, group)  # the starting params: every rank is in __init__
+        # the starting params: every rank is in __init__
+        outer.fill(ranks.gather_full(self.shards, dev.host_empty(self.shards.n_params), group))
         super().__init__(model, inner_steps, cfg, None, outer_opt=outer)
 
     def inner(self, progress=None):

@@ -51,7 +51,9 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
     from p2ptrain.train import leader, ranks
     from p2ptrain.train.data import evaluate
     from p2ptrain.train.hf import build_run_model
-    from p2ptrain.train.outer import flatten
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.train.local import encode_state
+    from p2ptrain.train.outer import OuterOptimizer, flatten
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -73,8 +75,15 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
             # the sharded forward (meta-built, rope tables recomputed) is the unsharded model's
             want = evaluate(ref_model, ds, batch=16, seq_len=spec.train.seq_len, max_batches=8)
             assert abs(lead.evaluate() - want) < 1e-4 * want, (lead.evaluate(), want)
-            lead.outer.load_state_dict({"outer": ref * 2 + 1, "momentum": torch.zeros_like(ref)})  # APPLY + verify
-            assert torch.equal(lead._gather(torch.empty_like(ref)), ref * 2 + 1)
+            # a catch-up: an adopted checkpoint reaches every rank's shard (APPLY + verify)
+            with torch.no_grad():
+                for p in ref_model.parameters():
+                    p.mul_(2).add_(1)
+            lead.load_state_at(encode_state(OuterOptimizer(ref_model), 7))
+            assert lead.step == 7 and torch.equal(lead._gather(torch.empty_like(ref)), ref * 2 + 1)
+            with pytest.raises(checkpoint.CheckpointError):  # another model's state: no rank changes
+                lead.load_state_at(encode_state(OuterOptimizer(torch.nn.Linear(2, 2)), 8))
+            assert lead.step == 7 and torch.equal(lead._gather(torch.empty_like(ref)), ref * 2 + 1)
             loss, tokens, _ = lead.inner()
             assert math.isfinite(loss) and tokens == spec.train.inner_steps * 4 * 32, (loss, tokens)
             lead.stop()

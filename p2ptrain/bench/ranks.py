@@ -40,12 +40,22 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print the rows as JSON lines")
+    p.add_argument("--genesis", default="", help=argparse.SUPPRESS)  # workers: the state file
 
 
 def run(args) -> int:
+    import tempfile
+
     common = ["--preset", args.preset, "--batch", str(args.batch), "--seq-len", str(args.seq_len),
               "--threads", str(args.threads)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    # the genesis state is built here, once: a worker reads it as a joining peer reads its
+    # state (building it would add a whole model and outer state to the worker's peak RSS)
+    tmp = tempfile.TemporaryDirectory(prefix="p2ptrain-bench-ranks-")
+    genesis = os.path.join(tmp.name, "genesis.p2ck")
+    with open(genesis, "wb") as f:
+        f.write(_genesis(args))
+    common += ["--genesis", genesis]
     base = _collect([sys.executable, "-m", "p2ptrain.bench.ranks", "--worker", *common], env)
     node = _collect([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc),
                      "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
@@ -74,25 +84,41 @@ def _collect(cmd: list[str], env: dict) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def _setup(a):
-    """(spec, dataset, genesis state) of a synthetic run with the bench's settings."""
-    import numpy as np
-
-    from p2ptrain.run.spec import RunSpec
-    from p2ptrain.train.data import Dataset, _hash
+def _genesis(a) -> bytes:
     from p2ptrain.train.local import genesis_state
+
+    return genesis_state(_spec(a))
+
+
+def _spec(a):
+    from p2ptrain.run.spec import RunSpec
     from p2ptrain.train.model import ModelConfig
 
     section = ModelConfig.preset(a.preset).to_dict()
     tr = {"seed": 0, "inner_steps": 2, "inner_lr": 3e-4, "warmup": 1, "weight_decay": 0.1, "batch_size": a.batch,
           "seq_len": a.seq_len, "schedule": "cosine", "planned_outer_steps": 100, "outer_lr": 0.7,
           "outer_momentum": 0.9, "group_size": 1}
-    spec = RunSpec.from_dict({"version": 1, "name": "bench", "created": 0, "model": section,
+    return RunSpec.from_dict({"version": 1, "name": "bench", "created": 0, "model": section,
                               "data": {"spec": "bench", "content_hash": ""}, "train": tr,
                               "timeouts": {}, "genesis": {"sha256": "", "bytes": 0}})
+
+
+def _setup(a):
+    """(spec, dataset, genesis state) of a synthetic run with the bench's settings."""
+    import numpy as np
+
+    from p2ptrain.train.data import Dataset, _hash
+
+    spec = _spec(a)
+    section = spec.model.config
     tokens = np.random.default_rng(0).integers(0, section["vocab_size"], 1 << 18).astype(np.uint16)
     train, val = tokens[:-8192], tokens[-8192:]
-    return spec, Dataset("bench", train, val, _hash("bench", train, val), 1, 0), genesis_state(spec)
+    if getattr(a, "genesis", ""):
+        with open(a.genesis, "rb") as f:
+            state = f.read()
+    else:
+        state = _genesis(a)
+    return spec, Dataset("bench", train, val, _hash("bench", train, val), 1, 0), state
 
 
 def _rss() -> int:

@@ -43,11 +43,21 @@ class HostOuter(OuterOptimizer):
     def __init__(self, numel: int, cfg: OuterConfig, on_load) -> None:
         self.cfg = cfg
         self.params = []
-        self.outer = dev.host_empty(numel).zero_()
-        self.momentum = dev.host_empty(numel).zero_()
+        self._numel = numel
+        # outer and momentum come with the first load_state_dict (the run's state), which
+        # replaces them: allocating them here would only raise rank 0's peak by 8 bytes/param
+        self.outer = self.momentum = torch.empty(0)
         self._staging = dev.host_empty(numel)
         self.steps = self.skipped = 0
         self.on_load = on_load
+
+    @property
+    def numel(self) -> int:
+        return self._numel
+
+    def fill(self, outer: torch.Tensor) -> None:
+        """Start from these outer parameters and zero momentum (the library API's genesis)."""
+        self.outer, self.momentum = outer, dev.host_empty(self._numel).zero_()
 
     def load_into_model(self) -> None:
         self.on_load(self.outer)
