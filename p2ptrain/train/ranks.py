@@ -7,8 +7,9 @@ that waits for rank 0's commands. Why rank 0 speaks, rather than each rank reduc
 shard with the matching ranks of other peers: a peer's group, roster, signatures and
 commit vote are per peer; N parallel rounds per step would each need them, and a round that
 commits on rank 0's shard and aborts on rank 1's would break commit-or-abort for the node.
-On one machine the gather to rank 0 is a memory copy (BENCHMARKS.md, issue 19), small next
-to the network round it feeds.
+On one machine the gather to rank 0 is a local copy: rank 0's pseudo-gradient and outer
+step, gather and scatter included, took as long as a single-process peer's within this
+machine's noise (BENCHMARKS.md, issue 19).
 
 The command protocol over the process group (all collectives; rank 0 is the source):
   header  int64[3] = (MAGIC, command, argument), broadcast from rank 0
