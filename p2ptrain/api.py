@@ -42,12 +42,14 @@ from p2ptrain.train.outer import OuterConfig, OuterOptimizer
 class _UserModel:
     """The `LocalModel` interface the Trainer expects, driven by the user's own loop."""
 
-    def __init__(self, model: torch.nn.Module, inner_steps: int, outer: OuterConfig, evaluate) -> None:
+    def __init__(self, model: torch.nn.Module, inner_steps: int, outer: OuterConfig, evaluate,
+                 outer_opt: OuterOptimizer | None = None) -> None:
         self.model = model
         self.H = inner_steps
-        self.outer = OuterOptimizer(model, outer)
+        # outer_opt: a multi-rank node's HostOuter (p2ptrain.api_ranks), over all ranks' shards
+        self.outer = outer_opt or OuterOptimizer(model, outer)
         self.step = 0
-        self.n_params = int(sum(p.numel() for p in model.parameters()))
+        self.n_params = int(self.outer.numel)
         self._evaluate = evaluate
         self.lock = threading.Condition()
         self.calls = 0
@@ -125,7 +127,11 @@ class DiLoCo:
 
         self.inner_optimizer = inner_optimizer
         self.tokens_per_step = tokens_per_step
-        self.local = _UserModel(model, inner_steps, OuterConfig(outer_lr, outer_momentum), evaluate)
+        self._follower = None
+        if self._multirank(model, inner_steps, OuterConfig(outer_lr, outer_momentum)):
+            return  # a non-zero torchrun rank: no network side of its own (issue 19)
+        if not hasattr(self, "local"):
+            self.local = _UserModel(model, inner_steps, OuterConfig(outer_lr, outer_momentum), evaluate)
         self.spec = library_spec(self.local.outer, run=run, inner_steps=inner_steps, group_size=group_size,
                                  outer_lr=outer_lr, outer_momentum=outer_momentum, allreduce=allreduce,
                                  aggregation=aggregation, join_window=join_window)
@@ -145,13 +151,32 @@ class DiLoCo:
         if self._error is not None:
             raise self._error
 
+    def _multirank(self, model, inner_steps: int, outer: OuterConfig) -> bool:
+        """Under torchrun with N > 1 ranks (p2ptrain.api_ranks): rank 0 gets a LeaderUserModel
+        and goes on; True on the other ranks, which only follow rank 0's commands."""
+        from p2ptrain.train import ranks
+
+        env = ranks.detect()
+        if env is None:
+            return False
+        from p2ptrain import api_ranks
+
+        group = api_ranks.command_group(env, model)
+        if env.leader:
+            self.local = api_ranks.LeaderUserModel(model, inner_steps, outer, env, group)
+            return False
+        self._follower = api_ranks.Follower(model, inner_steps, env, group)
+        return True
+
     @property
     def outer_step_count(self) -> int:
-        return self.local.step
+        return self._follower.step_count if self._follower is not None else self.local.step
 
     def step(self, loss: float | torch.Tensor | None = None) -> bool:
         """Record one inner step. On every `inner_steps`-th call, block until the outer step
         finished; returns True when it changed the model (committed or caught up)."""
+        if self._follower is not None:
+            return self._follower.step()
         if self._error is not None:
             raise RuntimeError("the p2ptrain network thread failed") from self._error
         m = self.local
@@ -171,6 +196,8 @@ class DiLoCo:
             return m.step != before
 
     def close(self) -> None:
+        if self._follower is not None:
+            return
         with self.local.lock:
             self.local.closed = True
             self.local.lock.notify_all()
@@ -182,6 +209,8 @@ class DiLoCo:
             except Exception:
                 pass
         self._thread.join(30)
+        if hasattr(self.local, "release"):
+            self.local.release()  # rank 0 of a multi-rank node: no rank waits for it after this
 
     # -- the network thread ------------------------------------------------------------
     def _serve(self) -> None:

@@ -13,7 +13,9 @@ def add_parser(sub) -> None:
                    help="entry point /ip4/.../tcp/.../p2p/<id> (repeatable)")
     p.add_argument("--workdir", metavar="DIR", help=f"state directory (default {DEFAULT_HOME})")
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--run", metavar="RUN_ID", help="join this run: manifest and state come from peers")
+    # --run-id: the same, for torchrun, whose own parser takes `--run` for its --run-path
+    which.add_argument("--run", "--run-id", dest="run", metavar="RUN_ID",
+                       help="join this run: manifest and state come from peers")
     which.add_argument("--manifest", metavar="RUN_TOML", help="publish and join the run in this manifest")
     p.add_argument("--max-outer-steps", type=int, default=None, help="leave after N committed outer steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
@@ -32,6 +34,8 @@ def run(args) -> int:
     from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
+    if isinstance(node_ranks := _ranks(args, toml), int):  # torchrun: rank 0's parts, or a rank's exit code
+        return node_ranks
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
     workdir = Path(args.workdir or DEFAULT_HOME).expanduser()
@@ -40,14 +44,7 @@ def run(args) -> int:
         args.key = str(workdir / "node.key")
     identity = load_identity(args)
     events = EventSink(identity.peer_id_str, args.json)
-    manifest = run_id = None
-    if args.manifest:
-        from p2ptrain.run import manifest as mf
-
-        try:
-            manifest, run_id = mf.read(Path(args.manifest))
-        except mf.ManifestError as exc:
-            raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None
+    manifest, run_id = _read_manifest(args)
     from p2ptrain.net.nat import NatConfig
 
     nat_cfg = section(NatConfig, toml, "nat")
@@ -95,7 +92,8 @@ def run(args) -> int:
                                         conns=conns)
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
-                                       trainer_cfg, device=device_cfg)
+                                       trainer_cfg, device=device_cfg, **node_ranks)
+                    await _stop_ranks(node_ranks)
                     nursery.cancel_scope.cancel()
                     return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
@@ -106,3 +104,59 @@ def run(args) -> int:
 
     run_service(main)
     return 0
+
+
+def _ranks(args, toml) -> dict | int:
+    """Under torchrun (issue 19): join the node's process group. Rank 0 goes on as the peer
+    and gets the run_training arguments that make its model side a LeaderModel; every other
+    rank trains its shard on rank 0's commands and returns its exit code here. Outside
+    torchrun: {} (an ordinary single-process peer)."""
+    from p2ptrain.train import ranks
+
+    try:
+        env = ranks.detect()
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if env is None:
+        return {}
+    if not (args.run or args.manifest):
+        raise CLIError("torchrun ranks only make sense in a run", "pass --run RUN_ID or --manifest RUN_TOML")
+    from p2ptrain.run.runner import Parts
+    from p2ptrain.train import leader
+    from p2ptrain.train.device import config_from_args, resolve_device
+
+    try:
+        device = ranks.rank_device(resolve_device(config_from_args(args).device), env)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    cfg = section(ranks.RanksConfig, toml, "ranks")
+    ranks.init(env, device, cfg)
+    if env.leader:
+        return {"parts": Parts(local=leader.factory(env, cfg))}
+    ranks.tag_logs(env.rank)
+    try:
+        return ranks.follow(env, device)
+    finally:
+        ranks.close()
+
+
+async def _stop_ranks(node_ranks: dict) -> None:
+    """Rank 0 done training: the other ranks leave with it (issue 19)."""
+    if node_ranks:
+        import trio
+
+        from p2ptrain.train import ranks
+
+        await trio.to_thread.run_sync(ranks.send_cmd, ranks.STOP)
+
+
+def _read_manifest(args) -> tuple:
+    """(manifest, run id) of --manifest, or (None, None)."""
+    if not args.manifest:
+        return None, None
+    from p2ptrain.run import manifest as mf
+
+    try:
+        return mf.read(Path(args.manifest))
+    except mf.ManifestError as exc:
+        raise CLIError(str(exc), "use the run.toml written by `p2ptrain init`") from None

@@ -50,6 +50,9 @@ class Parts:
     """(workdir, run_id, events) -> p2ptrain.ckpt.checkpoint.AsyncWriter"""
     service: type = AllReduceService
     """(host, identity, AllReduceConfig, listen_ip=...) -> the all-reduce service"""
+    local: object = None
+    """(spec, ds, peer_id, state, threads, device, precision) -> the model side; None: a
+    single-process LocalModel (a torchrun node passes p2ptrain.train.leader's, issue 19)"""
 
 
 async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
@@ -131,7 +134,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     state = await starting_state(node, spec, run_id, manifest_path, workdir, events)
     try:
         dc = device or DeviceConfig()
-        local = await trio.to_thread.run_sync(LocalModel, spec, ds, node.identity.peer_id, state, config.threads,
+        local = await trio.to_thread.run_sync(parts.local or LocalModel, spec, ds, node.identity.peer_id, state, config.threads,
                                               dc.device, dc.precision)
     except checkpoint.CheckpointError as exc:
         # Hash-checked bytes that still do not fit this run's model: a broken local
