@@ -82,8 +82,17 @@ class Trainer:
         if self.local.step == 0 and self.config.min_peers > 1:
             await self.wait_for_peers()
         joining = await self.sync_with_run()
-        while not self.config.max_outer_steps or self.committed < self.config.max_outer_steps:
+        if self.spec.train.overlap_scheme != "none":  # issue 17: reduce while the next phase trains
+            from p2ptrain.train.overlap import OverlappedLoop
+
+            await OverlappedLoop(self).run(joining)
+            return
+        while not self.done():
             joining = await self.outer_step(joining)
+
+    def done(self) -> bool:
+        """Whether this trainer has committed all the outer steps it was asked for."""
+        return bool(self.config.max_outer_steps) and self.committed >= self.config.max_outer_steps
 
     async def wait_for_peers(self) -> None:
         with trio.move_on_after(self.config.start_timeout):
@@ -121,7 +130,14 @@ class Trainer:
             delta = np.zeros(self.local.outer.numel, np.float32)
         else:
             loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
+            self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
+        return await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
+
+    async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
+                          sec_inner: float) -> bool:
+        """Publish ready, elect, run the round and apply the committed average (or skip and
+        catch up); returns whether the next step starts as a zero-contribution join."""
         t_comm = trio.current_time()
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self.round.contributor.ready_at(wall_time()))
