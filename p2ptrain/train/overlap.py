@@ -137,6 +137,7 @@ class OverlappedLoop:
                 nxt["res"] = await trio.to_thread.run_sync(run_phase, local, t + 1, phase, tr._progress(t + 1))
 
             async with trio.open_nursery() as nursery:
+                tr.events.emit("inner_phase_started", phase=t + 1, overlaps_round=t)
                 nursery.start_soon(train_next)
                 await tr.commit_step(t, delta, joining, *res)
                 # whatever the peer now holds: the new state, a caught-up one, or the old one
