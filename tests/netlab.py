@@ -12,7 +12,8 @@ that answers with RST kills every simultaneous-open SYN; see FACTS.md "NAT trave
 `fully-random` gives a symmetric-style mapping, so punching through r3 must fail.
 
 Namespace names carry the pid, so a crashed earlier run cannot collide; stale namespaces
-of our prefix whose pid is dead are removed on entry. Everything is removed in `finally`.
+of our prefix whose pid is dead are removed on entry (plumbing shared with the emulated
+internet: `p2ptrain/net/netns.py`). Everything is removed in `finally`.
 Only addresses inside these namespaces are ever dialed.
 """
 
@@ -20,52 +21,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import subprocess
 from dataclasses import dataclass, field
+
+from p2ptrain.net import netns
+from p2ptrain.net.netns import LabUnavailable, sh as _sh
+
+__all__ = ["LabUnavailable", "nat_lab", "unavailable_reason", "Lab", "Site"]
 
 PREFIX = "p2pt"
 PUBLIC_NET = "10.77.0"
 
 
-class LabUnavailable(Exception):
-    """The machine cannot build the lab (not root, no `ip netns`, no nft); message says why."""
-
-
-def _sh(*args: str, ns: str | None = None, check: bool = True, input: str | None = None) -> str:
-    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=20, input=input)
-    if check and out.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
-    return out.stdout
-
-
 def unavailable_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "NAT lab needs root (network namespaces)"
-    for tool in ("ip", "nft"):
-        if shutil.which(tool) is None and not os.path.exists(f"/usr/sbin/{tool}"):
-            return f"NAT lab needs `{tool}` (apt-get install iproute2 nftables)"
-    probe = f"{PREFIX}probe{os.getpid()}"
-    try:
-        _sh("ip", "netns", "add", probe)
-        _sh("nft", "list", "tables", ns=probe)
-    except Exception as exc:  # noqa: BLE001 - any failure means "cannot build the lab here"
-        return f"network namespaces unavailable: {str(exc)[:200]}"
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=20)
-    return None
-
-
-def _remove_stale() -> None:
-    """Delete namespaces of our prefix left by a dead run (their pid no longer exists)."""
-    for line in _sh("ip", "netns", "list", check=False).splitlines():
-        name = line.split()[0] if line.strip() else ""
-        if not name.startswith(PREFIX):
-            continue
-        pid = name[len(PREFIX):].split("_")[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+    return netns.unavailable_reason(PREFIX)
 
 
 @dataclass
@@ -107,22 +75,10 @@ class Lab:
 
 
 def _add_ns(lab: Lab, role: str) -> str:
-    name = lab.ns(role)
-    _sh("ip", "netns", "add", name)
-    lab.namespaces.append(name)
-    _sh("ip", "link", "set", "lo", "up", ns=name)
-    return name
+    return netns.add_ns(lab.namespaces, lab.ns(role))
 
 
-def _veth(a_ns: str, a_if: str, b_ns: str, b_if: str) -> None:
-    tmp_a, tmp_b = f"a{os.getpid() % 100000}{a_if}"[:15], f"b{os.getpid() % 100000}{b_if}"[:15]
-    _sh("ip", "link", "add", tmp_a, "type", "veth", "peer", "name", tmp_b)
-    _sh("ip", "link", "set", tmp_a, "netns", a_ns)
-    _sh("ip", "link", "set", tmp_b, "netns", b_ns)
-    _sh("ip", "link", "set", tmp_a, "name", a_if, ns=a_ns)
-    _sh("ip", "link", "set", tmp_b, "name", b_if, ns=b_ns)
-    _sh("ip", "link", "set", a_if, "up", ns=a_ns)
-    _sh("ip", "link", "set", b_if, "up", ns=b_ns)
+_veth = netns.veth
 
 
 def _join_public(lab: Lab, ns: str, ifname: str, ip: str, port: str) -> None:
@@ -162,16 +118,6 @@ def _build(lab: Lab) -> None:
         lab.sites[site] = Site(site, router, host, wan_ip, lan_ip, fully_random)
 
 
-def _teardown(lab: Lab) -> list[str]:
-    failed = []
-    for name in reversed(lab.namespaces):
-        # Deleting a namespace destroys its veth ends (and their peers) with it.
-        out = subprocess.run(["ip", "netns", "del", name], capture_output=True, text=True, timeout=20)
-        if out.returncode != 0 and "No such file" not in out.stderr:
-            failed.append(f"{name}: {out.stderr.strip()}")
-    return failed
-
-
 @contextlib.contextmanager
 def nat_lab():
     """Build the lab, yield a `Lab`, and always remove every namespace it made.
@@ -180,12 +126,12 @@ def nat_lab():
     reason = unavailable_reason()
     if reason:
         raise LabUnavailable(reason)
-    _remove_stale()
+    netns.remove_stale(PREFIX)
     lab = Lab(tag=f"{os.getpid()}_{os.urandom(2).hex()}")
     try:
         _build(lab)
         yield lab
     finally:
-        failed = _teardown(lab)
+        failed = netns.teardown(lab.namespaces)
         if failed:
             print("netlab: teardown problems:", "; ".join(failed))
