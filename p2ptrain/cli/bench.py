@@ -15,6 +15,7 @@ BENCHES = {
     "robust": "p2ptrain.bench.robust",
     "redteam": "p2ptrain.bench.redteam",
     "throughput": "p2ptrain.bench.throughput",
+    "utilization": "p2ptrain.bench.utilization",
 }
 
 

@@ -55,6 +55,13 @@ class TrainerConfig:
             raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1")
 
 
+def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
+    """Add the time since `since` (less `minus`, already counted in parts) to `tm[part]`."""
+    now = trio.current_time()
+    tm[part] = tm.get(part, 0.0) + now - since - minus
+    return now
+
+
 class Trainer:
     def __init__(self, node, svc: ReduceService, blobs: BlobServer, writer: checkpoint.AsyncWriter, spec: RunSpec,
                  run_id: str, local, events, config: TrainerConfig, contributor: Contributor | None = None) -> None:
@@ -138,18 +145,24 @@ class Trainer:
                           sec_inner: float) -> bool:
         """Publish ready, elect, run the round and apply the committed average (or skip and
         catch up); returns whether the next step starts as a zero-contribution join."""
-        t_comm = trio.current_time()
+        t_comm = lap = trio.current_time()
+        tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self.round.contributor.ready_at(wall_time()))
+        lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   self.last_roster, self._learn, self.sightings)
+        lap = _lap(tm, "elect", lap)
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
+        lap = _lap(tm, "base_hash", lap)
         out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining)
+        tm.update(out.seconds)
+        lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
             return await self._skip(t, "no round committed")
         if out.alone and await self._others_ready(t):
@@ -160,10 +173,15 @@ class Trainer:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
         self.last_roster = set(out.members)
         sha = await trio.to_thread.run_sync(self.local.outer_step, out.result)
+        lap = _lap(tm, "outer_step", lap)
         val = await trio.to_thread.run_sync(self.local.evaluate)
+        lap = _lap(tm, "evaluate", lap)
         self.committed += 1
         seconds_comm = trio.current_time() - t_comm
         await self.publish_state(None if joining else loss, val)
+        _lap(tm, "publish_state", lap)
+        self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()},
+                         total=round(trio.current_time() - t_comm, 4))
         self.events.emit("outer_step_committed", step=self.local.step, loss=None if joining else round(loss, 5),
                          val_loss=round(val, 5), params_sha256=sha, bytes_sent=out.bytes_sent,
                          bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
