@@ -64,19 +64,20 @@ def init_run(work: Path, s: UtilSettings, overlap: str) -> tuple[Path, str]:
     return work / f"run-{overlap}", out.stdout.strip().splitlines()[-1]
 
 
-def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str) -> list[list[dict]]:
-    """Every peer's events once each has committed step s.steps (raises on a timeout)."""
+def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str, port: int) -> list[list[dict]]:
+    """Every peer's events once each has committed step s.steps (raises on a timeout). A
+    fresh `port` per run: the last run's sockets may still hold the old one."""
     from p2ptrain.procs import ProcessGroup
 
     with ProcessGroup(work / name) as group:
-        boot = group.start(["bootstrap", "--listen", f"/ip4/{lab.boot_ip}/tcp/4000", "--key",
+        boot = group.start(["bootstrap", "--listen", f"/ip4/{lab.boot_ip}/tcp/{port}", "--key",
                             str(work / "boot.key"), "--json"], "bootstrap", prefix=lab.boot_prefix)
         baddr = boot.first_line(60)
         peers = []
         for i in range(s.peers):
             which = ["--manifest", str(run[0] / "run.toml")] if i == 0 else ["--run", run[1]]
             peers.append(group.start(
-                ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/4001", "--key",
+                ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/{port + 1}", "--key",
                  str(work / f"p{i}.key"), "--workdir", str(work / name / f"w{i}"), *which, "--min-peers",
                  str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--json"],
                 f"p{i}", prefix=lab.prefix(i)))
@@ -138,9 +139,9 @@ def run(args) -> int:
     result: dict = {}
     try:
         with internet_lab(rates_mbit=[s.mbit] * s.peers, boot=True) as lab:
-            for mode, run_ in runs.items():
+            for k, (mode, run_) in enumerate(runs.items()):
                 log(f"utilization: {mode} run, {s.peers} peers at {s.mbit:g} Mbit/s, H={s.inner_steps}")
-                events = run_in_lab(lab, work, s, run_, mode)
+                events = run_in_lab(lab, work, s, run_, mode, 4000 + 10 * k)
                 per_peer = [measure(ev, s.warm, s.steps) for ev in events]
                 result[mode] = summarize_mode(per_peer)
                 hashes = {}

@@ -145,9 +145,13 @@ class LocalModel:
         self.step += 1
         return self.outer.params_sha256()
 
-    def evaluate(self, max_batches: int = 8) -> float:
+    evaluates_committed = True
+    """`evaluate(committed=True)` scores the committed params without touching the model, so
+    the trainer may run it while the next inner phase trains (`Trainer.commit_step`)."""
+
+    def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
         model = self.model
-        if self.detached:  # the committed params, on a copy: the model is mid-phase elsewhere
+        if committed or self.detached:  # the committed params, on a copy: the model may be mid-phase
             if self._eval_model is None:
                 self._eval_model = build_run_model(self.spec.model.config, self.seed).to(self.device)
             model = self._eval_model

@@ -81,6 +81,11 @@ class Trainer:
         self.committed = 0
         self.last_roster: set[str] = set()
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
+        # Evaluation and the state record of a committed step run beside the next inner phase
+        # (issue 17: they took longer than the round itself), where the model can score the
+        # committed params on a copy; the next round waits for them (`_reported`).
+        self._bg: trio.Nursery | None = None
+        self._reported: trio.Event | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self.publish_state()
@@ -88,14 +93,17 @@ class Trainer:
         task_status.started()
         if self.local.step == 0 and self.config.min_peers > 1:
             await self.wait_for_peers()
-        joining = await self.sync_with_run()
-        if self.spec.train.overlap_scheme != "none":  # issue 17: reduce while the next phase trains
-            from p2ptrain.train.overlap import OverlappedLoop
+        async with trio.open_nursery() as self._bg:
+            joining = await self.sync_with_run()
+            if self.spec.train.overlap_scheme != "none":  # issue 17: reduce while the next phase trains
+                from p2ptrain.train.overlap import OverlappedLoop
 
-            await OverlappedLoop(self).run(joining)
-            return
-        while not self.done():
-            joining = await self.outer_step(joining)
+                await OverlappedLoop(self).run(joining)
+            else:
+                while not self.done():
+                    joining = await self.outer_step(joining)
+            await self._wait_reported()
+        self._bg = None
 
     def done(self) -> bool:
         """Whether this trainer has committed all the outer steps it was asked for."""
@@ -145,8 +153,10 @@ class Trainer:
                           sec_inner: float) -> bool:
         """Publish ready, elect, run the round and apply the committed average (or skip and
         catch up); returns whether the next step starts as a zero-contribution join."""
-        t_comm = lap = trio.current_time()
         tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
+        t_comm = trio.current_time()
+        await self._wait_reported()
+        lap = _lap(tm, "last_report", t_comm)
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
@@ -173,21 +183,35 @@ class Trainer:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
         self.last_roster = set(out.members)
         sha = await trio.to_thread.run_sync(self.local.outer_step, out.result)
-        lap = _lap(tm, "outer_step", lap)
-        val = await trio.to_thread.run_sync(self.local.evaluate)
-        lap = _lap(tm, "evaluate", lap)
+        _lap(tm, "outer_step", lap)
         self.committed += 1
-        seconds_comm = trio.current_time() - t_comm
-        await self.publish_state(None if joining else loss, val)
-        _lap(tm, "publish_state", lap)
-        self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()},
-                         total=round(trio.current_time() - t_comm, 4))
-        self.events.emit("outer_step_committed", step=self.local.step, loss=None if joining else round(loss, 5),
-                         val_loss=round(val, 5), params_sha256=sha, bytes_sent=out.bytes_sent,
-                         bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
-                         seconds_comm=round(seconds_comm, 3), members=out.members,
-                         **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
+        report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
+                      bytes_sent=out.bytes_sent, bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
+                      seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
+                      **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
+        self._reported = trio.Event()
+        if self._bg is not None and getattr(self.local, "evaluates_committed", False):
+            self._bg.start_soon(self._report, t, tm, report, self._reported)
+        else:
+            await self._report(t, tm, report, self._reported)
         return False
+
+    async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
+        """Evaluate the committed params, publish the state record, report the step."""
+        lap = trio.current_time()
+        committed = getattr(self.local, "evaluates_committed", False)
+        val = await trio.to_thread.run_sync(lambda: self.local.evaluate(committed=True) if committed
+                                            else self.local.evaluate())
+        lap = _lap(tm, "evaluate", lap)
+        await self.publish_state(report["loss"], val)
+        _lap(tm, "publish_state", lap)
+        self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()})
+        self.events.emit("outer_step_committed", val_loss=round(val, 5), **report)
+        done.set()
+
+    async def _wait_reported(self) -> None:
+        if self._reported is not None:
+            await self._reported.wait()
 
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
