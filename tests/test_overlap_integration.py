@@ -59,3 +59,23 @@ def test_three_peers_overlapped_run_identical_params_loss_falls(procs, overlap_r
         phases = [e for e in evs if e["event"] == "inner_phase"]
         assert {e["phase"] for e in phases} >= set(range(STEPS)), phases
         assert all(e["seconds"] > 0 for e in phases)
+
+
+def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, overlap_run, keys):
+    """A peer that starts after the others adopts the committed state, contributes zeros to
+    its first round while its first phase trains, and then commits the same params."""
+    boot, baddr = start_bootstrap(procs)
+    first = start_trainers(procs, baddr, overlap_run, keys[:2], 2, 7)
+    [committed(p, 2) for p in first]
+    run_path, rid = overlap_run
+    work = procs.log_dir / "late"
+    work.mkdir(parents=True, exist_ok=True)
+    late = procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[2]),
+                        "--workdir", str(work), "--run", rid, "--max-outer-steps", "2", "--threads", "1",
+                        "--json"], "late")
+    joined = late.wait_event(lambda e: e["event"] == "outer_step_committed" and len(e["members"]) == 3, 240)
+    step = joined["step"]
+    evs = [committed(p, step) for p in first]
+    assert {e["params_sha256"] for e in evs} == {joined["params_sha256"]}, (joined, evs)
+    nxt = [committed(p, step + 1) for p in [*first, late]]
+    assert len({e["params_sha256"] for e in nxt}) == 1 and all(len(e["members"]) == 3 for e in nxt), nxt

@@ -34,13 +34,15 @@ from pathlib import Path
 class UtilSettings:
     peers: int = 4
     mbit: float = 100.0
-    inner_steps: int = 6
+    inner_steps: int = 4
     steps: int = 7
     """Committed outer steps per run (the first WARM are not measured)."""
     warm: int = 2
     preset: str = "tiny"
-    batch: int = 8
-    seq_len: int = 128
+    batch: int = 2
+    seq_len: int = 64
+    """Small batches: a round's cost is per parameter, an inner step's per parameter and
+    token, so fewer tokens per step let a modest H match the round (module docstring)."""
     join_window: float = 10.0
     overlap: str = "eager"
     seed: int = 17
@@ -79,7 +81,7 @@ def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: st
             peers.append(group.start(
                 ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/{port + 1}", "--key",
                  str(work / f"p{i}.key"), "--workdir", str(work / name / f"w{i}"), *which, "--min-peers",
-                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--json"],
+                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--eval-batches", "1", "--json"],
                 f"p{i}", prefix=lab.prefix(i)))
         for p in peers:
             p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] >= s.steps, 120 + 60 * s.steps)
@@ -115,6 +117,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mbit", type=float, default=100.0, help="every peer's access link, both ways")
     p.add_argument("--inner-steps", type=int, default=None, metavar="H")
     p.add_argument("--steps", type=int, default=None, help="committed outer steps per run")
+    p.add_argument("--batch", type=int, default=None, help="sequences per inner step (default 2)")
     p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
@@ -124,7 +127,7 @@ def run(args) -> int:
     from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
 
     s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
-    for name in ("inner_steps", "steps"):
+    for name in ("inner_steps", "steps", "batch"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.__post_init__()

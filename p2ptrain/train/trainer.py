@@ -49,10 +49,12 @@ class TrainerConfig:
     people start together does not begin as one peer alone)."""
     start_timeout: float = 300.0
     """Seconds to wait for min_peers before starting anyway."""
+    eval_batches: int = 8
+    """Held-out batches scored after each committed step (the val_loss the peer reports)."""
 
     def __post_init__(self) -> None:
-        if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1:
-            raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1")
+        if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1 or self.eval_batches < 1:
+            raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1, eval_batches >= 1")
 
 
 def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
@@ -82,8 +84,9 @@ class Trainer:
         self.last_roster: set[str] = set()
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
-        # (issue 17: they took longer than the round itself), where the model can score the
-        # committed params on a copy; the next round waits for them (`_reported`).
+        # and round (issue 17: they took longer than the round itself), where the model can
+        # score the committed params on a copy; the next outer step or catch-up, which change
+        # the state they read, waits for them (`_reported`).
         self._bg: trio.Nursery | None = None
         self._reported: trio.Event | None = None
 
@@ -154,9 +157,7 @@ class Trainer:
         """Publish ready, elect, run the round and apply the committed average (or skip and
         catch up); returns whether the next step starts as a zero-contribution join."""
         tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
-        t_comm = trio.current_time()
-        await self._wait_reported()
-        lap = _lap(tm, "last_report", t_comm)
+        t_comm = lap = trio.current_time()
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
@@ -181,6 +182,9 @@ class Trainer:
             return await self._skip(t, "alone while others train this step")
         if out.scores is not None:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
+        # the last step's evaluation and state record read the state we are about to change
+        await self._wait_reported()
+        lap = _lap(tm, "last_report", lap)
         self.last_roster = set(out.members)
         sha = await trio.to_thread.run_sync(self.local.outer_step, out.result)
         _lap(tm, "outer_step", lap)
@@ -200,7 +204,8 @@ class Trainer:
         """Evaluate the committed params, publish the state record, report the step."""
         lap = trio.current_time()
         committed = getattr(self.local, "evaluates_committed", False)
-        val = await trio.to_thread.run_sync(lambda: self.local.evaluate(committed=True) if committed
+        nb = self.config.eval_batches
+        val = await trio.to_thread.run_sync(lambda: self.local.evaluate(nb, committed=True) if committed
                                             else self.local.evaluate())
         lap = _lap(tm, "evaluate", lap)
         await self.publish_state(report["loss"], val)
@@ -215,6 +220,7 @@ class Trainer:
 
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
+        await self._wait_reported()  # a catch-up replaces the state the last report reads
         await self.catch_up(t + 1)
         return True
 
