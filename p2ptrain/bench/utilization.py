@@ -15,7 +15,9 @@ STEPS):
                 reduce shared the CPU (on 2 shared cores, 4 peers plus their rounds compete)
   steps_per_s   = inner steps / wall time, the throughput the utilization stands for.
 `comm_over_inner` (sequential run) says how the chosen H compares the round to the phase:
-~1 means the all-reduce and its protocol take about as long as the inner steps.
+~1 means the all-reduce and its protocol take about as long as the inner steps. Peers score
+one held-out batch per committed step (`join --eval-batches 1`): at this bench's small
+batches the default 8 cost more than a whole inner phase.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class UtilSettings:
     join_window: float = 10.0
     overlap: str = "eager"
     seed: int = 17
+    eval_batches: int = 1
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.mbit <= 0 or self.inner_steps < 1 or not 1 <= self.warm < self.steps:
@@ -81,7 +84,7 @@ def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: st
             peers.append(group.start(
                 ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/{port + 1}", "--key",
                  str(work / f"p{i}.key"), "--workdir", str(work / name / f"w{i}"), *which, "--min-peers",
-                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--eval-batches", "1", "--json"],
+                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--eval-batches", str(s.eval_batches), "--json"],
                 f"p{i}", prefix=lab.prefix(i)))
         for p in peers:
             p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] >= s.steps, 120 + 60 * s.steps)
@@ -105,6 +108,18 @@ def measure(events: list[dict], warm: int, steps: int) -> dict:
             "inner_phase_s_mean": round(inner / max(1, len(used)), 3)}
 
 
+def step_timing(events: list[list[dict]], warm: int) -> dict:
+    """Mean seconds per part of a step (the trainer's `step_timing` events) over every peer's
+    measured steps: where the coordination time goes."""
+    parts: dict[str, list[float]] = {}
+    for ev in events:
+        for e in ev:
+            if e["event"] == "step_timing" and e["step"] >= warm:
+                for k, v in e["seconds"].items():
+                    parts.setdefault(k, []).append(v)
+    return {k: round(statistics.fmean(v), 3) for k, v in parts.items()}
+
+
 def summarize_mode(per_peer: list[dict]) -> dict:
     keys = ("utilization", "inner_step_ms", "steps_per_s", "comm_s_mean", "inner_phase_s_mean", "wall_s")
     out = {k: round(statistics.fmean(p[k] for p in per_peer if p[k] is not None), 4) for k in keys}
@@ -118,6 +133,7 @@ def add_arguments(p) -> None:
     p.add_argument("--inner-steps", type=int, default=None, metavar="H")
     p.add_argument("--steps", type=int, default=None, help="committed outer steps per run")
     p.add_argument("--batch", type=int, default=None, help="sequences per inner step (default 2)")
+    p.add_argument("--eval-batches", type=int, default=None, help="peers' held-out batches per step (default 1)")
     p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
@@ -127,7 +143,7 @@ def run(args) -> int:
     from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
 
     s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
-    for name in ("inner_steps", "steps", "batch"):
+    for name in ("inner_steps", "steps", "batch", "eval_batches"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.__post_init__()
@@ -153,6 +169,7 @@ def run(args) -> int:
                         if e["event"] == "outer_step_committed":
                             hashes.setdefault(e["step"], set()).add(e["params_sha256"])
                 result[mode]["identical_params"] = all(len(h) == 1 for h in hashes.values())
+                result[mode]["step_timing"] = step_timing(events, s.warm)
                 say({"event": "bench_utilization_mode", "mode": mode, **result[mode], "peers": per_peer})
                 log(f"  {mode}: utilization {result[mode]['utilization']:.3f} (min {result[mode]['utilization_min']:.3f}), "
                     f"{result[mode]['inner_step_ms']:.0f} ms/inner step, round {result[mode]['comm_s_mean']:.2f} s "
