@@ -37,14 +37,14 @@ class UtilSettings:
     peers: int = 4
     mbit: float = 100.0
     inner_steps: int = 4
-    steps: int = 7
+    steps: int = 10
     """Committed outer steps per run (the first WARM are not measured)."""
     warm: int = 2
     preset: str = "tiny"
-    batch: int = 2
+    batch: int = 8
     seq_len: int = 64
-    """Small batches: a round's cost is per parameter, an inner step's per parameter and
-    token, so fewer tokens per step let a modest H match the round (module docstring)."""
+    """512 tokens per inner step: at batch 2 the tiny model's steps were mostly Python
+    overhead, which holds the GIL the round's thread needs (BENCHMARKS.md, issue 17)."""
     join_window: float = 10.0
     overlap: str = "eager"
     seed: int = 17
@@ -132,7 +132,8 @@ def add_arguments(p) -> None:
     p.add_argument("--mbit", type=float, default=100.0, help="every peer's access link, both ways")
     p.add_argument("--inner-steps", type=int, default=None, metavar="H")
     p.add_argument("--steps", type=int, default=None, help="committed outer steps per run")
-    p.add_argument("--batch", type=int, default=None, help="sequences per inner step (default 2)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per inner step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
     p.add_argument("--eval-batches", type=int, default=None, help="peers' held-out batches per step (default 1)")
     p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
@@ -143,7 +144,7 @@ def run(args) -> int:
     from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
 
     s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
-    for name in ("inner_steps", "steps", "batch", "eval_batches"):
+    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.__post_init__()
