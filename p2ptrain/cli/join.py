@@ -62,8 +62,7 @@ def run(args) -> int:
         from p2ptrain.train.trainer import TrainerConfig
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
-            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers,
-            "eval_batches": getattr(args, "eval_batches", None)})
+            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers, "eval_batches": args.eval_batches})
         from p2ptrain.train.device import config_from_args
 
         try:
