@@ -61,13 +61,29 @@ def test_three_peers_overlapped_run_identical_params_loss_falls(procs, overlap_r
         assert all(e["seconds"] > 0 for e in phases)
 
 
-def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, overlap_run, keys):
-    """A peer that starts after the others adopts the committed state, contributes zeros to
-    its first round while its first phase trains, and then commits the same params."""
+@pytest.fixture(scope="module")
+def slow_overlap_run(tmp_path_factory):
+    """An overlapped run whose outer steps (H = 40) take longer than a newcomer's catch-up, as
+    on real links: with 1-2 s steps a joiner's checkpoint fetch is always a step behind."""
+    d = tmp_path_factory.mktemp("overlap-run-h40")
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", "40", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "20", "--join-window", "20", "--group-size", "4", "--seed", "3",
+         "--overlap", "eager"],
+        capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, slow_overlap_run, keys):
+    """A peer that starts after the others announces itself one step ahead, adopts that
+    step's state, contributes zeros to its first round while its first phase trains, and
+    then commits the same params as the others."""
     boot, baddr = start_bootstrap(procs)
-    first = start_trainers(procs, baddr, overlap_run, keys[:2], 2, 7)
-    [committed(p, 2) for p in first]
-    run_path, rid = overlap_run
+    first = start_trainers(procs, baddr, slow_overlap_run, keys[:2], 2, 200)  # still training when it joins
+    [committed(p, 1) for p in first]
+    run_path, rid = slow_overlap_run
     work = procs.log_dir / "late"
     work.mkdir(parents=True, exist_ok=True)
     late = procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[2]),

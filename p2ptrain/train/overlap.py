@@ -16,9 +16,11 @@ differs is only where the local params train. `LocalModel.detached` keeps outer 
 adopted states and evaluation off the model the worker thread is training.
 
 At most one round is in flight: a phase that ends before its round waits for it (round t+1
-needs x_{t+1} as its base). A newcomer's first round contributes zeros while its first phase
-trains. A failed round lands as the state the peer then holds: the phase's progress is
-rebased onto it and contributed to the next round.
+needs x_{t+1} as its base). A newcomer joins one step ahead (`_join_ahead`) and contributes
+zeros to its first round while its first phase trains. A failed round lands as the state the
+peer then holds: when that is the old state, the phase's progress is rebased onto it and
+contributed to the retried step; when the peer caught up past it, it rejoins one step ahead
+like a newcomer.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import numpy as np
 import torch
 import trio
 
+from p2ptrain.run import elect
 from p2ptrain.train import device as dev
 from p2ptrain.train import overlap_math as om
 
@@ -117,8 +120,25 @@ class OverlappedLoop:
         local = dev.gather_to_host(self._params())
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
+    async def _join_ahead(self) -> None:
+        """Join at the next step, not this one. Others post their ready record for step t
+        about when state t is published (their phase t ran beside round t-1), so a peer that
+        adopts state t is always too late for round t. It announces itself for t+1 at once
+        (a joining record starts no clock), adopts state t+1 when it appears and joins round
+        t+1 with zeros; the others' election for t+1 then finds its record."""
+        tr = self.tr
+        for _ in range(3):  # the state we adopted may already be past t+1 (a slow fetch): again
+            t1 = self.local.step + 1
+            await elect.publish_ready(tr.dht, tr.run_id, t1, tr.node.rpc.local_addrs(), True, tr.elect_cfg.window)
+            tr.events.emit("joining_ahead", step=t1)
+            await tr.catch_up(t1)
+            if self.local.step <= t1:
+                return
+
     async def run(self, joining: bool) -> None:
         tr, local = self.tr, self.local
+        if joining:
+            await self._join_ahead()
         phase = self._first_phase()
         if joining:  # others train this step already: join its round with zeros at once
             res = (math.nan, 0, 0.0)
@@ -139,7 +159,7 @@ class OverlappedLoop:
             async with trio.open_nursery() as nursery:
                 tr.events.emit("inner_phase_started", phase=t + 1, overlaps_round=t)
                 nursery.start_soon(train_next)
-                await tr.commit_step(t, delta, joining, *res)
+                skipped = await tr.commit_step(t, delta, joining, *res)
                 # whatever the peer now holds: the new state, a caught-up one, or the old one
                 phase.post(local.outer.outer.clone())
             res = nxt["res"]
@@ -147,3 +167,10 @@ class OverlappedLoop:
                            landed_at=phase.landed_at if phase.landed_at is not None else local.H)
             delta = await trio.to_thread.run_sync(self._finish, phase)
             joining = False
+            if skipped and local.step > t:
+                # Caught up past our round: like a newcomer, we would now be late for the
+                # step we adopted. The phase's progress belongs to a step the group is done with.
+                await self._join_ahead()
+                phase = await trio.to_thread.run_sync(self._first_phase)
+                res, joining = (math.nan, 0, 0.0), True
+                delta = np.zeros(local.outer.numel, np.float32)
