@@ -217,8 +217,9 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen, err: list[str
 def test_dashboard_in_chromium_during_demo(tmp_path, report):
     work = tmp_path / "demo"
     err: list[str] = []
+    # 12 steps: evaluation no longer holds up each step (issue 17), so 6 ended before we looked
     proc = subprocess.Popen(
-        [sys.executable, "-m", "p2ptrain", "demo", "--peers", str(PEERS), "--outer-steps", "6", "--inner-steps", "2",
+        [sys.executable, "-m", "p2ptrain", "demo", "--peers", str(PEERS), "--outer-steps", "12", "--inner-steps", "2",
          "--no-baseline", "--dashboard", "127.0.0.1:0", "--workdir", str(work), "--json"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path, start_new_session=True)
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)

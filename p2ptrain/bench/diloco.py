@@ -36,6 +36,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from p2ptrain.bench.diloco_report import _name, _table, print_results, summarize  # noqa: F401 (robust.py)
+from p2ptrain.bench import diloco_overlap
 from p2ptrain.bench.diloco_sparse import sparse_mean, sparse_wire_nbytes
 
 DEFAULT_H = (10, 50, 100)
@@ -77,12 +78,15 @@ class Settings:
     """sparse: error-feedback decay beta (SparseLoCo's)."""
     sparse_outer_lr: float = 1.5
     sparse_outer_momentum: float = 0.5
+    overlap_land: float = 1.0
+    """delayed/eager (issue 17): the fraction of the next phase's inner steps done when a
+    round's average lands (1.0: the reduce takes a whole phase)."""
     """sparse: the best outer step measured at H=50 (3 seeds; SparseLoCo's plain 1.0 / 0 was 2.7 %
     worse, DiLoCo's 0.7 / 0.9 far worse: error feedback already re-sends; BENCHMARKS.md)."""
 
     def __post_init__(self) -> None:
-        if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0:
-            raise ValueError("need workers >= 2, steps >= 1, batch >= 1, warm_start >= 0")
+        if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0 or not 0 <= self.overlap_land <= 1:
+            raise ValueError("need workers >= 2, steps >= 1, batch >= 1, warm_start >= 0, 0 <= overlap_land <= 1")
 
 
 # ----------------------------------------------------------------------------- training
@@ -187,7 +191,9 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
         outer = OuterOptimizer(model, OuterConfig(lr, mom, st.nesterov))
         efs = [np.zeros(n, np.float32) for _ in range(M)] if sparse else None
         errs = []
-        for r in range(S // H):
+        if avg in diloco_overlap.OVERLAP_AVGS:  # issue 17: fp32 mean, one-round-delayed landing
+            diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H))
+        for r in range(0 if avg in diloco_overlap.OVERLAP_AVGS else S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
                 for h in range(H):
                     _step(m, opt, sched, [batch(w, r * H + h)])
@@ -290,8 +296,12 @@ def add_arguments(p) -> None:
     p.add_argument("--warm-start", type=int, default=None, help="steps of shared single-worker pre-training")
     p.add_argument("--single-mx", action=argparse.BooleanOptionalAction, default=True,
                    help="also run 1 worker for M x steps (same tokens as DP/DiLoCo), one seed")
-    p.add_argument("--avg", nargs="+", default=["fp32", "int8", "sparse"], choices=["fp32", "int8", "sparse"],
-                   help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18)")
+    p.add_argument("--avg", nargs="+", default=["fp32", "int8", "sparse"],
+                   choices=["fp32", "int8", "sparse", *diloco_overlap.OVERLAP_AVGS],
+                   help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18; "
+                        "delayed/eager: fp32, overlapped outer steps, issue 17)")
+    p.add_argument("--overlap-land", type=float, default=None,
+                   help="delayed/eager: fraction of the next phase done when the average lands (default 1)")
     p.add_argument("--topk-fraction", type=float, default=None)
     p.add_argument("--ef-decay", type=float, default=None)
     p.add_argument("--sparse-outer-lr", type=float, default=None)
@@ -312,7 +322,7 @@ def settings_from_args(args) -> Settings:
         st.model = ModelConfig.preset(args.model).to_dict()
         st.seq_len = st.model["max_seq_len"]
     for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
-                 "ef_decay", "sparse_outer_lr", "sparse_outer_momentum"):
+                 "ef_decay", "sparse_outer_lr", "sparse_outer_momentum", "overlap_land"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:

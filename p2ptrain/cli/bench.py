@@ -16,6 +16,7 @@ BENCHES = {
     "redteam": "p2ptrain.bench.redteam",
     "throughput": "p2ptrain.bench.throughput",
     "ranks": "p2ptrain.bench.ranks",
+    "utilization": "p2ptrain.bench.utilization",
 }
 
 

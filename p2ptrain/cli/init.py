@@ -34,6 +34,10 @@ def add_parser(sub) -> None:
     p.add_argument("--aggregation", default="mean", choices=["mean", "robust"],
                    help="'robust': each chunk's owner combines every member's copy with CenteredClip "
                         "(Byzantine-robust, costs W-1 connections per member)")
+    p.add_argument("--overlap", default="none", choices=["none", "delayed", "eager"],
+                   help="run step t's all-reduce while step t+1's inner steps train (issue 17): 'delayed' "
+                        "keeps training from the local params, 'eager' from the outer step with the local "
+                        "pseudo-gradient standing in for the average; the committed state is the same math")
     p.add_argument("--join-window", type=float, default=30.0,
                    help="longest wait, after the first peer is ready, for the others (a step closes "
                         "earlier once every peer training it is ready)")
@@ -67,7 +71,8 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
                             weight_decay=args.weight_decay, batch_size=args.batch_size, seq_len=args.seq_len,
                             schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=outer_lr,
                             outer_momentum=outer_momentum, group_size=args.group_size,
-                            allreduce=args.allreduce, aggregation=args.aggregation, **compressor),
+                            allreduce=args.allreduce, aggregation=args.aggregation, **compressor,
+                            overlap=None if getattr(args, "overlap", "none") == "none" else args.overlap),
             timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
             genesis=GenesisSpec(genesis_sha, genesis_bytes))
     except SpecError as exc:

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     which.add_argument("--manifest", metavar="RUN_TOML", help="publish and join the run in this manifest")
     p.add_argument("--max-outer-steps", type=int, default=None, help="leave after N committed outer steps")
     p.add_argument("--threads", type=int, default=None, help="torch threads for inner steps")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="held-out batches (of 16 sequences) scored after each committed step (default 8)")
     p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
     p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live web dashboard here (e.g. 127.0.0.1:8080)")
     from p2ptrain.train.device import add_device_args  # --device, --precision
@@ -57,7 +59,7 @@ def run(args) -> int:
         from p2ptrain.train.trainer import TrainerConfig
 
         trainer_cfg = section(TrainerConfig, toml, "trainer", {
-            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers})
+            "max_outer_steps": args.max_outer_steps, "threads": args.threads, "min_peers": args.min_peers, "eval_batches": args.eval_batches})
         from p2ptrain.train.device import config_from_args
 
         try:

@@ -107,6 +107,14 @@ class Outcome:
     alone: bool = False
     """The result is our own delta: every other member dropped out. The caller must not
     commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
+    seconds: dict = field(default_factory=dict)
+    """Where the round's time went (roster, prepare, headers, reduce; summed over attempts),
+    reported in the trainer's `step_timing` event (issue 17's step-protocol breakdown)."""
+
+    def took(self, part: str, since: float) -> float:
+        now = trio.current_time()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - since
+        return now
 
 
 @dataclass
@@ -180,7 +188,9 @@ class ContributionRound:
                     out.result, out.alone = delta.copy(), True
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
+            t0 = trio.current_time()
             verdict = await self._confirm(t, attempt, roster, rh, base)
+            out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
                 unconfirmed = True
@@ -230,10 +240,13 @@ class ContributionRound:
         rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
         robust = self.config.robust is not None
         send = self.contributor.payload(delta)
+        t0 = trio.current_time()
         prep = await trio.to_thread.run_sync(prepare, delta, send, rank, world, self.ring_cfg, robust)
         header = Header(self.run_id, t, attempt, rh, self.me, prep.norms, prep.digests, prep.norm, inner_steps, tokens)
         signed = await trio.to_thread.run_sync(self.contributor.sign, header, self.identity)
+        t0 = out.took("prepare", t0)
         raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
+        t0 = out.took("headers", t0)
         # Robust runs bound every member's influence whatever its norm: no norm filter.
         # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
         ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
@@ -252,6 +265,8 @@ class ContributionRound:
         except RoundFailed as exc:
             self._failed(t, attempt, exc)
             return False
+        finally:
+            out.took("reduce", t0)
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
         out.bytes_recv += sum(ring.wire_bytes(prep.lay[c][j][1] - prep.lay[c][j][0], self.ring_cfg)

@@ -25,6 +25,8 @@ from dataclasses import dataclass, fields
 from p2ptrain.run.manifest import ManifestError
 
 ALLREDUCE_MODES = ("int8", "fp32", "sparse")
+OVERLAP_SCHEMES = ("none", "delayed", "eager")
+"""How a run overlaps step t's all-reduce with step t+1's inner steps (p2ptrain.train.overlap)."""
 AGGREGATIONS = ("mean", "robust")
 USER = "user"
 _SCALARS = (bool, int, float, str)
@@ -113,6 +115,9 @@ class TrainSpec(_Section):
     bits: int | None = None
     chunk: int | None = None
     ef_decay: float | None = None
+    # Overlapped outer steps (issue 17; p2ptrain.train.overlap): "delayed" or "eager"; None,
+    # and absent from the manifest (so older run ids do not change), for the sequential loop.
+    overlap: str | None = None
 
     def __post_init__(self) -> None:
         _int(self.inner_steps, "train.inner_steps", 1)
@@ -125,9 +130,13 @@ class TrainSpec(_Section):
         _need(self.aggregation in AGGREGATIONS, f"unknown aggregation {self.aggregation!r} "
               f"(this version knows {', '.join(AGGREGATIONS)})")
         self._check_sparse()
+        _need(self.overlap is None or self.overlap in OVERLAP_SCHEMES[1:],
+              f"unknown overlap {self.overlap!r} (this version knows {', '.join(OVERLAP_SCHEMES[1:])}; "
+              "leave it out for the sequential loop)")
         inner = [self.seed, self.inner_lr, self.warmup, self.weight_decay, self.batch_size, self.seq_len,
                  self.schedule, self.planned_outer_steps]
         if all(v is None for v in inner):
+            _need(self.overlap is None, "train.overlap needs the run's own inner loop (not a library run)")
             return
         _int(self.seed, "train.seed")
         _num(self.inner_lr, "train.inner_lr")
@@ -136,6 +145,11 @@ class TrainSpec(_Section):
         for name in ("batch_size", "seq_len", "planned_outer_steps"):
             _int(getattr(self, name), f"train.{name}", 1)
         _need(isinstance(self.schedule, str), "train.schedule must be a string")
+
+    @property
+    def overlap_scheme(self) -> str:
+        """'none' (sequential), 'delayed' or 'eager'."""
+        return self.overlap or "none"
 
     @property
     def has_inner(self) -> bool:

@@ -91,13 +91,18 @@ class LocalModel:
             self.model, float(tr.inner_lr), float(tr.weight_decay), tr.warmup, total, tr.schedule)
         self.inner_done = 0
         self.n_params = int(sum(p.numel() for p in self.model.parameters()))
+        self.detached = False
+        """Overlapped runs (p2ptrain.train.overlap): outer steps and adopted states leave the
+        model alone (it trains in another thread; the overlapped loop rebases it), and
+        `evaluate` scores the committed params on a copy of the model."""
+        self._eval_model = None
 
     def load_state(self, data: bytes) -> int:
         """Raises CheckpointError for bytes that are not a state of this run's model: a
         peer can publish any bytes under a matching hash, so nothing here may crash."""
         sd, step = decode_state(data)
         try:
-            self.outer.load_state_dict(sd)
+            self.outer.load_state_dict(sd, load_model=not getattr(self, "detached", False))
         except (KeyError, TypeError, ValueError, RuntimeError) as exc:
             raise checkpoint.CheckpointError(f"checkpoint does not fit this run's model: {exc}") from None
         return step
@@ -136,13 +141,24 @@ class LocalModel:
         return np.ascontiguousarray(self.outer.pseudo_gradient(self.model).detach().cpu().numpy(), np.float32)
 
     def outer_step(self, avg: np.ndarray) -> str:
-        self.outer.step(torch.from_numpy(np.array(avg, dtype=np.float32)))
+        self.outer.step(torch.from_numpy(np.array(avg, dtype=np.float32)), load_model=not self.detached)
         self.step += 1
         return self.outer.params_sha256()
 
-    def evaluate(self, max_batches: int = 8) -> float:
+    evaluates_committed = True
+    """`evaluate(committed=True)` scores the committed params without touching the model, so
+    the trainer may run it while the next inner phase trains (`Trainer.commit_step`)."""
+
+    def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
+        model = self.model
+        if committed or self.detached:  # the committed params, on a copy: the model may be mid-phase
+            if self._eval_model is None:
+                self._eval_model = build_run_model(self.spec.model.config, self.seed).to(self.device)
+            model = self._eval_model
+            with torch.no_grad():
+                dev.scatter_from_host(self.outer.outer, list(model.parameters()))
         with dev.autocast(self.device, self.autocast_dtype):
-            return float(evaluate(self.model, self.ds, batch=16, seq_len=self.seq_len, max_batches=max_batches))
+            return float(evaluate(model, self.ds, batch=16, seq_len=self.seq_len, max_batches=max_batches))
 
     def load_state_at(self, data: bytes) -> None:
         """Adopt a state fetched from peers (catch-up): outer params, momentum and step."""

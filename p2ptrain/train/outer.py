@@ -94,9 +94,11 @@ class OuterOptimizer:
         params = self.params if model is None else list(model.parameters())
         return self.outer - device.gather_to_host(params, self._staging)
 
-    def step(self, avg_pseudo_grad: torch.Tensor) -> None:
+    def step(self, avg_pseudo_grad: torch.Tensor, load_model: bool = True) -> None:
         """Nesterov SGD on the outer parameters with grad = avg_pseudo_grad, then load them
-        into the model. Separately rounded ops only (module docstring): bit-portable."""
+        into the model (not with load_model=False: an overlapped run's model keeps training in
+        another thread, p2ptrain.train.overlap). Separately rounded ops only (module
+        docstring): bit-portable."""
         g = avg_pseudo_grad.detach().to("cpu", torch.float32).reshape(-1)
         if g.numel() != self.outer.numel():
             raise ValueError(f"pseudo-gradient has {g.numel()} values, the model {self.outer.numel()}")
@@ -111,7 +113,8 @@ class OuterOptimizer:
         self.outer.sub_(torch.mul(d, lr))          # p = p - lr * d
         self.steps += 1
         self.skipped = 0
-        self.load_into_model()
+        if load_model:
+            self.load_into_model()
 
     def skip(self) -> None:
         """A round failed: keep the local parameters and outer state (module docstring)."""

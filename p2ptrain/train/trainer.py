@@ -49,10 +49,19 @@ class TrainerConfig:
     people start together does not begin as one peer alone)."""
     start_timeout: float = 300.0
     """Seconds to wait for min_peers before starting anyway."""
+    eval_batches: int = 8
+    """Held-out batches scored after each committed step (the val_loss the peer reports)."""
 
     def __post_init__(self) -> None:
-        if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1:
-            raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1")
+        if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1 or self.eval_batches < 1:
+            raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1, eval_batches >= 1")
+
+
+def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
+    """Add the time since `since` (less `minus`, already counted in parts) to `tm[part]`."""
+    now = trio.current_time()
+    tm[part] = tm.get(part, 0.0) + now - since - minus
+    return now
 
 
 class Trainer:
@@ -74,6 +83,12 @@ class Trainer:
         self.committed = 0
         self.last_roster: set[str] = set()
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
+        # Evaluation and the state record of a committed step run beside the next inner phase
+        # and round (issue 17: they took longer than the round itself), where the model can
+        # score the committed params on a copy; the next outer step or catch-up, which change
+        # the state they read, waits for them (`_reported`).
+        self._bg: trio.Nursery | None = None
+        self._reported: trio.Event | None = None
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self.publish_state()
@@ -81,9 +96,21 @@ class Trainer:
         task_status.started()
         if self.local.step == 0 and self.config.min_peers > 1:
             await self.wait_for_peers()
-        joining = await self.sync_with_run()
-        while not self.config.max_outer_steps or self.committed < self.config.max_outer_steps:
-            joining = await self.outer_step(joining)
+        async with trio.open_nursery() as self._bg:
+            joining = await self.sync_with_run()
+            if self.spec.train.overlap_scheme != "none":  # issue 17: reduce while the next phase trains
+                from p2ptrain.train.overlap import OverlappedLoop
+
+                await OverlappedLoop(self).run(joining)
+            else:
+                while not self.done():
+                    joining = await self.outer_step(joining)
+            await self._wait_reported()
+        self._bg = None
+
+    def done(self) -> bool:
+        """Whether this trainer has committed all the outer steps it was asked for."""
+        return bool(self.config.max_outer_steps) and self.committed >= self.config.max_outer_steps
 
     async def wait_for_peers(self) -> None:
         with trio.move_on_after(self.config.start_timeout):
@@ -121,19 +148,32 @@ class Trainer:
             delta = np.zeros(self.local.outer.numel, np.float32)
         else:
             loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
+            self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
-        t_comm = trio.current_time()
+        return await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
+
+    async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
+                          sec_inner: float) -> bool:
+        """Publish ready, elect, run the round and apply the committed average (or skip and
+        catch up); returns whether the next step starts as a zero-contribution join."""
+        tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
+        t_comm = lap = trio.current_time()
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self.round.contributor.ready_at(wall_time()))
+        lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   self.last_roster, self._learn, self.sightings)
+        lap = _lap(tm, "elect", lap)
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
+        lap = _lap(tm, "base_hash", lap)
         out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining)
+        tm.update(out.seconds)
+        lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
             return await self._skip(t, "no round committed")
         if out.alone and await self._others_ready(t):
@@ -142,21 +182,45 @@ class Trainer:
             return await self._skip(t, "alone while others train this step")
         if out.scores is not None:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
+        # the last step's evaluation and state record read the state we are about to change
+        await self._wait_reported()
+        lap = _lap(tm, "last_report", lap)
         self.last_roster = set(out.members)
         sha = await trio.to_thread.run_sync(self.local.outer_step, out.result)
-        val = await trio.to_thread.run_sync(self.local.evaluate)
+        _lap(tm, "outer_step", lap)
         self.committed += 1
-        seconds_comm = trio.current_time() - t_comm
-        await self.publish_state(None if joining else loss, val)
-        self.events.emit("outer_step_committed", step=self.local.step, loss=None if joining else round(loss, 5),
-                         val_loss=round(val, 5), params_sha256=sha, bytes_sent=out.bytes_sent,
-                         bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
-                         seconds_comm=round(seconds_comm, 3), members=out.members,
-                         **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
+        report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
+                      bytes_sent=out.bytes_sent, bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
+                      seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
+                      **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
+        self._reported = trio.Event()
+        if self._bg is not None and getattr(self.local, "evaluates_committed", False):
+            self._bg.start_soon(self._report, t, tm, report, self._reported)
+        else:
+            await self._report(t, tm, report, self._reported)
         return False
+
+    async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
+        """Evaluate the committed params, publish the state record, report the step."""
+        lap = trio.current_time()
+        committed = getattr(self.local, "evaluates_committed", False)
+        nb = self.config.eval_batches
+        val = await trio.to_thread.run_sync(lambda: self.local.evaluate(nb, committed=True) if committed
+                                            else self.local.evaluate())
+        lap = _lap(tm, "evaluate", lap)
+        await self.publish_state(report["loss"], val)
+        _lap(tm, "publish_state", lap)
+        self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()})
+        self.events.emit("outer_step_committed", val_loss=round(val, 5), **report)
+        done.set()
+
+    async def _wait_reported(self) -> None:
+        if self._reported is not None:
+            await self._reported.wait()
 
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
+        await self._wait_reported()  # a catch-up replaces the state the last report reads
         await self.catch_up(t + 1)
         return True
 

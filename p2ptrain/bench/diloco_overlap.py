@@ -1,0 +1,56 @@
+"""Overlapped DiLoCo in `bench diloco`'s in-process simulation (issue 17).
+
+The network's overlapped loop (`p2ptrain.train.overlap`) with the one-round delay made
+explicit: the average of phase r is committed when every worker has finished phase r, but
+it *lands* on each worker only `land` inner steps into phase r+1 (land = H: the round takes a
+whole phase, the worst case `bench utilization` is built around). Until then each worker
+trains from its scheme's start point (`overlap_math.phase_start`); the landing is
+`overlap_math.rebase`; contributions are `overlap_math.contribution`. The committed outer
+state is the same Nesterov step on the fp32 mean as synchronous DiLoCo, and the evaluated
+model is that committed state (the final round lands before evaluation).
+"""
+
+from __future__ import annotations
+
+OVERLAP_AVGS = ("delayed", "eager")
+
+
+def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int) -> None:
+    """Run `rounds` overlapped rounds; afterwards models[0] holds the committed params.
+    `batch(w, s)`: worker w's batch at inner step s; `step_fn(model, opt, sched, batches)`."""
+    import torch
+
+    from p2ptrain.train import overlap_math as om
+    from p2ptrain.train.outer import flatten, unflatten_into
+
+    if scheme not in OVERLAP_AVGS or not 0 <= land <= H:
+        raise ValueError(f"scheme must be one of {OVERLAP_AVGS} and 0 <= land <= H")
+    M = len(models)
+    starts = [outer.outer.clone() for _ in range(M)]
+    pending = None  # the committed state of the last round, not yet landed on the workers
+
+    def land_on(w: int) -> None:
+        params = list(models[w].parameters())
+        unflatten_into(om.rebase(flatten(params), starts[w], pending), params)
+        starts[w] = pending
+
+    for r in range(rounds):
+        for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
+            for h in range(H):
+                if pending is not None and h == land:
+                    land_on(w)
+                step_fn(m, opt, sched, [batch(w, r * H + h)])
+            if pending is not None and land == H:
+                land_on(w)
+        locals_ = [flatten(m.parameters()) for m in models]
+        deltas = [om.contribution(starts[w], locals_[w]) for w in range(M)]
+        cfg = outer.cfg
+        # each worker's next start uses the committed state *before* this round's step
+        starts = [om.phase_start(scheme, outer.outer, outer.momentum, locals_[w], deltas[w], cfg.lr, cfg.momentum,
+                                 cfg.nesterov) for w in range(M)]
+        outer.step(torch.stack(deltas).mean(0), load_model=False)
+        pending = outer.outer.clone()
+        if scheme == "eager":
+            for w in range(M):
+                unflatten_into(starts[w], list(models[w].parameters()))
+    unflatten_into(outer.outer, list(models[0].parameters()))

@@ -1,0 +1,195 @@
+"""`p2ptrain bench utilization`: compute utilization of real peers on emulated home links.
+
+A bootstrap and PEERS `p2ptrain join` processes, each in its own network namespace of the
+emulated internet (`p2ptrain.bench.inetlab`: every peer's access link shaped to MBIT both
+ways with tc tbf, no added latency), train two runs back to back in the same lab: one
+sequential (inner -> ready -> election -> round -> outer step) and one overlapped
+(`--overlap`, p2ptrain.train.overlap: round t reduces while phase t+1 trains). Same model,
+data, H, seeds and machine.
+
+Per peer, over the outer steps after the warm-up (commit of step WARM to commit of step
+STEPS):
+  utilization = time spent in inner phases (the `inner_phase` events: the loop of H inner
+                steps, data windows included) / wall time
+  inner_step_ms = that time / inner steps: how much slower each inner step ran while the
+                reduce shared the CPU (on 2 shared cores, 4 peers plus their rounds compete)
+  steps_per_s   = inner steps / wall time, the throughput the utilization stands for.
+`comm_over_inner` (sequential run) says how the chosen H compares the round to the phase:
+~1 means the all-reduce and its protocol take about as long as the inner steps. Peers score
+one held-out batch per committed step (`join --eval-batches 1`): at this bench's small
+batches the default 8 cost more than a whole inner phase.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class UtilSettings:
+    peers: int = 4
+    mbit: float = 100.0
+    inner_steps: int = 4
+    steps: int = 10
+    """Committed outer steps per run (the first WARM are not measured)."""
+    warm: int = 2
+    preset: str = "tiny"
+    batch: int = 8
+    seq_len: int = 64
+    """512 tokens per inner step: at batch 2 the tiny model's steps were mostly Python
+    overhead, which holds the GIL the round's thread needs (BENCHMARKS.md, issue 17)."""
+    join_window: float = 10.0
+    overlap: str = "eager"
+    seed: int = 17
+    eval_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.peers < 2 or self.mbit <= 0 or self.inner_steps < 1 or not 1 <= self.warm < self.steps:
+            raise ValueError("need peers >= 2, mbit > 0, inner_steps >= 1, 1 <= warm < steps")
+        if self.overlap not in ("delayed", "eager"):
+            raise ValueError("overlap must be 'delayed' or 'eager'")
+
+
+def init_run(work: Path, s: UtilSettings, overlap: str) -> tuple[Path, str]:
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(work / f"run-{overlap}"), "--key", str(work / "init.key"),
+         "--preset", s.preset, "--inner-steps", str(s.inner_steps), "--batch-size", str(s.batch), "--seq-len",
+         str(s.seq_len), "--warmup", "5", "--planned-outer-steps", "100", "--join-window", str(s.join_window),
+         "--group-size", str(s.peers), "--seed", str(s.seed), "--overlap", overlap],
+        capture_output=True, text=True, timeout=300, cwd=work)
+    if out.returncode != 0:
+        raise RuntimeError(f"p2ptrain init failed: {out.stderr.strip()[-500:]}")
+    return work / f"run-{overlap}", out.stdout.strip().splitlines()[-1]
+
+
+def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str, port: int) -> list[list[dict]]:
+    """Every peer's events once each has committed step s.steps (raises on a timeout). A
+    fresh `port` per run: the last run's sockets may still hold the old one."""
+    from p2ptrain.procs import ProcessGroup
+
+    with ProcessGroup(work / name) as group:
+        boot = group.start(["bootstrap", "--listen", f"/ip4/{lab.boot_ip}/tcp/{port}", "--key",
+                            str(work / "boot.key"), "--json"], "bootstrap", prefix=lab.boot_prefix)
+        baddr = boot.first_line(60)
+        peers = []
+        for i in range(s.peers):
+            which = ["--manifest", str(run[0] / "run.toml")] if i == 0 else ["--run", run[1]]
+            peers.append(group.start(
+                ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/{port + 1}", "--key",
+                 str(work / f"p{i}.key"), "--workdir", str(work / name / f"w{i}"), *which, "--min-peers",
+                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--eval-batches", str(s.eval_batches), "--json"],
+                f"p{i}", prefix=lab.prefix(i)))
+        for p in peers:
+            p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] >= s.steps, 120 + 60 * s.steps)
+        return [list(p.all_events) for p in peers]
+
+
+def measure(events: list[dict], warm: int, steps: int) -> dict:
+    """One peer's utilization figures over the commits of steps warm..steps (module docstring)."""
+    commits = {e["step"]: e for e in events if e["event"] == "outer_step_committed"}
+    phases = {e["phase"]: e for e in events if e["event"] == "inner_phase"}
+    if not all(k in commits for k in (warm, steps)):
+        raise RuntimeError(f"peer did not commit steps {warm} and {steps}")
+    wall = commits[steps]["t"] - commits[warm]["t"]
+    used = [phases[p] for p in range(warm, steps) if p in phases]
+    inner = sum(e["seconds"] for e in used)
+    n_steps = sum(e["steps"] for e in used)
+    comm = [commits[k]["seconds_comm"] for k in range(warm + 1, steps + 1) if k in commits]
+    return {"wall_s": round(wall, 3), "inner_s": round(inner, 3), "utilization": round(inner / wall, 4),
+            "inner_step_ms": round(1000 * inner / max(1, n_steps), 1), "steps_per_s": round(n_steps / wall, 3),
+            "comm_s_mean": round(statistics.fmean(comm), 3) if comm else None,
+            "inner_phase_s_mean": round(inner / max(1, len(used)), 3)}
+
+
+def step_timing(events: list[list[dict]], warm: int) -> dict:
+    """Mean seconds per part of a step (the trainer's `step_timing` events) over every peer's
+    measured steps: where the coordination time goes."""
+    parts: dict[str, list[float]] = {}
+    for ev in events:
+        for e in ev:
+            if e["event"] == "step_timing" and e["step"] >= warm:
+                for k, v in e["seconds"].items():
+                    parts.setdefault(k, []).append(v)
+    return {k: round(statistics.fmean(v), 3) for k, v in parts.items()}
+
+
+def summarize_mode(per_peer: list[dict]) -> dict:
+    keys = ("utilization", "inner_step_ms", "steps_per_s", "comm_s_mean", "inner_phase_s_mean", "wall_s")
+    out = {k: round(statistics.fmean(p[k] for p in per_peer if p[k] is not None), 4) for k in keys}
+    out["utilization_min"] = min(p["utilization"] for p in per_peer)
+    return out
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--mbit", type=float, default=100.0, help="every peer's access link, both ways")
+    p.add_argument("--inner-steps", type=int, default=None, metavar="H")
+    p.add_argument("--steps", type=int, default=None, help="committed outer steps per run")
+    p.add_argument("--batch", type=int, default=None, help="sequences per inner step (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 64)")
+    p.add_argument("--eval-batches", type=int, default=None, help="peers' held-out batches per step (default 1)")
+    p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
+
+
+def run(args) -> int:
+    from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
+
+    s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
+    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches"):
+        if getattr(args, name) is not None:
+            setattr(s, name, getattr(args, name))
+    s.__post_init__()
+    say = (lambda o: print(json.dumps(o), flush=True)) if args.json else (lambda o: None)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
+    if (why := unavailable_reason()):
+        print(f"error: the emulated internet is not available here: {why}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-util-"))
+    t0 = time.monotonic()
+    runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap)}
+    result: dict = {}
+    try:
+        with internet_lab(rates_mbit=[s.mbit] * s.peers, boot=True) as lab:
+            for k, (mode, run_) in enumerate(runs.items()):
+                log(f"utilization: {mode} run, {s.peers} peers at {s.mbit:g} Mbit/s, H={s.inner_steps}")
+                events = run_in_lab(lab, work, s, run_, mode, 4000 + 10 * k)
+                per_peer = [measure(ev, s.warm, s.steps) for ev in events]
+                result[mode] = summarize_mode(per_peer)
+                hashes = {}
+                for ev in events:
+                    for e in ev:
+                        if e["event"] == "outer_step_committed":
+                            hashes.setdefault(e["step"], set()).add(e["params_sha256"])
+                result[mode]["identical_params"] = all(len(h) == 1 for h in hashes.values())
+                result[mode]["step_timing"] = step_timing(events, s.warm)
+                say({"event": "bench_utilization_mode", "mode": mode, **result[mode], "peers": per_peer})
+                log(f"  {mode}: utilization {result[mode]['utilization']:.3f} (min {result[mode]['utilization_min']:.3f}), "
+                    f"{result[mode]['inner_step_ms']:.0f} ms/inner step, round {result[mode]['comm_s_mean']:.2f} s "
+                    f"vs phase {result[mode]['inner_phase_s_mean']:.2f} s")
+    except LabUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    seq, ovl = result["sequential"], result["overlapped"]
+    summary = {"event": "bench_utilization_summary", "utilization_overlapped": ovl["utilization"],
+               "utilization_sequential": seq["utilization"],
+               "throughput_ratio": round(ovl["steps_per_s"] / seq["steps_per_s"], 3),
+               "inner_step_ms_overlapped": ovl["inner_step_ms"], "inner_step_ms_sequential": seq["inner_step_ms"],
+               "comm_over_inner_sequential": round(seq["comm_s_mean"] / seq["inner_phase_s_mean"], 3),
+               "identical_params": seq["identical_params"] and ovl["identical_params"],
+               "settings": asdict(s), "seconds": round(time.monotonic() - t0, 1), "logs": str(work)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"utilization: overlapped {summary['utilization_overlapped']:.3f}, sequential "
+              f"{summary['utilization_sequential']:.3f}; inner-step throughput x{summary['throughput_ratio']:.2f}; "
+              f"round/phase (sequential) {summary['comm_over_inner_sequential']:.2f}")
+    return 0 if summary["identical_params"] else 1

@@ -1,0 +1,176 @@
+"""The overlapped outer loop (issue 17): round t reduces while the inner steps of t+1 train.
+
+Per outer step t (the arithmetic is `p2ptrain.train.overlap_math`):
+  1. the next phase's start point is set by the run's scheme (delayed: the local params as
+     they are; eager: the outer step with this peer's own delta standing in for the average);
+  2. in one trio nursery: the inner steps of phase t+1 in a worker thread, and the
+     trainer's own round for step t (`Trainer.commit_step`: ready record, election, verified
+     round, outer step on the committed average, state record -- or skip and catch up);
+  3. when the round is over, the peer's committed state (new, caught up, or unchanged after
+     a failed round) is posted to the phase, which rebases the local params onto it between
+     two inner steps (or after the phase, when the round took longer);
+  4. the phase's contribution is its own progress, start - end.
+The committed state (outer params, momentum, step) changes only in `commit_step`, exactly
+as in the sequential loop, so members stay bit-identical and commit-or-abort holds; what
+differs is only where the local params train. `LocalModel.detached` keeps outer steps,
+adopted states and evaluation off the model the worker thread is training.
+
+At most one round is in flight: a phase that ends before its round waits for it (round t+1
+needs x_{t+1} as its base). A newcomer joins one step ahead (`_join_ahead`) and contributes
+zeros to its first round while its first phase trains. A failed round lands as the state the
+peer then holds: when that is the old state, the phase's progress is rebased onto it and
+contributed to the retried step; when the peer caught up past it, it rejoins one step ahead
+like a newcomer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+
+import numpy as np
+import torch
+import trio
+
+from p2ptrain.run import elect
+from p2ptrain.train import device as dev
+from p2ptrain.train import overlap_math as om
+
+log = logging.getLogger("p2ptrain.train.overlap")
+
+
+class Phase:
+    """One inner phase's start point and the committed state waiting to land on it. The
+    worker thread calls `land` between inner steps; the trio side calls `post` (a lock:
+    the two run in different threads)."""
+
+    def __init__(self, start: torch.Tensor) -> None:
+        self.start = start
+        self._pending: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self.landed_at: int | None = None
+        """Inner steps done when the committed state landed (None: not yet)."""
+
+    def post(self, committed: torch.Tensor) -> None:
+        with self._lock:
+            self._pending = committed
+
+    def land(self, params: list[torch.Tensor], at_step: int) -> None:
+        with self._lock:
+            committed, self._pending = self._pending, None
+        if committed is None:
+            return
+        local = dev.gather_to_host(params)
+        dev.scatter_from_host(om.rebase(local, self.start, committed), params)
+        self.start, self.landed_at = committed, at_step
+
+
+def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float, int, float]:
+    """H inner steps on phase `phase_no`'s data windows, landing the committed state at the
+    first step boundary after it was posted; (mean loss, tokens, seconds in inner steps)."""
+    from p2ptrain.train.data import train_batch
+
+    params = list(local.model.parameters())
+    local.model.train()
+    losses: list = []
+    busy = 0.0
+    for i in range(local.H):
+        phase.land(params, i)
+        tokens = train_batch(local.ds, local.peer_id, phase_no * local.H + i, local.batch, local.seq_len, local.seed)
+        t0 = time.perf_counter()
+        local.inner_step(dev.to_device(tokens, local.device), losses)
+        busy += time.perf_counter() - t0
+        if progress is not None:
+            progress(i + 1, local.H)
+    local.inner_done += local.H
+    mean = float(torch.stack(losses).double().mean())
+    return mean, local.H * local.batch * local.seq_len, busy
+
+
+class OverlappedLoop:
+    def __init__(self, trainer) -> None:
+        self.tr, self.local = trainer, trainer.local
+        self.scheme = trainer.spec.train.overlap_scheme
+        self.local.detached = True
+
+    def _params(self) -> list[torch.Tensor]:
+        return list(self.local.model.parameters())
+
+    def _first_phase(self) -> Phase:
+        """Phase starting from the committed state (the model may hold an older one after a
+        catch-up: `detached` adopts states without touching it)."""
+        start = self.local.outer.outer.clone()
+        dev.scatter_from_host(start, self._params())
+        return Phase(start)
+
+    def _next_phase(self, delta: torch.Tensor) -> Phase:
+        out = self.local.outer
+        local = dev.gather_to_host(self._params())
+        start = om.phase_start(self.scheme, out.outer, out.momentum, local, delta, out.cfg.lr, out.cfg.momentum,
+                               out.cfg.nesterov)
+        if self.scheme != "delayed":  # delayed starts where the model already is
+            dev.scatter_from_host(start, self._params())
+        return Phase(start)
+
+    def _finish(self, phase: Phase) -> np.ndarray:
+        """Land a state that arrived after the phase's last step; the phase's contribution."""
+        phase.land(self._params(), self.local.H)
+        local = dev.gather_to_host(self._params())
+        return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
+
+    async def _join_ahead(self) -> None:
+        """Join at the next step, not this one. Others post their ready record for step t
+        about when state t is published (their phase t ran beside round t-1), so a peer that
+        adopts state t is always too late for round t. It announces itself for t+1 at once
+        (a joining record starts no clock), adopts state t+1 when it appears and joins round
+        t+1 with zeros; the others' election for t+1 then finds its record."""
+        tr = self.tr
+        for _ in range(3):  # the state we adopted may already be past t+1 (a slow fetch): again
+            t1 = self.local.step + 1
+            await elect.publish_ready(tr.dht, tr.run_id, t1, tr.node.rpc.local_addrs(), True, tr.elect_cfg.window)
+            tr.events.emit("joining_ahead", step=t1)
+            await tr.catch_up(t1)
+            if self.local.step <= t1:
+                return
+
+    async def run(self, joining: bool) -> None:
+        tr, local = self.tr, self.local
+        if joining:
+            await self._join_ahead()
+        phase = self._first_phase()
+        if joining:  # others train this step already: join its round with zeros at once
+            res = (math.nan, 0, 0.0)
+            delta = np.zeros(local.outer.numel, np.float32)
+        else:
+            res = await trio.to_thread.run_sync(run_phase, local, local.step, phase, tr._progress(local.step))
+            tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=local.H, landed_at=None)
+            delta = await trio.to_thread.run_sync(self._finish, phase)
+        while not tr.done():
+            t = local.step
+            tr.events.emit("outer_step_started", step=t, joining=joining, overlap=self.scheme)
+            phase = await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta))
+            nxt: dict = {}
+
+            async def train_next() -> None:
+                nxt["res"] = await trio.to_thread.run_sync(run_phase, local, t + 1, phase, tr._progress(t + 1))
+
+            async with trio.open_nursery() as nursery:
+                tr.events.emit("inner_phase_started", phase=t + 1, overlaps_round=t)
+                nursery.start_soon(train_next)
+                skipped = await tr.commit_step(t, delta, joining, *res)
+                # whatever the peer now holds: the new state, a caught-up one, or the old one
+                phase.post(local.outer.outer.clone())
+            res = nxt["res"]
+            tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=local.H,
+                           landed_at=phase.landed_at if phase.landed_at is not None else local.H)
+            delta = await trio.to_thread.run_sync(self._finish, phase)
+            joining = False
+            if skipped and local.step > t:
+                # Caught up past our round: like a newcomer, we would now be late for the
+                # step we adopted. The phase's progress belongs to a step the group is done with.
+                await self._join_ahead()
+                phase = await trio.to_thread.run_sync(self._first_phase)
+                res, joining = (math.nan, 0, 0.0), True
+                delta = np.zeros(local.outer.numel, np.float32)

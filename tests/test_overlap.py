@@ -1,0 +1,112 @@
+"""Overlapped outer steps (issue 17), fast tier: the correction math, the worker-thread landing,
+the manifest field, and the bench's simulation against synchronous DiLoCo."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from p2ptrain.train import overlap_math as om
+from p2ptrain.train.outer import OuterConfig, OuterOptimizer
+
+
+def _vec(seed: int, n: int = 1000) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal(n).astype(np.float32))
+
+
+def test_nesterov_stand_in_is_the_outer_step_bit_for_bit():
+    model = torch.nn.Linear(10, 10)
+    opt = OuterOptimizer(model, OuterConfig(0.7, 0.9))
+    opt.momentum.copy_(_vec(1, opt.numel) * 0.01)
+    x, m, g = opt.outer.clone(), opt.momentum.clone(), _vec(2, opt.numel) * 0.1
+    x0, m0 = x.clone(), m.clone()
+    x2, m2 = om.nesterov(x, m, g, 0.7, 0.9)
+    assert torch.equal(x, x0) and torch.equal(m, m0) and not torch.equal(x, x2)  # inputs untouched
+    opt.step(g.clone(), load_model=False)
+    assert torch.equal(x2, opt.outer) and torch.equal(m2, opt.momentum)
+    # load_model=False leaves the model alone (an overlapped run's model trains elsewhere)
+    assert not torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.outer)
+
+
+def test_rebase_keeps_the_phase_progress_and_lands_exactly_when_nothing_trained_yet():
+    start, local, committed = _vec(1), _vec(2), _vec(3)
+    moved = om.rebase(local, start, committed)
+    # the contribution is the same vector either way (up to the rounding of the translation)
+    assert torch.allclose(om.contribution(committed, moved), om.contribution(start, local), atol=1e-5)
+    # landing before the first inner step: exactly the committed state (synchronous DiLoCo)
+    assert torch.equal(om.rebase(start.clone(), start, committed), committed)
+    with pytest.raises(ValueError):
+        om.rebase(local[:10], start, committed)
+
+
+def test_phase_start_per_scheme():
+    x, m, y = _vec(1), _vec(2) * 0.01, _vec(3)
+    d = x - y
+    assert torch.equal(om.phase_start("delayed", x, m, y, d, 0.7, 0.9), y)
+    assert torch.equal(om.phase_start("eager", x, m, y, d, 0.7, 0.9), om.nesterov(x, m, d, 0.7, 0.9)[0])
+    assert torch.equal(om.phase_start("none", x, m, y, d, 0.7, 0.9), x)
+    with pytest.raises(ValueError):
+        om.phase_start("streaming", x, m, y, d, 0.7, 0.9)
+
+
+def test_phase_lands_posted_state_between_steps_from_another_thread():
+    from p2ptrain.train.overlap import Phase
+
+    p = torch.nn.Parameter(_vec(1, 50).clone())
+    start = p.detach().clone()
+    ph = Phase(start)
+    ph.land([p], 0)  # nothing posted: nothing changes
+    assert ph.landed_at is None and torch.equal(p.detach(), start)
+    with torch.no_grad():
+        p.add_(1.0)  # one "inner step" of progress
+    committed = _vec(2, 50)
+    t = threading.Thread(target=ph.post, args=(committed,))
+    t.start()
+    t.join()
+    ph.land([p], 1)
+    assert ph.landed_at == 1 and torch.equal(ph.start, committed)
+    assert torch.allclose(p.detach(), committed + 1.0)
+    ph.land([p], 2)  # landed once only
+    assert ph.landed_at == 1
+
+
+def test_manifest_overlap_field_validated_and_in_the_run_id():
+    from dataclasses import replace
+
+    from p2ptrain.run.manifest import run_id
+    from p2ptrain.run.spec import SpecError, TrainSpec
+
+    base = TrainSpec(inner_steps=5, group_size=4, outer_lr=0.7, outer_momentum=0.9, seed=0, inner_lr=1e-3,
+                     warmup=1, weight_decay=0.1, batch_size=2, seq_len=8, schedule="cosine", planned_outer_steps=3)
+    assert base.overlap_scheme == "none" and "overlap" not in base.to_dict()  # old run ids unchanged
+    for s in ("delayed", "eager"):
+        t = replace(base, overlap=s)
+        assert t.overlap_scheme == s and t.to_dict()["overlap"] == s
+    ids = {run_id({"train": replace(base, overlap=s).to_dict()}) for s in (None, "delayed", "eager")}
+    assert len(ids) == 3
+    for bad in ("none", "streaming", 1):
+        with pytest.raises(SpecError):
+            replace(base, overlap=bad)
+    with pytest.raises(SpecError, match="library run"):
+        TrainSpec(inner_steps=5, group_size=4, outer_lr=0.7, outer_momentum=0.9, overlap="eager")
+
+
+def _bench(avg: str, land: float, seed: int = 0, H: int = 4) -> dict:
+    from p2ptrain.bench.diloco import Settings, run_config
+
+    st = Settings(steps=12, batch=2, seq_len=16, warmup=2, warm_start=0, eval_batches=1, eval_batch=4,
+                  workers=2, overlap_land=land, model=dict(d_model=16, n_layers=1, n_heads=2, ffn_hidden=32,
+                                                           max_seq_len=16))
+    return run_config(st, "diloco", H, avg, seed, None)
+
+
+def test_bench_overlap_that_lands_at_once_is_synchronous_diloco_bit_for_bit():
+    torch.set_num_threads(1)
+    sync = _bench("fp32", 1.0)
+    for scheme in ("delayed", "eager"):
+        assert _bench(scheme, 0.0)["outer_sha256"] == sync["outer_sha256"], scheme
+        late = _bench(scheme, 1.0)  # a different, still finite trajectory
+        assert late["outer_sha256"] != sync["outer_sha256"] and np.isfinite(late["val_loss"])

@@ -1,0 +1,97 @@
+"""Issue 17 end to end: a bootstrap and 3 real trainer processes on 127.0.0.1 train a run
+initialised with `--overlap eager`: the inner steps of phase t+1 start before round t commits,
+the committed params are identical on every member after every step, and the loss falls."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import start_bootstrap
+from p2ptrain.identity import load_or_create
+from test_training_integration import committed, start_trainers
+
+pytestmark = pytest.mark.integration
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def overlap_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("overlap-run")
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3",
+         "--overlap", "eager"],
+        capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    assert 'overlap = "eager"' in (d / "run" / "run.toml").read_text()
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("overlap-keys")
+    paths = [d / f"peer{i}.key" for i in range(3)]
+    for p in paths:
+        load_or_create(p)
+    return paths
+
+
+def test_three_peers_overlapped_run_identical_params_loss_falls(procs, overlap_run, keys):
+    boot, baddr = start_bootstrap(procs)
+    peers = start_trainers(procs, baddr, overlap_run, keys, 3, STEPS)
+    steps = [[committed(p, s) for p in peers] for s in range(1, STEPS + 1)]
+    for evs in steps:
+        assert len({e["params_sha256"] for e in evs}) == 1, evs  # bit-identical committed state
+        assert all(len(e["members"]) == 3 for e in evs), evs
+    val = [evs[0]["val_loss"] for evs in steps]
+    assert val[-1] < val[0], val
+    for p in peers:
+        evs = p.all_events
+        started = {e["phase"]: e["t"] for e in evs if e["event"] == "inner_phase_started"}
+        done = {e["step"]: e["t"] for e in evs if e["event"] == "outer_step_committed"}
+        # overlap: phase t+1's inner steps began before round t committed (state step t+1)
+        for t in range(STEPS):
+            assert started[t + 1] <= done[t + 1], (t, started, done)
+        phases = [e for e in evs if e["event"] == "inner_phase"]
+        assert {e["phase"] for e in phases} >= set(range(STEPS)), phases
+        assert all(e["seconds"] > 0 for e in phases)
+
+
+@pytest.fixture(scope="module")
+def slow_overlap_run(tmp_path_factory):
+    """An overlapped run whose outer steps (H = 40) take longer than a newcomer's catch-up, as
+    on real links: with 1-2 s steps a joiner's checkpoint fetch is always a step behind."""
+    d = tmp_path_factory.mktemp("overlap-run-h40")
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", "40", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "20", "--join-window", "20", "--group-size", "4", "--seed", "3",
+         "--overlap", "eager"],
+        capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, slow_overlap_run, keys):
+    """A peer that starts after the others announces itself one step ahead, adopts that
+    step's state, contributes zeros to its first round while its first phase trains, and
+    then commits the same params as the others."""
+    boot, baddr = start_bootstrap(procs)
+    first = start_trainers(procs, baddr, slow_overlap_run, keys[:2], 2, 200)  # still training when it joins
+    [committed(p, 1) for p in first]
+    run_path, rid = slow_overlap_run
+    work = procs.log_dir / "late"
+    work.mkdir(parents=True, exist_ok=True)
+    late = procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[2]),
+                        "--workdir", str(work), "--run", rid, "--max-outer-steps", "2", "--threads", "1",
+                        "--json"], "late")
+    joined = late.wait_event(lambda e: e["event"] == "outer_step_committed" and len(e["members"]) == 3, 240)
+    step = joined["step"]
+    evs = [committed(p, step) for p in first]
+    assert {e["params_sha256"] for e in evs} == {joined["params_sha256"]}, (joined, evs)
+    nxt = [committed(p, step + 1) for p in [*first, late]]
+    assert len({e["params_sha256"] for e in nxt}) == 1 and all(len(e["members"]) == 3 for e in nxt), nxt
