@@ -6,7 +6,8 @@ Public API (identical on both backends, bit for bit):
     compress_ef(x, ef, beta, chunk, k) -> (idx uint16[K], codes uint8[K], levels float32[2*chunks])
         # ef <- beta*ef + x; keep the top k of each chunk; ef <- ef - decoded (in place)
     decode_add(idx, codes, levels, acc, chunk, k, mul=1.0) -> acc   # acc float64[n] += decoded * mul
-    pack(idx, codes, levels) -> bytes;  unpack(buf, n, chunk, k) -> (idx, codes, levels)
+    pack(idx, codes, levels, n, chunk, k) -> bytes;  unpack(buf, n, chunk, k) -> (idx, codes, levels)
+    # indices Elias-Fano coded (sparse_reference.py); low_bits(chunk, k): its split
     counts(n, chunk, k) -> (chunks, K);  payload_nbytes(n, chunk, k);  k_for(chunk, fraction)
 
 The backend follows P2PTRAIN_KERNELS as `p2ptrain.kernels` does (numba unless it says
@@ -19,7 +20,8 @@ from __future__ import annotations
 import os
 
 from . import sparse_reference as reference
-from .sparse_reference import MAX_CHUNK, SparseFormatError, counts, pack, payload_nbytes, unpack  # noqa: F401
+from .sparse_reference import (MAX_CHUNK, SparseFormatError, counts, low_bits, pack, payload_nbytes,  # noqa: F401
+                               unpack)
 
 if (os.environ.get("P2PTRAIN_KERNELS", "numba").strip().lower() or "numba") == "numpy":
     _impl = reference

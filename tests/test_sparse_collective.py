@@ -121,8 +121,8 @@ def test_signed_but_malformed_payload_is_excluded():
 # -- pure codec ----------------------------------------------------------------------------
 def _contrib(scale: float, seed: int, n=20_000, cfg=CFG):
     x = (np.random.default_rng(seed).standard_normal(n) * scale).astype(np.float32)
-    return SK.unpack(SK.pack(*SK.compress_ef(x, np.zeros(n, np.float32), cfg.ef_decay, cfg.chunk, cfg.k)),
-                     n, cfg.chunk, cfg.k)
+    parts = SK.compress_ef(x, np.zeros(n, np.float32), cfg.ef_decay, cfg.chunk, cfg.k)
+    return SK.unpack(SK.pack(*parts, n, cfg.chunk, cfg.k), n, cfg.chunk, cfg.k)
 
 
 def test_norm_rules_mean_excludes_robust_clips():
@@ -142,7 +142,8 @@ def test_norm_rules_mean_excludes_robust_clips():
 
 def test_header_checks_bind_step_roster_and_shape():
     ident = Identity.generate()
-    payload = SK.pack(*SK.compress_ef(np.ones(5000, np.float32), np.zeros(5000, np.float32), 0.9, CFG.chunk, CFG.k))
+    parts = SK.compress_ef(np.ones(5000, np.float32), np.zeros(5000, np.float32), 0.9, CFG.chunk, CFG.k)
+    payload = SK.pack(*parts, 5000, CFG.chunk, CFG.k)
     hdr = codec.sign_contribution(ident, "run", 3, 0, "rh", 5000, CFG, payload)
     frags = codec.fragments(payload)
     assert codec.verify(ident.peer_id_str, hdr, frags, "run", 3, 0, "rh", 5000, CFG)[0].size > 0

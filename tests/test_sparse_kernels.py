@@ -65,7 +65,7 @@ def test_selection_error_feedback_and_round_trip(n, chunk, k):
         # the top kc magnitudes, ties to the lower index
         order = np.lexsort((np.arange(seg.size), -seg))[:kc]
         assert np.array_equal(np.sort(order), sel)
-    buf = SK.pack(idx, codes, levels)
+    buf = SK.pack(idx, codes, levels, n, chunk, k)
     assert len(buf) == SK.payload_nbytes(n, chunk, k)
     back = SK.unpack(buf, n, chunk, k)
     assert all(_same(a, b) for a, b in zip(back, (idx, codes, levels)))
@@ -81,7 +81,7 @@ def test_zero_input_keeps_k_entries_and_decodes_to_zero():
 def _valid(n=5000, chunk=1024, k=9):
     x = _data(n, 3, "gauss")
     r = SK.compress_ef(x, np.zeros(n, np.float32), 0.95, chunk, k)
-    return bytearray(SK.pack(*r)), (n, chunk, k)
+    return bytearray(SK.pack(*r, n, chunk, k)), (n, chunk, k)
 
 
 @pytest.mark.parametrize("corrupt,reason", [
@@ -103,16 +103,16 @@ def test_unpack_rejects_bad_indices_and_padding():
     idx = np.tile(np.arange(k, dtype=np.uint16), nch)[:kk]
     codes = np.zeros(kk, np.uint8)
     levels = np.ones(2 * nch, np.float32)
-    assert SK.unpack(SK.pack(idx, codes, levels), n, chunk, k)[0].size == kk
+    assert SK.unpack(SK.pack(idx, codes, levels, n, chunk, k), n, chunk, k)[0].size == kk
     dup = idx.copy()
     dup[1] = dup[0]
     with pytest.raises(SK.SparseFormatError, match="ascending"):
-        SK.unpack(SK.pack(dup, codes, levels), n, chunk, k)
+        SK.unpack(SK.pack(dup, codes, levels, n, chunk, k), n, chunk, k)
     far = idx.copy()
     far[-1] = 1000  # the last chunk holds only 5000 - 4 * 1024 = 904 values
     with pytest.raises(SK.SparseFormatError, match="beyond"):
-        SK.unpack(SK.pack(far, codes, levels), n, chunk, k)
-    buf = bytearray(SK.pack(idx, codes, levels))
+        SK.unpack(SK.pack(far, codes, levels, n, chunk, k), n, chunk, k)
+    buf = bytearray(SK.pack(idx, codes, levels, n, chunk, k))
     buf[-1] |= 0xC0  # kk = 45: the last code byte has 3 padding slots
     with pytest.raises(SK.SparseFormatError, match="padding"):
         SK.unpack(bytes(buf), n, chunk, k)
@@ -124,3 +124,43 @@ def test_shape_limits():
     with pytest.raises(ValueError):
         SK.compress_ef(np.array([np.inf], np.float32), np.zeros(1, np.float32), 0.9, 16, 1)
     assert SK.k_for(4096, 0.015) == 61 and SK.k_for(16, 0.001) == 1
+
+
+@pytest.mark.parametrize("n,chunk,k", [(4096, 4096, 151), (123_200, 4096, 82), (5000, 1024, 9), (300, 16, 16),
+                                       (17, 16, 1), (10_000, 4096, 4096)])
+def test_elias_fano_round_trip_and_size(n, chunk, k):
+    """Any ascending k-subset per chunk survives pack/unpack; the payload is the fixed size
+    the layout promises, and smaller than 12-bit offsets once k / chunk <= 1/4."""
+    rng = np.random.default_rng(n + k)
+    nch, kk = SK.counts(n, chunk, k)
+    idx = np.concatenate([np.sort(rng.choice(min(chunk, n - c * chunk), min(k, n - c * chunk), replace=False))
+                          for c in range(nch)]).astype(np.uint16)
+    codes = rng.integers(0, 4, kk).astype(np.uint8)
+    levels = np.sort(rng.random((nch, 2)).astype(np.float32), axis=1).reshape(-1)
+    buf = SK.pack(idx, codes, levels, n, chunk, k)
+    assert len(buf) == SK.payload_nbytes(n, chunk, k)
+    assert all(_same(a, b) for a, b in zip(SK.unpack(buf, n, chunk, k), (idx, codes, levels)))
+    if 4 * k <= chunk:
+        assert SK.payload_nbytes(n, chunk, k) < 8 * nch + 3 * (-(-kk // 2)) + (-(-kk // 4))
+
+
+def test_elias_fano_rejects_bad_bitvectors():
+    n, chunk, k = 5000, 1024, 9
+    buf, _ = _valid(n, chunk, k)
+    nch, kk = SK.counts(n, chunk, k)
+    start = 8 * nch + -(-kk * SK.low_bits(chunk, k) // 8)  # first byte of the high bitvectors
+    highs = np.unpackbits(np.frombuffer(bytes(buf[start:]), np.uint8), bitorder="little")
+    extra = int(np.flatnonzero(highs == 0)[0])  # one more set bit: a chunk with k + 1 indices
+    bad = bytearray(buf)
+    bad[start + extra // 8] |= 1 << (extra % 8)
+    with pytest.raises(SK.SparseFormatError, match="k indices"):
+        SK.unpack(bytes(bad), n, chunk, k)
+    first = int(np.flatnonzero(highs)[0])  # one fewer: a chunk with k - 1
+    bad = bytearray(buf)
+    bad[start + first // 8] &= ~(1 << (first % 8)) & 0xFF
+    with pytest.raises(SK.SparseFormatError, match="k indices"):
+        SK.unpack(bytes(bad), n, chunk, k)
+    bad = bytearray(buf)
+    bad[start - 1] |= 0x80  # kk * L = 45 * 6 = 270 bits: the last low-bit byte has 2 padding bits
+    with pytest.raises(SK.SparseFormatError, match="low-bit padding"):
+        SK.unpack(bytes(bad), n, chunk, k)

@@ -90,7 +90,7 @@ class SparseReducer:
         ef = self.ef.copy()
         parts = SK.compress_ef(np.ascontiguousarray(delta, np.float32), ef, self.cfg.ef_decay, self.cfg.chunk,
                                self.cfg.k)
-        self.payload, self._next_ef = SK.pack(*parts), ef
+        self.payload, self._next_ef = SK.pack(*parts, self.n, self.cfg.chunk, self.cfg.k), ef
 
     def commit(self) -> None:
         if self._next_ef is not None:
