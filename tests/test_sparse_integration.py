@@ -31,7 +31,7 @@ def sparse_run(tmp_path_factory):
         capture_output=True, text=True, timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     text = (d / "run" / "run.toml").read_text()
-    assert 'allreduce = "sparse"' in text and "topk_fraction = 0.02" in text and "ef_decay = 0.95" in text
+    assert 'allreduce = "sparse"' in text and "topk_fraction = 0.02" in text and "ef_decay = 0.8" in text
     return d / "run", out.stdout.strip().splitlines()[-1]
 
 
