@@ -187,8 +187,11 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group, report)
     # peer had already dialed us directly (seen once under load), which leaves nothing to reverse.
     if public_dials["existing"] != "direct":
         assert public_dials["first_kind"] == "relayed", public_dials
-        reversed_ = [e for e in po.all_events if e["event"] == "connection_upgraded"]
-        assert reversed_, po.all_events
+        # Reversed: the probe saw its relayed connection turn direct before it sent (it polls
+        # every 0.1 s). The tracker's `connection_upgraded` event (either side) polls more
+        # slowly and missed a fast upgrade once (CI-like run, load ~2), so it is not required.
+        reversed_ = [e for q in (po, p1) for e in q.all_events if e["event"] == "connection_upgraded"]
+        assert public_dials["peer_kind"] in ("direct", "hole-punched") or reversed_, public_dials
 
 
 def test_training_run_through_nats(lab, group, tmp_path, report):
