@@ -34,7 +34,6 @@ import numpy as np
 import torch
 import trio
 
-from p2ptrain.run import elect
 from p2ptrain.train import device as dev
 from p2ptrain.train import overlap_math as om
 
@@ -121,19 +120,10 @@ class OverlappedLoop:
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
     async def _join_ahead(self) -> None:
-        """Join at the next step, not this one. Others post their ready record for step t
-        about when state t is published (their phase t ran beside round t-1), so a peer that
-        adopts state t is always too late for round t. It announces itself for t+1 at once
-        (a joining record starts no clock), adopts state t+1 when it appears and joins round
-        t+1 with zeros; the others' election for t+1 then finds its record."""
-        tr = self.tr
-        for _ in range(3):  # the state we adopted may already be past t+1 (a slow fetch): again
-            t1 = self.local.step + 1
-            await elect.publish_ready(tr.dht, tr.run_id, t1, tr.node.rpc.local_addrs(), True, tr.elect_cfg.window)
-            tr.events.emit("joining_ahead", step=t1)
-            await tr.catch_up(t1)
-            if self.local.step <= t1:
-                return
+        """Join at the next step, not this one (`Trainer._join_ahead`). Others post their
+        ready record for step t about when state t is published (their phase t ran beside
+        round t-1), so a peer that adopts state t is always too late for round t."""
+        await self.tr._join_ahead()
 
     async def run(self, joining: bool) -> None:
         tr, local = self.tr, self.local

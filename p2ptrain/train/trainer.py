@@ -82,6 +82,7 @@ class Trainer:
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
         self.last_roster: set[str] = set()
+        self._ahead: dict[int, float] = {}  # steps we announced ahead (join-ahead) -> that ready_at
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -127,6 +128,27 @@ class Trainer:
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
 
+    async def _round_underway(self, t: int) -> bool:
+        """Have peers that trained step t posted their ready records? Then its election is
+        closing (it closes as soon as every expected peer posted), and a peer that only now
+        adopted state t is too late for it."""
+        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        return any(not r.joining and r.peer != self.me for r in recs)
+
+    async def _join_ahead(self) -> None:
+        """Join step t+1 instead: announce it at once (a joining record starts no clock, and
+        the others' election for t+1 finds it), adopt state t+1 when it appears, then join its
+        round with zeros. Without this, steps shorter than a catch-up kept a restarted peer
+        one step behind for good (seen once evaluation left the critical path)."""
+        for _ in range(3):  # the state we adopt may already be past t+1 (a slow fetch): again
+            t1 = self.local.step + 1
+            self._ahead[t1] = await elect.publish_ready(self.dht, self.run_id, t1, self.node.rpc.local_addrs(), True,
+                                                        self.elect_cfg.window)
+            self.events.emit("joining_ahead", step=t1)
+            await self.catch_up(t1)
+            if self.local.step <= t1:
+                return
+
     async def sync_with_run(self) -> bool:
         """Adopt the run's newest state if it is ahead of ours. Returns True when others are
         already training the current step: we then join it at once with a zero
@@ -141,6 +163,8 @@ class Trainer:
 
     async def outer_step(self, joining: bool) -> bool:
         """One outer step; returns whether the next one starts as a zero-contribution join."""
+        if joining and await self._round_underway(self.local.step):
+            await self._join_ahead()
         t = self.local.step
         self.events.emit("outer_step_started", step=t, joining=joining)
         if joining:
@@ -159,7 +183,7 @@ class Trainer:
         tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
         t_comm = lap = trio.current_time()
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
-                                  self.round.contributor.ready_at(wall_time()))
+                                  self._ahead.pop(t, None) or self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
