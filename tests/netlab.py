@@ -20,7 +20,6 @@ Only addresses inside these namespaces are ever dialed.
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass, field
 
 from p2ptrain.net import netns
@@ -126,12 +125,5 @@ def nat_lab():
     reason = unavailable_reason()
     if reason:
         raise LabUnavailable(reason)
-    netns.remove_stale(PREFIX)
-    lab = Lab(tag=f"{os.getpid()}_{os.urandom(2).hex()}")
-    try:
-        _build(lab)
+    with netns.session(PREFIX, lambda tag: Lab(tag=tag), _build, "netlab") as lab:
         yield lab
-    finally:
-        failed = netns.teardown(lab.namespaces)
-        if failed:
-            print("netlab: teardown problems:", "; ".join(failed))

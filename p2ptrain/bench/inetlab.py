@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -211,15 +210,8 @@ def internet_lab(rates_mbit: list[Rate], boot: bool = True, boot_mbit: Rate = No
     reason = unavailable_reason()
     if reason:
         raise LabUnavailable(reason)
-    netns.remove_stale(FAMILY)
-    lab = InternetLab(config, tag=f"{os.getpid()}_{os.urandom(2).hex()}")
-    try:
-        _build(lab)
+    with netns.session(FAMILY, lambda tag: InternetLab(config, tag=tag), _build, "inetlab") as lab:
         yield lab
-    finally:
-        failed = netns.teardown(lab.namespaces)
-        if failed:
-            print("inetlab: teardown problems:", "; ".join(failed))
 
 
 _RECV = """

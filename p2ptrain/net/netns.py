@@ -10,6 +10,7 @@ anyway.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -111,3 +112,18 @@ def teardown(namespaces: list[str]) -> list[str]:
         if out.returncode != 0 and "No such file" not in out.stderr:
             failed.append(f"{name}: {out.stderr.strip()}")
     return failed
+
+
+@contextlib.contextmanager
+def session(family: str, make, build, name: str):
+    """A lab's life: namespaces of `family` left by dead runs removed, `make(tag)` (the tag
+    carries our pid) built with `build`, yielded, and torn down even when the body raises."""
+    remove_stale(family)
+    lab = make(f"{os.getpid()}_{os.urandom(2).hex()}")
+    try:
+        build(lab)
+        yield lab
+    finally:
+        failed = teardown(lab.namespaces)
+        if failed:
+            print(f"{name}: teardown problems:", "; ".join(failed))
