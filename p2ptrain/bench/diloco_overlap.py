@@ -12,7 +12,7 @@ model is that committed state (the final round lands before evaluation).
 
 from __future__ import annotations
 
-OVERLAP_AVGS = ("delayed", "eager")
+OVERLAP_AVGS = ("delayed", "eager", "mixed")
 
 
 def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int) -> None:
@@ -28,6 +28,7 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
     M = len(models)
     starts = [outer.outer.clone() for _ in range(M)]
     pending = None  # the committed state of the last round, not yet landed on the workers
+    last_avg, last_own = None, [None] * M  # "mixed": the last round's average and our deltas in it
 
     def land_on(w: int) -> None:
         params = list(models[w].parameters())
@@ -45,12 +46,16 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
         locals_ = [flatten(m.parameters()) for m in models]
         deltas = [om.contribution(starts[w], locals_[w]) for w in range(M)]
         cfg = outer.cfg
+        guesses = [om.stand_in(deltas[w], last_avg, last_own[w], M) for w in range(M)] if scheme == "mixed" else [None] * M
         # each worker's next start uses the committed state *before* this round's step
         starts = [om.phase_start(scheme, outer.outer, outer.momentum, locals_[w], deltas[w], cfg.lr, cfg.momentum,
-                                 cfg.nesterov) for w in range(M)]
-        outer.step(torch.stack(deltas).mean(0), load_model=False)
+                                 cfg.nesterov, guesses[w]) for w in range(M)]
+        mean = torch.stack(deltas).mean(0)
+        outer.step(mean, load_model=False)
         pending = outer.outer.clone()
-        if scheme == "eager":
+        # the average lands on the workers one round later: that is when "mixed" can use it
+        last_avg, last_own = mean, deltas
+        if scheme != "delayed":
             for w in range(M):
                 unflatten_into(starts[w], list(models[w].parameters()))
     unflatten_into(outer.outer, list(models[0].parameters()))

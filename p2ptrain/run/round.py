@@ -161,8 +161,11 @@ class ContributionRound:
         another member's view admits only those."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False) -> Outcome:
-        """Reduce `delta` with `group` (ring order), starting from params hash `base`."""
+                  joining: bool = False, first_wait: float | None = None) -> Outcome:
+        """Reduce `delta` with `group` (ring order), starting from params hash `base`.
+        `first_wait`: seconds the first roster confirmation waits for members (a group
+        elected while its phases still trained meets when the slowest phase ends, not within
+        the exchange timeout); later attempts wait the exchange timeout."""
         out = Outcome(None, list(group))
         roster, unconfirmed = list(group), False
         plan, probe = rosters.RosterPlan(), rosters.LeaveOneOut(self.run_id, t)
@@ -189,7 +192,8 @@ class ContributionRound:
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            verdict = await self._confirm(t, attempt, roster, rh, base)
+            wait = first_wait if attempt == 0 and first_wait is not None else self.config.exchange_timeout
+            verdict = await self._confirm(t, attempt, roster, rh, base, wait)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
@@ -214,14 +218,14 @@ class ContributionRound:
                 probe.left = None
         return out
 
-    async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str) -> rosters.Verdict:
+    async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str,
+                       timeout: float) -> rosters.Verdict:
         """Every member's roster, params and frame size against ours: a peer that forked (or
         caught up to another fork's state) is left out rather than averaged with, one that
         cuts the tensor differently (another version) is left out instead of failing every
         round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
         mine = rosters.Confirm(rh, base, self.config.sub_chunk_bytes, tuple(roster))
-        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(),
-                                      self.config.exchange_timeout)
+        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         return rosters.reconcile(mine, replies)
 

@@ -137,6 +137,7 @@ class OverlappedLoop:
             res = await trio.to_thread.run_sync(run_phase, local, local.step, phase, tr._progress(local.step))
             tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=local.H, landed_at=None)
             delta = await trio.to_thread.run_sync(self._finish, phase)
+        elected = None
         while not tr.done():
             t = local.step
             tr.events.emit("outer_step_started", step=t, joining=joining, overlap=self.scheme)
@@ -149,9 +150,14 @@ class OverlappedLoop:
             async with trio.open_nursery() as nursery:
                 tr.events.emit("inner_phase_started", phase=t + 1, overlaps_round=t)
                 nursery.start_soon(train_next)
-                skipped = await tr.commit_step(t, delta, joining, *res)
+                skipped = await tr.commit_step(t, delta, joining, *res, elected=elected)
                 # whatever the peer now holds: the new state, a caught-up one, or the old one
                 phase.post(local.outer.outer.clone())
+                elected = None
+                if not skipped and local.step == t + 1 and not tr.done():
+                    # Step t+1's base is committed: announce it and elect its group while its
+                    # phase still trains, so its round starts the moment the phase ends.
+                    elected = await tr.announce(t + 1, False)
             res = nxt["res"]
             tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=local.H,
                            landed_at=phase.landed_at if phase.landed_at is not None else local.H)

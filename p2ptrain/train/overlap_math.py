@@ -10,6 +10,11 @@ Overlapped (phase p+1 trains while round p reduces delta_p):
            s_{p+1} = nesterov(x_p, m_p, delta_p)[0]     "eager": this peer's own delta stands
                                                         in for the average (a scratch copy:
                                                         x_p and m_p are untouched)
+           s_{p+1} = nesterov(x_p, m_p, g~)[0]          "mixed": the stand-in is the last
+             g~ = a_{p-1} + (delta_p - delta_{p-1}) / M  landed average a_{p-1} with this
+                                                        peer's share replaced by its fresh
+                                                        delta (arXiv 2502.12996's eager
+                                                        outer gradient, used only as a start)
   landing  when round p commits x_{p+1} (between two inner steps, or after the phase):
            y <- x_{p+1} + (y - s_{p+1}),  s_{p+1} <- x_{p+1}   (`rebase`)
 The rebase moves the start point and the local params by the same vector, so delta_{p+1} =
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-SCHEMES = ("none", "delayed", "eager")
+SCHEMES = ("none", "delayed", "eager", "mixed")
 
 
 def nesterov(x: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, momentum: float,
@@ -43,13 +48,30 @@ def nesterov(x: torch.Tensor, m: torch.Tensor, g: torch.Tensor, lr: float, momen
     return x - torch.mul(d, lr), m2
 
 
+def stand_in(delta: torch.Tensor, last_avg: torch.Tensor | None, last_own: torch.Tensor | None,
+             world: int) -> torch.Tensor:
+    """"mixed": the last landed average with our share in it replaced by our fresh delta.
+    Until a round has landed (or when we had no share in it) that is delta / world: the
+    others' unknown deltas count as zero rather than as copies of ours."""
+    if world < 1:
+        raise ValueError("world must be >= 1")
+    if last_avg is None or last_own is None:
+        return delta / world
+    return last_avg + (delta - last_own) / world
+
+
 def phase_start(scheme: str, x: torch.Tensor, m: torch.Tensor, local: torch.Tensor, delta: torch.Tensor,
-                lr: float, momentum: float, nesterov_: bool = True) -> torch.Tensor:
-    """Where the next phase starts while round p (delta) is in flight (module docstring)."""
+                lr: float, momentum: float, nesterov_: bool = True, guess: torch.Tensor | None = None) -> torch.Tensor:
+    """Where the next phase starts while round p (delta) is in flight (module docstring);
+    `guess`: "mixed"'s stand-in (`stand_in`)."""
     if scheme == "delayed":
         return local.clone()
     if scheme == "eager":
         return nesterov(x, m, delta, lr, momentum, nesterov_)[0]
+    if scheme == "mixed":
+        if guess is None:
+            raise ValueError("the mixed scheme needs its stand-in (overlap_math.stand_in)")
+        return nesterov(x, m, guess, lr, momentum, nesterov_)[0]
     if scheme == "none":
         return x.clone()
     raise ValueError(f"unknown overlap scheme {scheme!r}")

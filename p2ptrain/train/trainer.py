@@ -176,12 +176,12 @@ class Trainer:
             delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
         return await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
 
-    async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
-                          sec_inner: float) -> bool:
-        """Publish ready, elect, run the round and apply the committed average (or skip and
-        catch up); returns whether the next step starts as a zero-contribution join."""
-        tm: dict[str, float] = {}  # where the step's coordination time goes (`step_timing`)
-        t_comm = lap = trio.current_time()
+    async def announce(self, t: int, joining: bool) -> tuple[list[str], dict[str, float]]:
+        """Post our ready record for step t and wait out its election: (our group, seconds
+        spent). The overlapped loop calls this as soon as step t's base is committed, while
+        phase t still trains, so a round starts the moment its phase ends."""
+        tm: dict[str, float] = {}
+        lap = trio.current_time()
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self._ahead.pop(t, None) or self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
@@ -189,13 +189,30 @@ class Trainer:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   self.last_roster, self._learn, self.sightings)
-        lap = _lap(tm, "elect", lap)
+        _lap(tm, "elect", lap)
+        return group, tm
+
+    async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
+                          sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None) -> bool:
+        """Publish ready, elect, run the round and apply the committed average (or skip and
+        catch up); returns whether the next step starts as a zero-contribution join.
+        `elected`: what `announce(t, ...)` returned when it ran ahead (its seconds are then
+        reported as "ready_ahead" / "elect_ahead": off the critical path)."""
+        t_comm = lap = trio.current_time()
+        if elected is None:
+            group, tm = await self.announce(t, joining)
+            lap = trio.current_time()
+        else:
+            group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
-        out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining)
+        # Elected ahead, the members meet when their phases end: wait for them as long as the
+        # election would have (its join window), not the exchange timeout.
+        out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining,
+                                   None if elected is None else self.elect_cfg.window)
         tm.update(out.seconds)
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
