@@ -53,8 +53,7 @@ class Settings:
     workers: int = 4
     steps: int = 1000
     """Inner steps per worker after the warm start."""
-    batch: int = 16
-    """Sequences per worker per inner step."""
+    batch: int = 16  # sequences per worker per inner step
     seq_len: int = 64
     inner_lr: float = 3e-3
     warmup: int = 50
@@ -84,11 +83,12 @@ class Settings:
     forgets part of what it did not send, and a larger outer lr makes up for it (1.5: 0.9 %
     worse, 2.5 worse on seed 0); SparseLoCo's plain 1.0 / 0 and DiLoCo's 0.7 / 0.9 were far worse (BENCHMARKS.md)."""
     overlap_land: float = 1.0
-    """delayed/eager/mixed (issue 17): the fraction of the next phase's inner steps done when a
-    round's average lands (1.0: the reduce takes a whole phase)."""
+    """Overlapped schemes (issue 17, `diloco_overlap`): the fraction of the next phase done when
+    a round's average lands (1.0: the reduce takes a whole phase), their own outer step (None:
+    DiLoCo's) and eager's stand-in as a multiple of the peer's own delta."""
     overlap_outer_lr: float | None = None
     overlap_outer_momentum: float | None = None
-    """delayed/eager/mixed: their own outer step (None: synchronous DiLoCo's)."""
+    eager_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0 or not 0 <= self.overlap_land <= 1:
@@ -194,14 +194,13 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
         opts = [_optimizer(m, st, S, opt_state) for m in models]
         sparse = avg == "sparse"
         lr, mom = (st.sparse_outer_lr, st.sparse_outer_momentum) if sparse else (st.outer_lr, st.outer_momentum)
-        if avg in diloco_overlap.OVERLAP_AVGS:
-            lr = lr if st.overlap_outer_lr is None else st.overlap_outer_lr
-            mom = mom if st.overlap_outer_momentum is None else st.overlap_outer_momentum
+        lr, mom = diloco_overlap.outer_step(st, avg, lr, mom)
         outer = OuterOptimizer(model, OuterConfig(lr, mom, st.nesterov))
         efs = [np.zeros(n, np.float32) for _ in range(M)] if sparse else None
         errs = []
         if avg in diloco_overlap.OVERLAP_AVGS:  # issue 17: fp32 mean, one-round-delayed landing
-            diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H))
+            diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H),
+                                 st.eager_scale)
         for r in range(0 if avg in diloco_overlap.OVERLAP_AVGS else S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
                 for h in range(H):
@@ -309,10 +308,7 @@ def add_arguments(p) -> None:
                    choices=["fp32", "int8", "sparse", *diloco_overlap.OVERLAP_AVGS],
                    help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18; "
                         "delayed/eager/mixed: fp32, overlapped outer steps, issue 17)")
-    p.add_argument("--overlap-land", type=float, default=None,
-                   help="delayed/eager: fraction of the next phase done when the average lands (default 1)")
-    p.add_argument("--overlap-outer-lr", type=float, default=None)
-    p.add_argument("--overlap-outer-momentum", type=float, default=None)
+    diloco_overlap.add_arguments(p)
     p.add_argument("--topk-fraction", type=float, default=None)
     p.add_argument("--ef-decay", type=float, default=None)
     p.add_argument("--sparse-outer-lr", type=float, default=None)
@@ -334,7 +330,7 @@ def settings_from_args(args) -> Settings:
         st.seq_len = st.model["max_seq_len"]
     for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
                  "ef_decay", "sparse_outer_lr", "sparse_outer_momentum", "overlap_land",
-                 "overlap_outer_lr", "overlap_outer_momentum"):
+                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:

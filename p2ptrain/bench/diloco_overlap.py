@@ -15,7 +15,25 @@ from __future__ import annotations
 OVERLAP_AVGS = ("delayed", "eager", "mixed")
 
 
-def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int) -> None:
+def add_arguments(p) -> None:
+    p.add_argument("--overlap-land", type=float, default=None,
+                   help="delayed/eager/mixed: fraction of the next phase done when a round's average lands (default 1)")
+    p.add_argument("--overlap-outer-lr", type=float, default=None, help="their outer lr (default: DiLoCo's)")
+    p.add_argument("--overlap-outer-momentum", type=float, default=None, help="their outer momentum (default: DiLoCo's)")
+    p.add_argument("--eager-scale", type=float, default=None, help="eager: stand-in = this x own delta (default 1)")
+
+
+def outer_step(st, avg: str, lr: float, momentum: float) -> tuple[float, float]:
+    """The outer lr and momentum configuration `avg` trains with (the overlapped schemes may
+    have their own: Settings.overlap_outer_lr / overlap_outer_momentum)."""
+    if avg not in OVERLAP_AVGS:
+        return lr, momentum
+    return (lr if st.overlap_outer_lr is None else st.overlap_outer_lr,
+            momentum if st.overlap_outer_momentum is None else st.overlap_outer_momentum)
+
+
+def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int,
+          eager_scale: float = 1.0) -> None:
     """Run `rounds` overlapped rounds; afterwards models[0] holds the committed params.
     `batch(w, s)`: worker w's batch at inner step s; `step_fn(model, opt, sched, batches)`."""
     import torch
@@ -46,7 +64,10 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
         locals_ = [flatten(m.parameters()) for m in models]
         deltas = [om.contribution(starts[w], locals_[w]) for w in range(M)]
         cfg = outer.cfg
-        guesses = [om.stand_in(deltas[w], last_avg, last_own[w], M) for w in range(M)] if scheme == "mixed" else [None] * M
+        if scheme == "mixed":
+            guesses = [om.stand_in(deltas[w], last_avg, last_own[w], M) for w in range(M)]
+        else:  # eager_scale < 1 shrinks the stand-in toward the momentum-only step
+            guesses = [None if eager_scale == 1.0 else deltas[w] * eager_scale for w in range(M)]
         # each worker's next start uses the committed state *before* this round's step
         starts = [om.phase_start(scheme, outer.outer, outer.momentum, locals_[w], deltas[w], cfg.lr, cfg.momentum,
                                  cfg.nesterov, guesses[w]) for w in range(M)]

@@ -2,7 +2,8 @@
 contribution header (its norm per chunk and the SHA-256 of every frame it sends first),
 the members exchange headers (`AllReduceService.exchange`) and check them
 (`verify_headers`), and the data plane holds every frame to them (`FrameChecker`, passed as
-`check=`, with `own=` the signed payloads), as `p2ptrain.train.trainer` does.
+`check=`, with `own=` the signed payloads), as `p2ptrain.train.trainer` does; the header
+exchange runs beside the data plane, whose checks wait for it (`HeldChecker`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import trio
 
 from p2ptrain.reduce import ring
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
-from p2ptrain.run.contribution import FrameChecker, Header, sign_header, sumsq64, verify_headers
+from p2ptrain.run.contribution import FrameChecker, Header, HeldChecker, sign_header, sumsq64, verify_headers
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
@@ -38,13 +39,28 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
     t0 = trio.current_time()
     own, signed = await trio.to_thread.run_sync(prepare)
     t1 = trio.current_time()
-    raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
-    t2 = trio.current_time()
-    ok, bad = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
-    if bad:
-        raise RoundFailed(f"contribution headers rejected: {bad}", bad)
-    checker = FrameChecker(members, ok, rank, [len(s) for s in lay])
-    res = await svc.allreduce(vec, run, rid, members, own=own, check=checker.check, out=out)
-    res.phases.update({"sign": round(t1 - t0, 4), "exchange": round(t2 - t1, 4)})
-    res.seconds += t2 - t0
+    # As training does (`ContributionRound._attempt`): the data plane starts at once and
+    # each frame's check waits for the verified headers.
+    held = HeldChecker(timeout + 1.0)
+    got: dict = {}
+
+    async def headers() -> None:
+        try:
+            raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
+            got["ok"], got["bad"] = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
+        finally:
+            got["t"] = trio.current_time()
+            bad = got.get("bad", {"?": "no headers"})
+            held.settle(None if bad else FrameChecker(members, got["ok"], rank, [len(s) for s in lay]), str(bad))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(headers)
+        try:
+            res = await svc.allreduce(vec, run, rid, members, own=own, check=held.check, out=out)
+        except RoundFailed:
+            if got.get("bad"):
+                raise RoundFailed(f"contribution headers rejected: {got['bad']}", got["bad"]) from None
+            raise
+    res.phases.update({"sign": round(t1 - t0, 4), "exchange": round(got["t"] - t1, 4)})
+    res.seconds += t1 - t0
     return res

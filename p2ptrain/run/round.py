@@ -39,7 +39,7 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import FrameChecker, Header, sign_header, sumsq64, verify_headers
+from p2ptrain.run.contribution import FrameChecker, Header, HeldChecker, sign_header, sumsq64, verify_headers
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -240,7 +240,8 @@ class ContributionRound:
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:
-        """Headers, then the reduction; True once a round committed (filled into `out`)."""
+        """Headers, then the reduction; True once a round committed (filled into `out`).
+        Ring rounds exchange headers while the data plane already runs (`HeldChecker`)."""
         rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
         robust = self.config.robust is not None
         send = self.contributor.payload(delta)
@@ -249,28 +250,50 @@ class ContributionRound:
         header = Header(self.run_id, t, attempt, rh, self.me, prep.norms, prep.digests, prep.norm, inner_steps, tokens)
         signed = await trio.to_thread.run_sync(self.contributor.sign, header, self.identity)
         t0 = out.took("prepare", t0)
-        raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
-        t0 = out.took("headers", t0)
-        # Robust runs bound every member's influence whatever its norm: no norm filter.
-        # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
-        ok, bad = verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
-                                 norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
-                                 trusted=None if robust else self.ledger.standing.trusted())
-        for peer, reason in bad.items():
-            self.ledger.reject(t, peer, reason)
-        if bad:
-            return False
         subs = [len(s) for s in prep.lay]
-        # robust: the Checker itself (members' copies and owners' published chunks)
-        checker = butterfly.Checker(roster, ok, subs) if robust else FrameChecker(roster, ok, rank, subs).check
-        try:
-            res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker,
-                                           robust=self.config.robust)
-        except RoundFailed as exc:
-            self._failed(t, attempt, exc)
+        held = None if robust else HeldChecker(self.config.exchange_timeout + 1.0)
+        got: dict = {}
+
+        async def headers() -> None:
+            h0 = trio.current_time()
+            try:
+                raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
+                # Robust runs bound every member's influence whatever its norm: no norm filter.
+                # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
+                got["ok"], got["bad"] = verify_headers(
+                    raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
+                    norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
+                    trusted=None if robust else self.ledger.standing.trusted())
+            finally:
+                out.took("headers", h0)
+                if held is not None:
+                    ok, bad = got.get("ok"), got.get("bad", {"?": "no headers"})
+                    held.settle(None if bad else FrameChecker(roster, ok, rank, subs), ", ".join(sorted(bad.values())))
+
+        failed: RoundFailed | None = None
+        res = None
+        async with trio.open_nursery() as nursery:
+            if held is None:  # robust: the Checker needs every header before any data moves
+                await headers()
+            else:
+                nursery.start_soon(headers)
+            if held is not None or not got["bad"]:
+                checker = held.check if held is not None else butterfly.Checker(roster, got["ok"], subs)
+                try:
+                    res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker,
+                                                   robust=self.config.robust)
+                except RoundFailed as exc:
+                    failed = exc
+                finally:
+                    out.took("reduce", t0)
+        for peer, reason in got.get("bad", {}).items():
+            self.ledger.reject(t, peer, reason)
+        if got.get("bad"):  # their headers, not the data plane, decided this attempt
             return False
-        finally:
-            out.took("reduce", t0)
+        if failed is not None or res is None:
+            self._failed(t, attempt, failed or RoundFailed("no result"))
+            return False
+        ok = got["ok"]
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
         out.bytes_recv += sum(ring.wire_bytes(prep.lay[c][j][1] - prep.lay[c][j][0], self.ring_cfg)

@@ -3,9 +3,12 @@
 Per outer step t (the arithmetic is `p2ptrain.train.overlap_math`):
   1. the next phase's start point is set by the run's scheme (delayed: the local params as
      they are; eager: the outer step with this peer's own delta standing in for the average);
-  2. in one trio nursery: the inner steps of phase t+1 in a worker thread, and the
-     trainer's own round for step t (`Trainer.commit_step`: ready record, election, verified
-     round, outer step on the committed average, state record -- or skip and catch up);
+  2. in one trio nursery: the inner steps of phase t+1 in a worker thread, the trainer's
+     own round for step t (`Trainer.commit_step`: verified round, outer step on the
+     committed average, state record -- or skip and catch up), and the ready record and
+     election for step t+1 (`Trainer.announce`), so round t+1 starts the moment phase t+1
+     ends (issue 17: ready + election were ~0.3-0.7 s of a round). The base hash is checked
+     by round t+1's roster confirmation, not by the election;
   3. when the round is over, the peer's committed state (new, caught up, or unchanged after
      a failed round) is posted to the phase, which rebases the local params onto it between
      two inner steps (or after the phase, when the round took longer);
@@ -16,11 +19,15 @@ differs is only where the local params train. `LocalModel.detached` keeps outer 
 adopted states and evaluation off the model the worker thread is training.
 
 At most one round is in flight: a phase that ends before its round waits for it (round t+1
-needs x_{t+1} as its base). A newcomer joins one step ahead (`_join_ahead`) and contributes
-zeros to its first round while its first phase trains. A failed round lands as the state the
-peer then holds: when that is the old state, the phase's progress is rebased onto it and
-contributed to the retried step; when the peer caught up past it, it rejoins one step ahead
-like a newcomer.
+needs x_{t+1} as its base). A newcomer joins two steps ahead (`_join_ahead`: the election
+for t+1 closes while round t runs) and contributes zeros to its first round while its first
+phase trains. A member that skipped round t but caught up to t+1, for which it was already
+elected, joins round t+1 with zeros rather than leave its group waiting for it. A failed
+round lands as the state the peer then holds: when that is the old state, the phase's
+progress is rebased onto it and contributed to the retried step; when the peer caught up
+past it (and was not elected for that step), it rejoins ahead like a newcomer.
+Known cost: a member whose early ready record went stale (its round t failed and it stayed
+at t) is waited for by round t+1's group up to the join window before they drop it.
 """
 
 from __future__ import annotations
@@ -120,10 +127,13 @@ class OverlappedLoop:
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
     async def _join_ahead(self) -> None:
-        """Join at the next step, not this one (`Trainer._join_ahead`). Others post their
-        ready record for step t about when state t is published (their phase t ran beside
-        round t-1), so a peer that adopts state t is always too late for round t."""
-        await self.tr._join_ahead()
+        """Join two steps ahead (`Trainer._join_ahead`). Others post their ready record for
+        step t+1 when round t starts, before state t is even published, so a peer that adopts
+        state t is too late for rounds t and t+1."""
+        await self.tr._join_ahead(2)
+
+    async def _announce(self, t: int, into: dict) -> None:
+        into["elected"] = await self.tr.announce(t, False)
 
     async def run(self, joining: bool) -> None:
         tr, local = self.tr, self.local
@@ -150,23 +160,27 @@ class OverlappedLoop:
             async with trio.open_nursery() as nursery:
                 tr.events.emit("inner_phase_started", phase=t + 1, overlaps_round=t)
                 nursery.start_soon(train_next)
+                if not tr.last_step():
+                    # Ready record and election for step t+1 beside round t: its round starts
+                    # the moment phase t+1 ends (the roster confirmation checks the base).
+                    nursery.start_soon(self._announce, t + 1, nxt)
                 skipped = await tr.commit_step(t, delta, joining, *res, elected=elected)
                 # whatever the peer now holds: the new state, a caught-up one, or the old one
                 phase.post(local.outer.outer.clone())
-                elected = None
-                if not skipped and local.step == t + 1 and not tr.done():
-                    # Step t+1's base is committed: announce it and elect its group while its
-                    # phase still trains, so its round starts the moment the phase ends.
-                    elected = await tr.announce(t + 1, False)
+            elected = nxt.get("elected") if local.step == t + 1 else None
             res = nxt["res"]
             tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=local.H,
                            landed_at=phase.landed_at if phase.landed_at is not None else local.H)
             delta = await trio.to_thread.run_sync(self._finish, phase)
             joining = False
             if skipped and local.step > t:
-                # Caught up past our round: like a newcomer, we would now be late for the
-                # step we adopted. The phase's progress belongs to a step the group is done with.
-                await self._join_ahead()
+                # Caught up past our round. Elected for the step we adopted (we announced it
+                # beside the round): join its round at once with zeros, as its group expects
+                # us. Otherwise, like a newcomer, we would be late for it. Either way the
+                # phase's progress belongs to a step the group is done with.
+                if elected is None or tr.me not in elected[0]:
+                    elected = None
+                    await self._join_ahead()
                 phase = await trio.to_thread.run_sync(self._first_phase)
                 res, joining = (math.nan, 0, 0.0), True
                 delta = np.zeros(local.outer.numel, np.float32)

@@ -63,11 +63,11 @@ def stand_in(delta: torch.Tensor, last_avg: torch.Tensor | None, last_own: torch
 def phase_start(scheme: str, x: torch.Tensor, m: torch.Tensor, local: torch.Tensor, delta: torch.Tensor,
                 lr: float, momentum: float, nesterov_: bool = True, guess: torch.Tensor | None = None) -> torch.Tensor:
     """Where the next phase starts while round p (delta) is in flight (module docstring);
-    `guess`: "mixed"'s stand-in (`stand_in`)."""
+    `guess`: "mixed"'s stand-in (`stand_in`); for "eager", replaces the delta (a scaled one)."""
     if scheme == "delayed":
         return local.clone()
     if scheme == "eager":
-        return nesterov(x, m, delta, lr, momentum, nesterov_)[0]
+        return nesterov(x, m, delta if guess is None else guess, lr, momentum, nesterov_)[0]
     if scheme == "mixed":
         if guess is None:
             raise ValueError("the mixed scheme needs its stand-in (overlap_math.stand_in)")

@@ -135,13 +135,17 @@ class Trainer:
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         return any(not r.joining and r.peer != self.me for r in recs)
 
-    async def _join_ahead(self) -> None:
+    def last_step(self) -> bool:
+        """Whether committing step t would end our run (then we announce no step after it)."""
+        return bool(self.config.max_outer_steps) and self.committed + 1 >= self.config.max_outer_steps
+
+    async def _join_ahead(self, ahead: int = 1) -> None:
         """Join step t+1 instead: announce it at once (a joining record starts no clock, and
         the others' election for t+1 finds it), adopt state t+1 when it appears, then join its
         round with zeros. Without this, steps shorter than a catch-up kept a restarted peer
         one step behind for good (seen once evaluation left the critical path)."""
         for _ in range(3):  # the state we adopt may already be past t+1 (a slow fetch): again
-            t1 = self.local.step + 1
+            t1 = self.local.step + ahead
             self._ahead[t1] = await elect.publish_ready(self.dht, self.run_id, t1, self.node.rpc.local_addrs(), True,
                                                         self.elect_cfg.window)
             self.events.emit("joining_ahead", step=t1)
