@@ -106,7 +106,23 @@ def _bench(avg: str, land: float, seed: int = 0, H: int = 4) -> dict:
 def test_bench_overlap_that_lands_at_once_is_synchronous_diloco_bit_for_bit():
     torch.set_num_threads(1)
     sync = _bench("fp32", 1.0)
-    for scheme in ("delayed", "eager"):
+    for scheme in ("delayed", "eager", "mixed"):
         assert _bench(scheme, 0.0)["outer_sha256"] == sync["outer_sha256"], scheme
         late = _bench(scheme, 1.0)  # a different, still finite trajectory
         assert late["outer_sha256"] != sync["outer_sha256"] and np.isfinite(late["val_loss"])
+
+
+def test_mixed_stand_in_swaps_our_share_of_the_last_average_for_our_fresh_delta():
+    last_own = torch.tensor([1.0, 2.0])
+    others = torch.tensor([3.0, -2.0])
+    last_avg = (last_own + others) / 2
+    fresh = torch.tensor([5.0, 0.0])
+    assert torch.equal(om.stand_in(fresh, last_avg, last_own, 2), (fresh + others) / 2)
+    assert torch.equal(om.stand_in(fresh, None, None, 4), fresh / 4)  # nothing landed yet
+    with pytest.raises(ValueError):
+        om.stand_in(fresh, None, None, 0)
+    x, m = torch.zeros(2), torch.zeros(2)
+    g = om.stand_in(fresh, last_avg, last_own, 2)
+    assert torch.equal(om.phase_start("mixed", x, m, x, fresh, 0.7, 0.9, guess=g), om.nesterov(x, m, g, 0.7, 0.9)[0])
+    with pytest.raises(ValueError):
+        om.phase_start("mixed", x, m, x, fresh, 0.7, 0.9)
