@@ -126,3 +126,21 @@ def test_mixed_stand_in_swaps_our_share_of_the_last_average_for_our_fresh_delta(
     assert torch.equal(om.phase_start("mixed", x, m, x, fresh, 0.7, 0.9, guess=g), om.nesterov(x, m, g, 0.7, 0.9)[0])
     with pytest.raises(ValueError):
         om.phase_start("mixed", x, m, x, fresh, 0.7, 0.9)
+
+
+def test_init_gives_eager_runs_the_outer_step_measured_best_for_them_unless_told():
+    import argparse
+
+    from p2ptrain.cli import init
+
+    p = argparse.ArgumentParser()
+    init.add_parser(p.add_subparsers())
+
+    def spec(*extra):
+        return init.build_spec(p.parse_args(["init", "--out", "x", *extra]), "0" * 64).train
+    assert (spec().outer_lr, spec().outer_momentum) == (0.7, 0.9)
+    eager = spec("--overlap", "eager")
+    assert (eager.outer_lr, eager.outer_momentum, eager.overlap) == (0.5, 0.8, "eager")
+    told = spec("--overlap", "eager", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    assert (told.outer_lr, told.outer_momentum) == (0.7, 0.9)
+    assert spec("--overlap", "delayed").outer_lr == 0.7
