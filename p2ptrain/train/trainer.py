@@ -51,10 +51,16 @@ class TrainerConfig:
     """Seconds to wait for min_peers before starting anyway."""
     eval_batches: int = 8
     """Held-out batches scored after each committed step (the val_loss the peer reports)."""
+    phase_nice: int = 10
+    """Overlapped runs: how much lower the inner-phase thread's CPU priority is than the
+    round's (Linux nice steps, 0-19; 0 = the same), so communication is not slowed by the
+    inner steps it overlaps on a shared CPU (`p2ptrain.train.overlap.run_niced`)."""
 
     def __post_init__(self) -> None:
         if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1 or self.eval_batches < 1:
             raise ValueError("max_outer_steps must be >= 0, threads >= 1, min_peers >= 1, eval_batches >= 1")
+        if not 0 <= self.phase_nice <= 19:
+            raise ValueError("phase_nice must be within 0..19")
 
 
 def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
