@@ -144,3 +144,30 @@ def test_init_gives_eager_runs_the_outer_step_measured_best_for_them_unless_told
     told = spec("--overlap", "eager", "--outer-lr", "0.7", "--outer-momentum", "0.9")
     assert (told.outer_lr, told.outer_momentum) == (0.7, 0.9)
     assert spec("--overlap", "delayed").outer_lr == 0.7
+
+
+def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_come_back():
+    import os
+
+    import trio
+
+    from p2ptrain.train.overlap import run_niced
+
+    def probe(x):
+        tid = threading.get_native_id()
+        return x * 2, tid, os.getpriority(os.PRIO_PROCESS, tid)
+
+    def boom():
+        raise KeyError("inner step failed")
+
+    async def main():
+        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        value, _, nice = await run_niced(5, probe, 21)
+        assert value == 42 and nice == min(19, base + 5)
+        # trio's reused worker threads keep their priority: the niced thread was not one of them
+        assert (await trio.to_thread.run_sync(probe, 1))[2] == base
+        assert (await run_niced(0, probe, 1))[2] == base  # 0: trio's worker thread, unchanged
+        with pytest.raises(KeyError, match="inner step failed"):
+            await run_niced(5, boom)
+
+    trio.run(main)
