@@ -171,3 +171,22 @@ def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_
             await run_niced(5, boom)
 
     trio.run(main)
+
+
+def test_utilization_counts_whole_cycles_from_phase_starts():
+    from p2ptrain.bench.utilization import measure
+
+    def ev(kind, t, **kw):
+        return {"event": kind, "t": t, **kw}
+    # overlapped: phase p starts at 10p, trains 8 s; commits (reports) land at jittery times
+    ovl = [ev("inner_phase_started", 10.0 * p, phase=p) for p in range(6)]
+    ovl += [ev("inner_phase", 10.0 * p + 8, phase=p, seconds=8.0, steps=4) for p in range(6)]
+    ovl += [ev("outer_step_committed", 10.0 * s + 3 + (s % 2) * 4, step=s, seconds_comm=1.0) for s in range(1, 6)]
+    m = measure(ovl, 2, 5)  # phases 2, 3 over the cycles from t=20 to t=40
+    assert m["utilization"] == 0.8 and m["wall_s"] == 20.0 and m["inner_step_ms"] == 2000.0
+    assert m["utilization_commits"] != 0.8  # the commit window moves with the reports
+    # sequential: the phase starts with outer_step_started
+    seq = [ev("outer_step_started", 10.0 * p, step=p) for p in range(5)]
+    seq += [ev("inner_phase", 10.0 * p + 5, phase=p, seconds=5.0, steps=4) for p in range(5)]
+    seq += [ev("outer_step_committed", 10.0 * s + 1, step=s, seconds_comm=4.0) for s in range(1, 6)]
+    assert measure(seq, 2, 5)["utilization"] == 0.5

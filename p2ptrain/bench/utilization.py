@@ -7,8 +7,8 @@ sequential (inner -> ready -> election -> round -> outer step) and one overlappe
 (`--overlap`, p2ptrain.train.overlap: round t reduces while phase t+1 trains). Same model,
 data, H, seeds and machine.
 
-Per peer, over the outer steps after the warm-up (commit of step WARM to commit of step
-STEPS):
+Per peer, over whole cycles after the warm-up (the start of phase WARM to the start of
+phase STEPS-1; `utilization_commits` is the older commit-to-commit window, see `measure`):
   utilization = time spent in inner phases (the `inner_phase` events: the loop of H inner
                 steps, data windows included) / wall time
   inner_step_ms = that time / inner steps: how much slower each inner step ran while the
@@ -91,18 +91,36 @@ def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: st
         return [list(p.all_events) for p in peers]
 
 
+def _phase_starts(events: list[dict]) -> dict[int, float]:
+    """When each inner phase began: `inner_phase_started` (overlapped loop), else the
+    `outer_step_started` that the sequential loop emits right before its phase."""
+    starts = {e["step"]: e["t"] for e in events if e["event"] == "outer_step_started"}
+    starts.update({e["phase"]: e["t"] for e in events if e["event"] == "inner_phase_started"})
+    return starts
+
+
 def measure(events: list[dict], warm: int, steps: int) -> dict:
-    """One peer's utilization figures over the commits of steps warm..steps (module docstring)."""
+    """One peer's utilization figures (module docstring) over whole cycles: phases
+    warm..steps-2, wall from the start of phase `warm` to the start of phase steps-1, so
+    every phase counted and every wait after it lies inside the window. The commit-window
+    figure (`utilization_commits`: commit of step warm to commit of step steps) is kept for
+    comparison with older runs; its ends move with the commit events, which come after
+    evaluation, beside the next phase."""
     commits = {e["step"]: e for e in events if e["event"] == "outer_step_committed"}
     phases = {e["phase"]: e for e in events if e["event"] == "inner_phase"}
-    if not all(k in commits for k in (warm, steps)):
-        raise RuntimeError(f"peer did not commit steps {warm} and {steps}")
-    wall = commits[steps]["t"] - commits[warm]["t"]
-    used = [phases[p] for p in range(warm, steps) if p in phases]
+    starts = _phase_starts(events)
+    last = steps - 1
+    if not all(k in commits for k in (warm, steps)) or not all(k in starts for k in (warm, last)):
+        raise RuntimeError(f"peer did not commit steps {warm} and {steps} or start phases {warm} and {last}")
+    wall = starts[last] - starts[warm]
+    used = [phases[p] for p in range(warm, last) if p in phases]
     inner = sum(e["seconds"] for e in used)
     n_steps = sum(e["steps"] for e in used)
+    c_wall = commits[steps]["t"] - commits[warm]["t"]
+    c_inner = sum(phases[p]["seconds"] for p in range(warm, steps) if p in phases)
     comm = [commits[k]["seconds_comm"] for k in range(warm + 1, steps + 1) if k in commits]
     return {"wall_s": round(wall, 3), "inner_s": round(inner, 3), "utilization": round(inner / wall, 4),
+            "utilization_commits": round(c_inner / c_wall, 4),
             "inner_step_ms": round(1000 * inner / max(1, n_steps), 1), "steps_per_s": round(n_steps / wall, 3),
             "comm_s_mean": round(statistics.fmean(comm), 3) if comm else None,
             "inner_phase_s_mean": round(inner / max(1, len(used)), 3)}
@@ -121,7 +139,8 @@ def step_timing(events: list[list[dict]], warm: int) -> dict:
 
 
 def summarize_mode(per_peer: list[dict]) -> dict:
-    keys = ("utilization", "inner_step_ms", "steps_per_s", "comm_s_mean", "inner_phase_s_mean", "wall_s")
+    keys = ("utilization", "utilization_commits", "inner_step_ms", "steps_per_s", "comm_s_mean",
+            "inner_phase_s_mean", "wall_s")
     out = {k: round(statistics.fmean(p[k] for p in per_peer if p[k] is not None), 4) for k in keys}
     out["utilization_min"] = min(p["utilization"] for p in per_peer)
     return out
@@ -181,6 +200,8 @@ def run(args) -> int:
     seq, ovl = result["sequential"], result["overlapped"]
     summary = {"event": "bench_utilization_summary", "utilization_overlapped": ovl["utilization"],
                "utilization_sequential": seq["utilization"],
+               "utilization_commits_overlapped": ovl["utilization_commits"],
+               "utilization_commits_sequential": seq["utilization_commits"],
                "throughput_ratio": round(ovl["steps_per_s"] / seq["steps_per_s"], 3),
                "inner_step_ms_overlapped": ovl["inner_step_ms"], "inner_step_ms_sequential": seq["inner_step_ms"],
                "comm_over_inner_sequential": round(seq["comm_s_mean"] / seq["inner_phase_s_mean"], 3),
