@@ -61,6 +61,34 @@ def test_three_peers_overlapped_run_identical_params_loss_falls(procs, overlap_r
         assert all(e["seconds"] > 0 for e in phases)
 
 
+def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, overlap_run, keys, report):
+    """Groups are elected beside the previous round, so the killed peer has usually already
+    announced the next step when it dies: its group waits for it at that step's roster
+    confirmation (bounded by the join window) and then commits without it, the survivors'
+    params identical at every step."""
+    import signal
+
+    boot, baddr = start_bootstrap(procs)
+    peers = start_trainers(procs, baddr, overlap_run, keys, 3, 8)
+    for s in (1, 2):
+        assert len({committed(p, s)["params_sha256"] for p in peers}) == 1
+    peers[2].kill(signal.SIGKILL)
+    alive = peers[:2]
+    pairs = []
+    for s in range(3, 9):
+        evs = [committed(p, s, timeout=120) for p in alive]
+        assert len({e["params_sha256"] for e in evs}) == 1, (s, evs)  # never two states for one step
+        pairs.append((s, len(evs[0]["members"]), round(evs[0]["t"], 2)))
+        if len(evs[0]["members"]) == 2 and len(pairs) >= 2 and pairs[-2][1] == 2:
+            break
+    two = [s for s, n, _ in pairs if n == 2]
+    assert two, pairs  # the survivors committed steps as a group of two
+    gaps = [round(b[2] - a[2], 2) for a, b in zip(pairs, pairs[1:])]
+    report(f"overlapped run, peer killed after step 2: (step, members) {[(s, n) for s, n, _ in pairs]}, "
+           f"seconds between commits {gaps} (join window 20 s)")
+    assert max(gaps, default=0) < 20 + 15, gaps  # the stale announcement costs at most ~ the window
+
+
 @pytest.fixture(scope="module")
 def slow_overlap_run(tmp_path_factory):
     """An overlapped run whose outer steps (H = 40) take longer than a newcomer's catch-up, as
