@@ -87,7 +87,7 @@ def _layout_worker(rank: int, world: int, store: str, failures) -> None:
             loss, tokens, _ = lead.inner()
             assert math.isfinite(loss) and tokens == spec.train.inner_steps * 4 * 32, (loss, tokens)
             lead.stop()
-        dist.destroy_process_group()
+        ranks.close()  # barrier, then destroy: a lone destroy made the other rank abort once
     except BaseException as exc:  # reported to the test process
         failures.put(f"rank {rank}: {exc!r}")
         raise
@@ -230,6 +230,7 @@ for i in range(15):
 diloco.close()
 print(json.dumps({"rank": rank, "applied": applied, "steps": diloco.outer_step_count}), flush=True)
 if world > 1:
+    dist.barrier()
     dist.destroy_process_group()
 '''
 
