@@ -17,18 +17,21 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 
 
-@pytest.fixture(scope="module")
-def overlap_run(tmp_path_factory):
-    d = tmp_path_factory.mktemp("overlap-run")
+def _init_overlap(d, inner_steps: int, planned: int):
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
-         "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
-         "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3",
+         "--inner-steps", str(inner_steps), "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", str(planned), "--join-window", "20", "--group-size", "4", "--seed", "3",
          "--overlap", "eager"],
         capture_output=True, text=True, timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     assert 'overlap = "eager"' in (d / "run" / "run.toml").read_text()
     return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def overlap_run(tmp_path_factory):
+    return _init_overlap(tmp_path_factory.mktemp("overlap-run"), 6, 6)
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +96,7 @@ def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, o
 def slow_overlap_run(tmp_path_factory):
     """An overlapped run whose outer steps (H = 40) take longer than a newcomer's catch-up, as
     on real links: with 1-2 s steps a joiner's checkpoint fetch is always a step behind."""
-    d = tmp_path_factory.mktemp("overlap-run-h40")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
-         "--inner-steps", "40", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
-         "--planned-outer-steps", "20", "--join-window", "20", "--group-size", "4", "--seed", "3",
-         "--overlap", "eager"],
-        capture_output=True, text=True, timeout=300, cwd=d)
-    assert out.returncode == 0, out.stderr
-    return d / "run", out.stdout.strip().splitlines()[-1]
+    return _init_overlap(tmp_path_factory.mktemp("overlap-run-h40"), 40, 20)
 
 
 def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, slow_overlap_run, keys):

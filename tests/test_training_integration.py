@@ -53,8 +53,8 @@ def start_trainers(procs, baddr: str, run: tuple[Path, str], keys: list[Path], n
                 "--threads", "1", "--json"]
         if adversary and i == n - 1:  # a real peer built with a hostile contributor (tests/fakes/)
             peers.append(procs.start([adversary, *args], f"p{i}", env=fakes.env(), module="fakes.hostile_peer"))
-        else:
-            peers.append(procs.start(args, f"p{i}"))
+        else:  # an unexpected crash leaves its traceback in the peer's stderr log
+            peers.append(procs.start(args, f"p{i}", env={"P2PTRAIN_DEBUG": "1"}))
     return peers
 
 

@@ -16,7 +16,7 @@ import trio
 
 from p2ptrain.reduce import ring
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
-from p2ptrain.run.contribution import FrameChecker, Header, HeldChecker, sign_header, sumsq64, verify_headers
+from p2ptrain.run.contribution import Header, HeldChecker, sign_header, sumsq64, verify_headers
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
@@ -50,8 +50,7 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
             got["ok"], got["bad"] = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
         finally:
             got["t"] = trio.current_time()
-            bad = got.get("bad", {"?": "no headers"})
-            held.settle(None if bad else FrameChecker(members, got["ok"], rank, [len(s) for s in lay]), str(bad))
+            held.settle_verified(got.get("ok"), got.get("bad"), members, rank, [len(s) for s in lay])
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(headers)

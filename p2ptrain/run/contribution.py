@@ -240,6 +240,13 @@ class HeldChecker:
             self._checker, self._why = checker, why
             self._event.set()
 
+    def settle_verified(self, ok: dict[str, Header] | None, bad: dict[str, str] | None, members: list[str],
+                        rank: int, sub_counts: list[int]) -> None:
+        """`settle` with `verify_headers`' result (None, None: the exchange never finished)."""
+        bad = {"?": "no headers"} if ok is None and not bad else bad or {}
+        self.settle(None if bad else FrameChecker(members, ok, rank, sub_counts),
+                    ", ".join(f"{p}: {r}" for p, r in sorted(bad.items())))
+
     def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
         if not self._event.wait(self.timeout):
             raise TimeoutError("contribution headers did not arrive in time")

@@ -39,7 +39,7 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import FrameChecker, Header, HeldChecker, sign_header, sumsq64, verify_headers
+from p2ptrain.run.contribution import Header, HeldChecker, sign_header, sumsq64, verify_headers
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -267,8 +267,7 @@ class ContributionRound:
             finally:
                 out.took("headers", h0)
                 if held is not None:
-                    ok, bad = got.get("ok"), got.get("bad", {"?": "no headers"})
-                    held.settle(None if bad else FrameChecker(roster, ok, rank, subs), ", ".join(sorted(bad.values())))
+                    held.settle_verified(got.get("ok"), got.get("bad"), roster, rank, subs)
 
         failed: RoundFailed | None = None
         res = None
