@@ -172,3 +172,26 @@ def test_ready_record_codec_bounds_and_rejects():
                 msgpack.packb({"ready_at": "x"}), b"\x00" * (records.MAX_READY_BYTES + 1)):
         with pytest.raises(records.RecordError):
             records.decode_ready("peer", bad)
+
+
+@trio_test()
+async def test_an_expected_peer_that_is_gone_does_not_hold_the_step():
+    """As above, but c is checked and found gone (crashed: no connection, no dial): the step
+    closes once everyone else posted, not after the window (a peer killed mid-run, issue 17)."""
+    a, b, c, *_ = await swarm(6)
+    probed = []
+
+    async def gone(peers):
+        probed.append(set(peers))
+        return set(peers) & {me(c)}
+
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(ready_later, a, 4, 0.0)
+        nursery.start_soon(ready_later, b, 4, 1.0)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 4, me(a), CFG, set(), {me(b), me(c)}, gone=gone)
+        closed = trio.current_time() - t0
+    assert closed < 3.0, closed
+    assert sorted(group) == sorted([me(a), me(b)])
+    assert probed and all(me(a) not in p for p in probed)  # only peers that had not posted

@@ -44,6 +44,9 @@ class Hub:
         self.suspects: dict[str, dict[str, int]] = {}  # round id -> blamers nobody corroborated
         self.calls: list[tuple[str, str, tuple]] = []
         self.withholder: str | None = None  # every round it is in aborts, nobody blamed
+        self.slow_abort: dict[tuple[str, str], float] = {}  # (round id, member) -> seconds to abort
+        self.dead: set[str] = set()  # crashed members: no stream to them opens
+        self.cut: set[tuple[str, str, str]] = set()  # (from, to, round id): no stream opens
 
     def poke(self) -> None:
         self.changed.set()
@@ -62,19 +65,24 @@ class FakeService:
     def __init__(self, hub: Hub, me: str) -> None:
         self.hub, self.me = hub, me
 
-    async def exchange(self, run_id, round_id, members, payload, timeout):
-        for p in members:
+    async def exchange(self, run_id, round_id, members, payload, timeout, unreachable_silent=False):
+        gone = {p for p in members if p in self.hub.dead or (self.me, p, round_id) in self.hub.cut}
+        for p in set(members) - gone:
             self.hub.box[(round_id, self.me, p)] = payload
         self.hub.poke()
-        others = [p for p in members if p != self.me]
+        others = [p for p in members if p != self.me and not (unreachable_silent and p in gone)]
         await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others), timeout)
         out = {p: self.hub.box.get((round_id, p, self.me)) for p in others}
         out[self.me] = payload
         return out
 
+    async def abort(self, run_id, round_id, reason):
+        pass  # the fake's rounds end on their own
+
     async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None):
         self.hub.calls.append((self.me, round_id, tuple(members)))
         if round_id in self.hub.fail:
+            await trio.sleep(self.hub.slow_abort.get((round_id, self.me), 0.0))
             raise RoundFailed("fake abort", dict(self.hub.fail[round_id]),
                               suspects=dict(self.hub.suspects.get(round_id, {})))
         if self.hub.withholder in members:
@@ -337,3 +345,80 @@ def test_one_unexplained_abort_is_retried_with_everyone_and_strikes_nobody():
     for o in outs:
         assert np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6) and len(o.members) == 3
     assert all(ev != "member_struck" for r, e in rounds for ev, _ in e.seen)
+
+
+def _timed_rounds(rounds, ds, group, first_wait=None):
+    """`run_rounds` that also returns the fake seconds each member's round took."""
+    took = [0.0] * len(rounds)
+
+    async def main() -> None:
+        async def one(i):
+            t0 = trio.current_time()
+            outs[i] = await rounds[i].run(1, ds[i], group, "base", 100, 4, False, first_wait)
+            took[i] = trio.current_time() - t0
+
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                for i in range(len(rounds)):
+                    nursery.start_soon(one, i)
+
+    outs = [None] * len(rounds)
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+    return outs, took
+
+
+def test_members_that_leave_a_failed_attempt_apart_still_meet_at_the_next():
+    """One member aborts at once, the other only after the service's commit timeout (it had
+    signed and waited for a certificate). Before: the first gave up on it after the exchange
+    timeout, was left alone, skipped; the second then found nobody and skipped too: no
+    commit for the step on anyone (seen with a peer killed mid-run, issue 17)."""
+    hub = Hub()
+    cfg = dataclasses.replace(CFG, abort_skew=10.0)
+    rounds = [member(hub, i + 1)[0] for i in range(2)]
+    for r in rounds:
+        r.config = cfg
+    hub.fail["1/0"] = {}
+    hub.slow_abort[("1/0", rounds[1].me)] = 10.0  # > exchange_timeout (5 s)
+    ds = deltas(2)
+    outs, _ = _timed_rounds(rounds, ds, election.ring_order(RUN, 1, [r.me for r in rounds]))
+    for o in outs:
+        assert o.result is not None and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6), o
+    assert np.array_equal(outs[0].result, outs[1].result)
+
+
+def test_a_crashed_member_is_not_waited_for_at_the_confirmation():
+    """A member no stream opens to (crashed) is silent at once, not after the wait: the
+    first confirmation of a group elected ahead waits up to the join window (20 s here)."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    dead = rounds.pop().me
+    hub.dead.add(dead)
+    ds = deltas(2)
+    group = election.ring_order(RUN, 1, [*(r.me for r in rounds), dead])
+    outs, took = _timed_rounds(rounds, ds, group, first_wait=20.0)
+    for o in outs:
+        assert dead not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+    assert max(took) < 5.0, took  # neither the join window nor the exchange timeout
+
+
+def test_a_member_that_went_on_alone_rejects_nobody_for_missing_headers():
+    """b's confirmation does not reach c (c is dialled as it restarts, say): b and c each find
+    the other silent and retry, while a heard both and went on to the header exchange alone.
+    Before, a rejected b and c for good for their missing headers. A missing header is
+    silence, not a lie: a retries, the three reconcile and commit the step together."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    a, b, c = (r.me for r in rounds)
+
+    async def vouch(t, peers):  # every member posted a ready record and is reachable
+        return set(peers)
+
+    for r in rounds:
+        r.config, r.vouch = dataclasses.replace(CFG, abort_skew=10.0), vouch
+    hub.cut.add((b, c, "1/0/roster"))
+    ds = deltas(3)
+    outs = run_rounds(rounds, ds)
+    assert not any(r.ledger.ignored for r in rounds), [r.ledger.ignored for r in rounds]
+    for o in outs:
+        assert sorted(o.members) == sorted([a, b, c]) and np.array_equal(o.result, outs[0].result), o
+    assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)

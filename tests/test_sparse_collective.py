@@ -27,10 +27,10 @@ class _Tamper:
     def __init__(self, svc, index: int, how) -> None:
         self.svc, self.index, self.how = svc, index, how
 
-    async def exchange(self, run_id, round_id, members, payload, timeout):
+    async def exchange(self, run_id, round_id, members, payload, timeout, **kw):
         if round_id.endswith(f"/sparse/{self.index}"):
             payload = self.how(payload)
-        return await self.svc.exchange(run_id, round_id, members, payload, timeout)
+        return await self.svc.exchange(run_id, round_id, members, payload, timeout, **kw)
 
 
 async def _attempt(svcs, nodes, reducers, members, step=1, robust=False):

@@ -62,3 +62,64 @@ def test_blame_counts_only_against_the_accusers_predecessor_and_liars_become_sus
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_successor_that_refuses_the_session_fails_the_round_not_the_node():
+    """Its successor resets the bulk session (it never started the round): the requester's
+    setup failure used to arrive wrapped in a nursery's ExceptionGroup, which no `except`
+    in `allreduce` matched, and ended the whole node (issue 17, a peer killed mid-run)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 2, setup_timeout=20.0)
+            svcs[1].sessions.config.setup_timeout = 0.5  # it refuses once it gave up waiting
+            order = [n.identity.peer_id_str for n in nodes]
+            with trio.fail_after(15):
+                with pytest.raises(RoundFailed, match="setup failed"):
+                    await svcs[0].allreduce(np.ones(50_000, np.float32), "run", "refused", order)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_an_exchange_counts_a_member_it_cannot_reach_as_silent_at_once():
+    """Roster confirmations (`unreachable_silent`) stop waiting for a member no stream opens
+    to: it never got our message, so it counts us as silent as well."""
+    from p2ptrain.identity import Identity
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 2)
+            ghost = Identity.generate().peer_id_str  # no address anyone knows: a crashed peer
+            order = [n.identity.peer_id_str for n in nodes] + [ghost]
+            got = [None, None]
+
+            async def one(i):
+                got[i] = await svcs[i].exchange("run", "x/roster", order, b"hi %d" % i, 30.0, unreachable_silent=True)
+
+            with trio.fail_after(10):  # not the 30 s wait
+                async with trio.open_nursery() as inner:
+                    for i in range(2):
+                        inner.start_soon(one, i)
+            for i in range(2):
+                assert got[i][ghost] is None and got[i][order[1 - i]] == b"hi %d" % (1 - i)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_unreachable_names_only_peers_that_are_certainly_not_there():
+    """A peer with a known address that refuses the dial is gone; a connected one is not;
+    one whose address we never learned is not judged (the election keeps waiting for it)."""
+    from p2ptrain.identity import Identity
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 2)
+            dead, unknown = Identity.generate(), Identity.generate()
+            nodes[0].rpc.learn_addrs(dead.peer_id, ["/ip4/127.0.0.1/tcp/1"])  # nothing listens there
+            peers = {nodes[1].identity.peer_id_str, dead.peer_id_str, unknown.peer_id_str}
+            with trio.fail_after(10):
+                assert await svcs[0].unreachable(peers) == {dead.peer_id_str}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

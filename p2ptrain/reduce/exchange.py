@@ -76,9 +76,14 @@ class Inbox:
             early.pop(next(iter(early)))
         self._early[sender] = early  # re-inserted: the most recent sender last
 
-    async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send) -> dict[bytes, bytes]:
+    async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send,
+                      unreachable_silent: bool = False) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
-        arrived or `timeout`. Returns member -> payload for those that arrived."""
+        arrived or `timeout`. Returns member -> payload for those that arrived.
+        `send()` returns the members it could not even open a stream to (or None); with
+        `unreachable_silent` those count as silent at once: they never got our message, so
+        they count us as silent too, and waiting out the timeout for them (a crashed peer)
+        only delays everyone else (issue 17: a peer killed mid-run)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -88,11 +93,13 @@ class Inbox:
             if data is not None:
                 w.box[p] = data
         try:
-            await send()
+            undelivered = await send()
+            unreachable = frozenset(undelivered or ()) if unreachable_silent else frozenset()
+            wanted = others - unreachable
             with trio.move_on_after(timeout):
-                while not others <= w.box.keys():
+                while not wanted <= w.box.keys():
                     w.event = trio.Event()
                     await w.event.wait()
-            return dict(w.box)
+            return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]

@@ -30,7 +30,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from p2ptrain.identity import peer_id_from_str, public_from_peer_id_bytes, verify
-from p2ptrain.reduce import butterfly, ringvote
+from p2ptrain.reduce import butterfly, reach, ringvote
 from p2ptrain.reduce.blame import BlameLedger
 from p2ptrain.reduce.bulk import session_tag
 from p2ptrain.reduce.commit import CommitBoard, Round
@@ -235,16 +235,22 @@ class AllReduceService:
         if len(rnd.ids) == 1:
             return "none"
         path = "none"
-        with trio.fail_after(config.setup_timeout):
-            async with trio.open_nursery() as nursery:
-                # A member that failed before we are connected (its link was gone, say)
-                # ends our setup too, instead of leaving us waiting for setup_timeout.
-                nursery.start_soon(self._cancel_on_abort, rnd, nursery.cancel_scope)
-                if robust is None:
-                    path = await open_ring(self.sessions, mesh, rnd.ids, rnd.rank, rnd.tag)
-                else:
-                    path = await open_butterfly(self.sessions, mesh, rnd.ids, rnd.rank, run_id, round_id)
-                nursery.cancel_scope.cancel()
+        try:
+            with trio.fail_after(config.setup_timeout):
+                async with trio.open_nursery() as nursery:
+                    # A member that failed before we are connected (its link was gone, say)
+                    # ends our setup too, instead of leaving us waiting for setup_timeout.
+                    nursery.start_soon(self._cancel_on_abort, rnd, nursery.cancel_scope)
+                    if robust is None:
+                        path = await open_ring(self.sessions, mesh, rnd.ids, rnd.rank, rnd.tag)
+                    else:
+                        path = await open_butterfly(self.sessions, mesh, rnd.ids, rnd.rank, run_id, round_id)
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # The sessions are opened in nurseries, so a successor that refused or reset its
+            # session arrives wrapped (trio's strict groups): `allreduce` then saw no
+            # StreamEOF and the group ended the node (issue 17: a peer killed mid-run).
+            raise _setup_failure(group) from None
         aborted = self.board.aborted(rnd)
         if aborted:
             raise RoundFailed(f"{aborted[0]} aborted the round")
@@ -311,6 +317,18 @@ class AllReduceService:
             raise RoundFailed(f"{aborted[0]} aborted the round" if aborted
                               else f"no commit certificate ({plane.gather_error or 'votes missing'})")
 
+    async def abort(self, run_id: str, round_id: str, reason: str) -> None:
+        """Abort our round `round_id` now if it is still undecided: the caller knows it
+        cannot commit (a member's contribution header is missing or bad, so no frame passes
+        its check and we never sign). Our data plane stops at once, as on an abort vote,
+        instead of waiting out setup_timeout for a member that is not there."""
+        rnd = self.board.rounds.get(session_tag(run_id, round_id))
+        if rnd is None or rnd.decided:
+            return
+        rnd.votes[self.identity.peer_id] = {"ok": False, "digest": "", "blame": "", "reason": reason}
+        rnd.wake()
+        await self.board.abort(rnd, reason=reason)
+
     async def _cancel_on_abort(self, rnd: Round, scope: trio.CancelScope) -> None:
         await self.board.wait_abort(rnd)
         scope.cancel()
@@ -325,34 +343,42 @@ class AllReduceService:
 
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
-                       timeout: float) -> dict[str, bytes | None]:
+                       timeout: float, unreachable_silent: bool = False) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
-        arrive within `timeout`). Used for roster confirmation and contribution headers."""
+        arrive within `timeout`). Used for roster confirmation and contribution headers.
+        `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`)."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
-        got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg))
+        got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out
 
-    async def _send_all(self, ids: list[bytes], msg: bytes) -> None:
+    async def unreachable(self, peers: set[str], timeout: float = 3.0) -> set[str]:
+        """`p2ptrain.reduce.reach.unreachable` from this node."""
+        return await reach.unreachable(self.host, peers, timeout)
 
-        async def one(peer: bytes) -> None:
-            try:
-                with trio.fail_after(5):
-                    stream = await self.host.new_stream(ID(peer), [VOTE_PROTOCOL])
-                    await stream.write(msg)
-                    await stream.close()
-            except Exception as exc:
-                log.info("vote to %s not delivered: %r", ID(peer), exc)
+    async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
+        return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL)
 
-        async with trio.open_nursery() as nursery:
-            for peer in ids:
-                if peer != self.identity.peer_id:
-                    nursery.start_soon(one, peer)
+
+SETUP_ERRORS = (ControlError, EOFError, OSError, BaseLibp2pError, RingError, RoundFailed)
+"""What a member that died, refused or answered garbage during setup raises: the round fails."""
+
+
+def _setup_failure(group: BaseExceptionGroup) -> BaseException:
+    """The first of a nursery group's exceptions when every one is a setup failure (the
+    round fails); anything else (a bug, a KeyboardInterrupt) is re-raised as it came."""
+    failures, rest = group.split(SETUP_ERRORS)
+    if rest is not None or failures is None:
+        raise group
+    first: BaseException = failures
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 def _warm_kernels() -> None:

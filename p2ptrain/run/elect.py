@@ -4,15 +4,19 @@ The rule itself (deadline, candidates, groups, ring order) is pure and lives in
 `p2ptrain.run.election`; this module feeds it the records the DHT holds. A step closes at its
 deadline (earliest trained ready_at + join window, plus a margin for replication), or
 earlier once every peer expected at the step (its state says it trains it, or it was in our
-last roster) has posted its ready record: a dead peer then costs one full window, once. A
-peer that sees only newcomers' records gives up after `give_up` seconds: nobody trained.
+last roster) has posted its ready record. An expected peer that has not posted is checked
+every `probe` seconds (`gone`: no connection and no dial succeeds): a crashed one stops
+counting as expected, instead of costing everyone the full window (issue 17); one that is
+merely slow, or unreachable to us only, still misses nothing it could have made: the
+deadline rule is unchanged. A peer that sees only newcomers' records gives up after
+`give_up` seconds: nobody trained.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -22,6 +26,8 @@ from p2ptrain.identity import peer_id_to_str
 from p2ptrain.run import election, keys, records, states
 
 log = logging.getLogger("p2ptrain.run.elect")
+Gone = Callable[[set[str]], Awaitable[set[str]]]
+"""Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 
 
 @dataclass(frozen=True)
@@ -34,11 +40,14 @@ class ElectConfig:
     give_up: float = 600.0
     """Seconds to wait for a peer that trained the step, when only newcomers showed up."""
     poll: float = 0.2
+    probe: float = 1.0
+    """Seconds between checks that expected peers which have not posted are there at all."""
 
     def __post_init__(self) -> None:
         if not (self.window > 0 and self.group_size >= 1 and self.margin >= 0 and self.give_up > 0
-                and self.poll > 0):
-            raise ValueError("ElectConfig needs window > 0, group_size >= 1, margin >= 0, give_up > 0, poll > 0")
+                and self.poll > 0 and self.probe > 0):
+            raise ValueError("ElectConfig needs window > 0, group_size >= 1, margin >= 0, give_up > 0, "
+                             "poll > 0, probe > 0")
 
 
 async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: bool, window: float,
@@ -74,16 +83,22 @@ async def read_ready(dht, run_id: str, step: int, window: float,
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
                             expected: set[str], sightings: election.Sightings | None = None,
-                            ) -> tuple[list[election.Ready], float] | None:
+                            gone: Gone | None = None) -> tuple[list[election.Ready], float] | None:
     """(ready records, the deadline waited for) once the step closed (see the module
     docstring); None on give-up. Expected peers that have not posted yet count toward the
     median deadline (`election.deadline`), so an early peer that sees only itself and a liar
     does not close the step on the others."""
     give_up = trio.current_time() + config.give_up
+    absent: set[str] = set()
+    probe_at = trio.current_time()
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
-        waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored
+        waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored - absent
+        if gone is not None and trio.current_time() >= probe_at and waiting - {r.peer for r in recs}:
+            absent |= await gone(waiting - {r.peer for r in recs})
+            waiting -= absent
+            probe_at = trio.current_time() + config.probe
         missing = len(waiting - {r.peer for r in recs})
         d = election.deadline(recs, config.window, missing, wall_time())
         if d is not None and (wall_time() >= d + config.margin or (waiting and not missing)):
@@ -96,10 +111,10 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
 
 async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignored: set[str],
                 expected: set[str], learn_addrs: Callable[[str, list[str]], None] | None = None,
-                sightings: election.Sightings | None = None) -> list[str]:
+                sightings: election.Sightings | None = None, gone: Gone | None = None) -> list[str]:
     """Our group for `step` in ring order, [] when nobody trained it. Candidates' addresses
-    go to `learn_addrs` so the group can dial each other."""
-    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings)
+    go to `learn_addrs` so the group can dial each other; `gone` as in `wait_for_deadline`."""
+    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings, gone)
     if got is None:
         return []
     recs, d = got

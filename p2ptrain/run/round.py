@@ -8,7 +8,8 @@ Attempts, each with a fresh roster (members this peer still trusts):
      of one group committing two averages);
   2. encode our contribution (int8 ring payloads, or the butterfly's per-chunk copies), sign
      a header describing it (`p2ptrain.run.contribution`), exchange headers and verify
-     them; members with a bad header are rejected (`Ledger.reject`) and we try again;
+     them; members with a bad header are rejected (`Ledger.reject`) and we try again (a
+     missing header is silence: an unexplained abort, not a rejection);
   3. run the all-reduce with every frame held to those headers; a `RoundFailed` naming
      culprits rejects them and we try again.
 Sparse runs (issue 18) replace steps 2-3 with the compressed collective
@@ -50,11 +51,14 @@ class ReduceService(Protocol):
     """The slice of `p2ptrain.reduce.service.AllReduceService` a round uses."""
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
-                       timeout: float) -> dict[str, bytes | None]: ...
+                       timeout: float, unreachable_silent: bool = False) -> dict[str, bytes | None]: ...
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own=None, check=None, robust=None):
         """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed."""
+
+    async def abort(self, run_id: str, round_id: str, reason: str) -> None:
+        """Abort our running round `round_id` (it cannot commit): its data plane stops now."""
 
 
 class Contributor:
@@ -82,11 +86,18 @@ class RoundConfig:
     robust: RobustConfig | None = None
     """Robust runs: butterfly + CenteredClip instead of the ring's mean."""
     max_attempts: int = 4
+    abort_skew: float = 0.0
+    """Seconds one member may still spend in an attempt after another left it: the
+    service's `commit_timeout` (a member that signed waits that long for a certificate;
+    one that signed nothing aborts at once) plus `exchange_timeout` (a member that went on
+    with a roster another did not confirm waits that long for its header). Confirmations
+    after the first wait this much longer than `exchange_timeout`; before, the member that
+    left first gave up on the other and both skipped the step (issue 17)."""
 
     def __post_init__(self) -> None:
         ring.RingConfig(self.ring_mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
-        if not (self.exchange_timeout > 0 and self.max_attempts >= 1):
-            raise ValueError("exchange_timeout must be > 0 and max_attempts >= 1")
+        if not (self.exchange_timeout > 0 and self.max_attempts >= 1 and self.abort_skew >= 0):
+            raise ValueError("exchange_timeout must be > 0, max_attempts >= 1 and abort_skew >= 0")
 
     @property
     def ring_mode(self) -> str:
@@ -193,6 +204,8 @@ class ContributionRound:
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
             wait = first_wait if attempt == 0 and first_wait is not None else self.config.exchange_timeout
+            if attempt > 0:
+                wait += self.config.abort_skew
             verdict = await self._confirm(t, attempt, roster, rh, base, wait)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
@@ -225,7 +238,8 @@ class ContributionRound:
         cuts the tensor differently (another version) is left out instead of failing every
         round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
         mine = rosters.Confirm(rh, base, self.config.sub_chunk_bytes, tuple(roster))
-        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout)
+        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
+                                      unreachable_silent=True)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         return rosters.reconcile(mine, replies)
 
@@ -268,6 +282,8 @@ class ContributionRound:
                 out.took("headers", h0)
                 if held is not None:
                     held.settle_verified(got.get("ok"), got.get("bad"), roster, rank, subs)
+            if held is not None and got["bad"]:  # no frame can pass: stop waiting for the data plane
+                await self.svc.abort(self.run_id, rid, "contribution headers")
 
         failed: RoundFailed | None = None
         res = None
@@ -285,9 +301,17 @@ class ContributionRound:
                     failed = exc
                 finally:
                     out.took("reduce", t0)
-        for peer, reason in got.get("bad", {}).items():
-            self.ledger.reject(t, peer, reason)
-        if got.get("bad"):  # their headers, not the data plane, decided this attempt
+        bad = got.get("bad", {})
+        # A missing header is silence, not a lie: a member that did not go on with this
+        # roster (it heard another confirmation than we did) or crashed. Rejecting it, as
+        # before, shut an honest member out of the run for good (issue 17, a peer killed
+        # mid-run). A member that confirms and then withholds its header is an unexplained
+        # abort like a withheld vote: left out, struck, rejected (`rosters.LeaveOneOut`).
+        for peer, reason in bad.items():
+            if reason != "missing-header":
+                self.ledger.reject(t, peer, reason)
+        if bad:  # their headers, not the data plane, decided this attempt
+            self._unexplained = all(r == "missing-header" for r in bad.values())
             return False
         if failed is not None or res is None:
             self._failed(t, attempt, failed or RoundFailed("no result"))

@@ -82,7 +82,8 @@ class Trainer:
         sparse = (SparseReducer(spec.train.sparse_config(), local.n_params)
                   if spec.train.allreduce == "sparse" else None)
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
-            spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust), self.ledger,
+            spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
+            abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
             contributor, sparse, vouch=self._vouch)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
@@ -198,7 +199,7 @@ class Trainer:
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
-                                  self.last_roster, self._learn, self.sightings)
+                                  self.last_roster, self._learn, self.sightings, gone=self.round.svc.unreachable)
         _lap(tm, "elect", lap)
         return group, tm
 
@@ -280,12 +281,15 @@ class Trainer:
         return bool({r.peer for r in recs} - {self.me} - self.ledger.ignored)
 
     async def _vouch(self, t: int, peers: set[str]) -> set[str]:
-        """Those of `peers` with a ready record for step t (their addresses learned)."""
+        """Those of `peers` with a ready record for step t (their addresses learned) that we
+        can reach: a crashed member's record outlives it, and merging it back into a roster
+        that another member already dropped it from left the two unable to agree (issue 17)."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         ok = [r for r in recs if r.peer in peers and r.peer not in self.ledger.ignored]
         for r in ok:
             self._learn(r.peer, list(r.addrs))
-        return {r.peer for r in ok}
+        vouched = {r.peer for r in ok}
+        return vouched - await self.round.svc.unreachable(vouched) if vouched else set()
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
