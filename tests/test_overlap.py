@@ -92,6 +92,53 @@ def test_manifest_overlap_field_validated_and_in_the_run_id():
             replace(base, overlap=bad)
     with pytest.raises(SpecError, match="library run"):
         TrainSpec(inner_steps=5, group_size=4, outer_lr=0.7, outer_momentum=0.9, overlap="eager")
+    # extendable phases: overlapped runs only, never fewer than H, absent (old ids) when unset
+    ext = replace(base, overlap="eager", max_inner_steps=8)
+    assert ext.to_dict()["max_inner_steps"] == 8 and "max_inner_steps" not in replace(base, overlap="eager").to_dict()
+    assert run_id({"train": ext.to_dict()}) not in ids
+    for bad in (dict(max_inner_steps=8), dict(overlap="eager", max_inner_steps=4),
+                dict(overlap="eager", max_inner_steps=8.0)):
+        with pytest.raises(SpecError, match="max_inner_steps"):
+            replace(base, **bad)
+
+
+class _FakeLocal:
+    """What `run_phase` uses of a LocalModel; each inner step is recorded, and `on_step`
+    runs after it (from the phase's thread, as the trio side would post)."""
+
+    def __init__(self, H: int, max_H: int, on_step=None) -> None:
+        self.H, self.max_H, self.batch, self.seq_len, self.seed = H, max_H, 1, 4, 0
+        self.peer_id, self.device, self.ds, self.inner_done = b"peer", torch.device("cpu"), None, 0
+        self.model = torch.nn.Linear(2, 2)
+        self.steps: list[tuple[int, bool]] = []
+        self.on_step = on_step
+
+    def inner_step(self, tokens, losses, schedule=True):
+        self.steps.append((int(tokens), schedule))
+        losses.append(torch.tensor(1.0))
+        if self.on_step is not None:
+            self.on_step(len(self.steps))
+
+
+@pytest.mark.parametrize("post_after,want", [(None, 7), (2, 4), (5, 5)])
+def test_a_phase_extends_while_its_round_is_in_flight_and_stops_when_it_lands(monkeypatch, post_after, want):
+    """H = 4, max 7: a phase whose round has not landed keeps stepping (extra windows of its
+    own, the schedule not advanced) up to max; one whose round landed stops at H, or at the
+    first step boundary after the landing. A phase with no round in flight takes exactly H."""
+    from p2ptrain.train import data, overlap
+
+    monkeypatch.setattr(data, "train_batch", lambda ds, peer, window, *a: torch.tensor(window))
+    start = torch.zeros(6)
+    ph = overlap.Phase(start, awaits_round=True)
+    local = _FakeLocal(4, 7, lambda n: ph.post(torch.zeros(6)) if n == post_after else None)
+    mean, tokens, busy, steps = overlap.run_phase(local, 3, ph)
+    assert steps == want == len(local.steps) and tokens == want * 4 and local.inner_done == want
+    windows = [w for w, _ in local.steps]
+    assert windows[:4] == [12, 13, 14, 15] and all(s for _, s in local.steps[:4])
+    extra = local.steps[4:]
+    assert all(not s and w >= overlap.EXTRA_WINDOWS for w, s in extra) and len(set(windows)) == len(windows)
+    fixed = _FakeLocal(4, 7)
+    assert overlap.run_phase(fixed, 3, overlap.Phase(start))[3] == 4  # no round in flight: exactly H
 
 
 def _bench(avg: str, land: float, seed: int = 0, H: int = 4) -> dict:

@@ -49,24 +49,32 @@ class UtilSettings:
     overlap: str = "eager"
     seed: int = 17
     eval_batches: int = 1
+    max_inner_steps: int = 0
+    """0: every phase exactly H. Else the overlapped run's phases extend up to this many
+    steps while their round is in flight (train.max_inner_steps), and a third run, overlapped
+    with fixed H, is measured beside it for comparison."""
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.mbit <= 0 or self.inner_steps < 1 or not 1 <= self.warm < self.steps:
             raise ValueError("need peers >= 2, mbit > 0, inner_steps >= 1, 1 <= warm < steps")
         if self.overlap not in ("delayed", "eager"):
             raise ValueError("overlap must be 'delayed' or 'eager'")
+        if self.max_inner_steps and self.max_inner_steps < self.inner_steps:
+            raise ValueError("max_inner_steps must be 0 or >= inner_steps")
 
 
-def init_run(work: Path, s: UtilSettings, overlap: str) -> tuple[Path, str]:
+def init_run(work: Path, s: UtilSettings, overlap: str, extend: bool = False) -> tuple[Path, str]:
+    name = f"run-{overlap}{'-extend' if extend else ''}"
     out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(work / f"run-{overlap}"), "--key", str(work / "init.key"),
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(work / name), "--key", str(work / "init.key"),
          "--preset", s.preset, "--inner-steps", str(s.inner_steps), "--batch-size", str(s.batch), "--seq-len",
          str(s.seq_len), "--warmup", "5", "--planned-outer-steps", "100", "--join-window", str(s.join_window),
-         "--group-size", str(s.peers), "--seed", str(s.seed), "--overlap", overlap],
+         "--group-size", str(s.peers), "--seed", str(s.seed), "--overlap", overlap,
+         *(["--max-inner-steps", str(s.max_inner_steps)] if extend else [])],
         capture_output=True, text=True, timeout=300, cwd=work)
     if out.returncode != 0:
         raise RuntimeError(f"p2ptrain init failed: {out.stderr.strip()[-500:]}")
-    return work / f"run-{overlap}", out.stdout.strip().splitlines()[-1]
+    return work / name, out.stdout.strip().splitlines()[-1]
 
 
 def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str, port: int) -> list[list[dict]]:
@@ -122,6 +130,7 @@ def measure(events: list[dict], warm: int, steps: int) -> dict:
     return {"wall_s": round(wall, 3), "inner_s": round(inner, 3), "utilization": round(inner / wall, 4),
             "utilization_commits": round(c_inner / c_wall, 4),
             "inner_step_ms": round(1000 * inner / max(1, n_steps), 1), "steps_per_s": round(n_steps / wall, 3),
+            "steps_per_phase": round(n_steps / max(1, len(used)), 2),
             "comm_s_mean": round(statistics.fmean(comm), 3) if comm else None,
             "inner_phase_s_mean": round(inner / max(1, len(used)), 3)}
 
@@ -140,7 +149,7 @@ def step_timing(events: list[list[dict]], warm: int) -> dict:
 
 def summarize_mode(per_peer: list[dict]) -> dict:
     keys = ("utilization", "utilization_commits", "inner_step_ms", "steps_per_s", "comm_s_mean",
-            "inner_phase_s_mean", "wall_s")
+            "inner_phase_s_mean", "wall_s", "steps_per_phase")
     out = {k: round(statistics.fmean(p[k] for p in per_peer if p[k] is not None), 4) for k in keys}
     out["utilization_min"] = min(p["utilization"] for p in per_peer)
     return out
@@ -156,6 +165,9 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-batches", type=int, default=None, help="peers' held-out batches per step (default 1)")
     p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
+    p.add_argument("--max-inner-steps", type=int, default=None, metavar="N",
+                   help="overlapped phases extend up to N steps while their round is in flight (a third "
+                        "run, overlapped with fixed H, is measured beside it)")
     p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
 
 
@@ -163,7 +175,7 @@ def run(args) -> int:
     from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
 
     s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
-    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches"):
+    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches", "max_inner_steps"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.__post_init__()
@@ -174,7 +186,9 @@ def run(args) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-util-"))
     t0 = time.monotonic()
-    runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap)}
+    runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap, bool(s.max_inner_steps))}
+    if s.max_inner_steps:
+        runs["overlapped_fixed_h"] = init_run(work, s, s.overlap)
     result: dict = {}
     try:
         with internet_lab(rates_mbit=[s.mbit] * s.peers, boot=True) as lab:
@@ -205,7 +219,11 @@ def run(args) -> int:
                "throughput_ratio": round(ovl["steps_per_s"] / seq["steps_per_s"], 3),
                "inner_step_ms_overlapped": ovl["inner_step_ms"], "inner_step_ms_sequential": seq["inner_step_ms"],
                "comm_over_inner_sequential": round(seq["comm_s_mean"] / seq["inner_phase_s_mean"], 3),
-               "identical_params": seq["identical_params"] and ovl["identical_params"],
+               "steps_per_phase_overlapped": ovl["steps_per_phase"],
+               **({"utilization_overlapped_fixed_h": result["overlapped_fixed_h"]["utilization"],
+                   "throughput_ratio_fixed_h": round(result["overlapped_fixed_h"]["steps_per_s"] / seq["steps_per_s"], 3)}
+                  if s.max_inner_steps else {}),
+               "identical_params": all(r["identical_params"] for r in result.values()),
                "settings": asdict(s), "seconds": round(time.monotonic() - t0, 1), "logs": str(work)}
     if args.json:
         print(json.dumps(summary))

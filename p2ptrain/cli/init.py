@@ -40,6 +40,10 @@ def add_parser(sub) -> None:
                    help="run step t's all-reduce while step t+1's inner steps train (issue 17): 'delayed' "
                         "keeps training from the local params, 'eager' from the outer step with the local "
                         "pseudo-gradient standing in for the average; the committed state is the same math")
+    p.add_argument("--max-inner-steps", type=int, default=None, metavar="N",
+                   help="with --overlap: a peer whose phase ends before the previous round landed keeps "
+                        "stepping up to N inner steps instead of waiting for slower peers (default: exactly "
+                        "--inner-steps; with it, reruns are no longer bit-identical)")
     p.add_argument("--join-window", type=float, default=30.0,
                    help="longest wait, after the first peer is ready, for the others (a step closes "
                         "earlier once every peer training it is ready)")
@@ -78,7 +82,8 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
                             schedule="cosine", planned_outer_steps=args.planned_outer_steps, outer_lr=outer_lr,
                             outer_momentum=outer_momentum, group_size=args.group_size,
                             allreduce=args.allreduce, aggregation=args.aggregation, **compressor,
-                            overlap=None if getattr(args, "overlap", "none") == "none" else args.overlap),
+                            overlap=None if getattr(args, "overlap", "none") == "none" else args.overlap,
+                            max_inner_steps=getattr(args, "max_inner_steps", None)),
             timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
             genesis=GenesisSpec(genesis_sha, genesis_bytes))
     except SpecError as exc:

@@ -118,6 +118,12 @@ class TrainSpec(_Section):
     # Overlapped outer steps (issue 17; p2ptrain.train.overlap): "delayed" or "eager"; None,
     # and absent from the manifest (so older run ids do not change), for the sequential loop.
     overlap: str | None = None
+    # Overlapped runs: a peer whose phase ends before the previous round landed keeps
+    # stepping, up to this many inner steps, instead of waiting (issue 17: with a fixed H the
+    # faster peers idled for the slowest one's phase). None, and absent from the manifest:
+    # exactly inner_steps, and reruns are bit-identical; with it, how many steps a peer adds
+    # depends on timing (members stay identical to each other: they commit one average).
+    max_inner_steps: int | None = None
 
     def __post_init__(self) -> None:
         _int(self.inner_steps, "train.inner_steps", 1)
@@ -133,6 +139,10 @@ class TrainSpec(_Section):
         _need(self.overlap is None or self.overlap in OVERLAP_SCHEMES[1:],
               f"unknown overlap {self.overlap!r} (this version knows {', '.join(OVERLAP_SCHEMES[1:])}; "
               "leave it out for the sequential loop)")
+        if self.max_inner_steps is not None:
+            _int(self.max_inner_steps, "train.max_inner_steps", self.inner_steps)
+            _need(self.overlap is not None, "train.max_inner_steps needs train.overlap (a phase extends only "
+                  "while the previous round is still in flight)")
         inner = [self.seed, self.inner_lr, self.warmup, self.weight_decay, self.batch_size, self.seq_len,
                  self.schedule, self.planned_outer_steps]
         if all(v is None for v in inner):

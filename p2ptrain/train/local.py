@@ -80,6 +80,8 @@ class LocalModel:
         self.ds = ds
         self.peer_id = peer_id
         self.H = tr.inner_steps
+        self.max_H = tr.max_inner_steps or tr.inner_steps
+        """Overlapped runs: the most inner steps a phase may take while its round is in flight."""
         self.batch = tr.batch_size
         self.seq_len = tr.seq_len
         self.seed = tr.seed
@@ -126,15 +128,18 @@ class LocalModel:
         mean = float(torch.stack(losses).double().mean())
         return mean, self.H * self.batch * self.seq_len, time.perf_counter() - t0
 
-    def inner_step(self, tokens: torch.Tensor, losses: list) -> None:
-        """One AdamW step on a batch already on the device (the throughput bench times this)."""
+    def inner_step(self, tokens: torch.Tensor, losses: list, schedule: bool = True) -> None:
+        """One AdamW step on a batch already on the device (the throughput bench times this).
+        `schedule=False`: at the current learning rate, without advancing the schedule (a
+        phase's extra steps: every peer's schedule stays at H steps per outer step)."""
         with dev.autocast(self.device, self.autocast_dtype):
             loss = self.model.loss(tokens)
         self.inner_opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.inner_opt.step()
-        self.sched.step()
+        if schedule:
+            self.sched.step()
         losses.append(loss.detach().float())
 
     def pseudo_gradient(self) -> np.ndarray:

@@ -51,10 +51,12 @@ log = logging.getLogger("p2ptrain.train.overlap")
 class Phase:
     """One inner phase's start point and the committed state waiting to land on it. The
     worker thread calls `land` between inner steps; the trio side calls `post` (a lock:
-    the two run in different threads)."""
+    the two run in different threads). `awaits_round`: a round is in flight and will post,
+    so the phase may extend until it does (`run_phase`, train.max_inner_steps)."""
 
-    def __init__(self, start: torch.Tensor) -> None:
+    def __init__(self, start: torch.Tensor, awaits_round: bool = False) -> None:
         self.start = start
+        self.awaits_round = awaits_round
         self._pending: torch.Tensor | None = None
         self._lock = threading.Lock()
         self.landed_at: int | None = None
@@ -63,6 +65,11 @@ class Phase:
     def post(self, committed: torch.Tensor) -> None:
         with self._lock:
             self._pending = committed
+
+    def waiting(self) -> bool:
+        """Is the round this phase overlaps still in flight (nothing posted or landed)?"""
+        with self._lock:
+            return self.awaits_round and self._pending is None and self.landed_at is None
 
     def land(self, params: list[torch.Tensor], at_step: int) -> None:
         with self._lock:
@@ -74,26 +81,35 @@ class Phase:
         self.start, self.landed_at = committed, at_step
 
 
-def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float, int, float]:
+EXTRA_WINDOWS = 1 << 48
+"""Data-window index of a phase's extra steps: disjoint from the regular ones (phase * H + i)."""
+
+
+def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float, int, float, int]:
     """H inner steps on phase `phase_no`'s data windows, landing the committed state at the
-    first step boundary after it was posted; (mean loss, tokens, seconds in inner steps)."""
+    first step boundary after it was posted; then, while the round it overlaps is still in
+    flight, extra steps up to `local.max_H` rather than idle (on windows of their own, at
+    the schedule's current learning rate). (mean loss, tokens, seconds in inner steps, steps)."""
     from p2ptrain.train.data import train_batch
 
     params = list(local.model.parameters())
     local.model.train()
     losses: list = []
-    busy = 0.0
-    for i in range(local.H):
+    busy, i = 0.0, 0
+    while i < local.H or (i < local.max_H and phase.waiting()):
         phase.land(params, i)
-        tokens = train_batch(local.ds, local.peer_id, phase_no * local.H + i, local.batch, local.seq_len, local.seed)
+        regular = i < local.H
+        window = phase_no * local.H + i if regular else EXTRA_WINDOWS + phase_no * local.max_H + i
+        tokens = train_batch(local.ds, local.peer_id, window, local.batch, local.seq_len, local.seed)
         t0 = time.perf_counter()
-        local.inner_step(dev.to_device(tokens, local.device), losses)
+        local.inner_step(dev.to_device(tokens, local.device), losses, schedule=regular)
         busy += time.perf_counter() - t0
-        if progress is not None:
-            progress(i + 1, local.H)
-    local.inner_done += local.H
+        i += 1
+        if progress is not None and regular:
+            progress(i, local.H)
+    local.inner_done += i
     mean = float(torch.stack(losses).double().mean())
-    return mean, local.H * local.batch * local.seq_len, busy
+    return mean, i * local.batch * local.seq_len, busy, i
 
 
 async def run_niced(nice: int, fn, *args):
@@ -156,11 +172,11 @@ class OverlappedLoop:
                                out.cfg.nesterov)
         if self.scheme != "delayed":  # delayed starts where the model already is
             dev.scatter_from_host(start, self._params())
-        return Phase(start)
+        return Phase(start, awaits_round=True)
 
-    def _finish(self, phase: Phase) -> np.ndarray:
+    def _finish(self, phase: Phase, steps: int) -> np.ndarray:
         """Land a state that arrived after the phase's last step; the phase's contribution."""
-        phase.land(self._params(), self.local.H)
+        phase.land(self._params(), steps)
         local = dev.gather_to_host(self._params())
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
@@ -179,12 +195,12 @@ class OverlappedLoop:
             await self._join_ahead()
         phase = self._first_phase()
         if joining:  # others train this step already: join its round with zeros at once
-            res = (math.nan, 0, 0.0)
+            res = (math.nan, 0, 0.0, 0)
             delta = np.zeros(local.outer.numel, np.float32)
         else:
             res = await trio.to_thread.run_sync(run_phase, local, local.step, phase, tr._progress(local.step))
-            tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=local.H, landed_at=None)
-            delta = await trio.to_thread.run_sync(self._finish, phase)
+            tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=res[3], landed_at=None)
+            delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
         elected = None
         while not tr.done():
             t = local.step
@@ -202,14 +218,15 @@ class OverlappedLoop:
                     # Ready record and election for step t+1 beside round t: its round starts
                     # the moment phase t+1 ends (the roster confirmation checks the base).
                     nursery.start_soon(self._announce, t + 1, nxt)
-                skipped = await tr.commit_step(t, delta, joining, *res, elected=elected)
+                skipped = await tr.commit_step(t, delta, joining, *res[:3], elected=elected,
+                                               inner_steps=res[3] or local.H)
                 # whatever the peer now holds: the new state, a caught-up one, or the old one
                 phase.post(local.outer.outer.clone())
             elected = nxt.get("elected") if local.step == t + 1 else None
             res = nxt["res"]
-            tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=local.H,
-                           landed_at=phase.landed_at if phase.landed_at is not None else local.H)
-            delta = await trio.to_thread.run_sync(self._finish, phase)
+            tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=res[3],
+                           landed_at=phase.landed_at if phase.landed_at is not None else res[3])
+            delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
             joining = False
             if skipped and local.step > t:
                 # Caught up past our round. Elected for the step we adopted (we announced it
@@ -220,5 +237,5 @@ class OverlappedLoop:
                     elected = None
                     await self._join_ahead()
                 phase = await trio.to_thread.run_sync(self._first_phase)
-                res, joining = (math.nan, 0, 0.0), True
+                res, joining = (math.nan, 0, 0.0, 0), True
                 delta = np.zeros(local.outer.numel, np.float32)

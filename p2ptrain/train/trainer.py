@@ -204,11 +204,13 @@ class Trainer:
         return group, tm
 
     async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
-                          sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None) -> bool:
+                          sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None,
+                          inner_steps: int | None = None) -> bool:
         """Publish ready, elect, run the round and apply the committed average (or skip and
         catch up); returns whether the next step starts as a zero-contribution join.
         `elected`: what `announce(t, ...)` returned when it ran ahead (its seconds are then
-        reported as "ready_ahead" / "elect_ahead": off the critical path)."""
+        reported as "ready_ahead" / "elect_ahead": off the critical path). `inner_steps`: what
+        the phase took when it is not H (train.max_inner_steps), signed in our header."""
         t_comm = lap = trio.current_time()
         if elected is None:
             group, tm = await self.announce(t, joining)
@@ -222,7 +224,7 @@ class Trainer:
         lap = _lap(tm, "base_hash", lap)
         # Elected ahead, the members meet when their phases end: wait for them as long as the
         # election would have (its join window), not the exchange timeout.
-        out = await self.round.run(t, delta, group, base, tokens, self.local.H, joining,
+        out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
                                    None if elected is None else self.elect_cfg.window)
         tm.update(out.seconds)
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
