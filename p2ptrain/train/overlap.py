@@ -89,7 +89,8 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float,
     """H inner steps on phase `phase_no`'s data windows, landing the committed state at the
     first step boundary after it was posted; then, while the round it overlaps is still in
     flight, extra steps up to `local.max_H` rather than idle (on windows of their own, at
-    the schedule's current learning rate). (mean loss, tokens, seconds in inner steps, steps)."""
+    the schedule's current learning rate). (mean loss, tokens, seconds in inner steps with
+    their data windows, steps)."""
     from p2ptrain.train.data import train_batch
 
     params = list(local.model.parameters())
@@ -100,8 +101,8 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float,
         phase.land(params, i)
         regular = i < local.H
         window = phase_no * local.H + i if regular else EXTRA_WINDOWS + phase_no * local.max_H + i
+        t0 = time.perf_counter()  # data windows count, as in the sequential loop's phase
         tokens = train_batch(local.ds, local.peer_id, window, local.batch, local.seq_len, local.seed)
-        t0 = time.perf_counter()
         local.inner_step(dev.to_device(tokens, local.device), losses, schedule=regular)
         busy += time.perf_counter() - t0
         i += 1
@@ -180,6 +181,12 @@ class OverlappedLoop:
         local = dev.gather_to_host(self._params())
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
+    def _turn(self, phase: Phase, steps: int, go_on: bool) -> tuple[np.ndarray, Phase | None]:
+        """`_finish`, then (`go_on`: the committed state is the next phase's base) the next
+        phase's start point from that contribution."""
+        delta = self._finish(phase, steps)
+        return delta, self._next_phase(torch.from_numpy(delta)) if go_on else None
+
     async def _join_ahead(self) -> None:
         """Join two steps ahead (`Trainer._join_ahead`). Others post their ready record for
         step t+1 when round t starts, before state t is even published, so a peer that adopts
@@ -201,11 +208,11 @@ class OverlappedLoop:
             res = await trio.to_thread.run_sync(run_phase, local, local.step, phase, tr._progress(local.step))
             tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=res[3], landed_at=None)
             delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
-        elected = None
+        elected, ahead = None, None
         while not tr.done():
             t = local.step
             tr.events.emit("outer_step_started", step=t, joining=joining, overlap=self.scheme)
-            phase = await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta))
+            phase = ahead or await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta))
             nxt: dict = {}
 
             async def train_next() -> None:
@@ -226,9 +233,12 @@ class OverlappedLoop:
             res = nxt["res"]
             tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=res[3],
                            landed_at=phase.landed_at if phase.landed_at is not None else res[3])
-            delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
             joining = False
-            if skipped and local.step > t:
+            caught_up = skipped and local.step > t
+            # One thread hop for this phase's contribution and the next phase's start point:
+            # on contended cores each hop cost 5-50 ms of idle between phases (issue 17).
+            delta, ahead = await trio.to_thread.run_sync(self._turn, phase, res[3], not caught_up and not tr.done())
+            if caught_up:
                 # Caught up past our round. Elected for the step we adopted (we announced it
                 # beside the round): join its round at once with zeros, as its group expects
                 # us. Otherwise, like a newcomer, we would be late for it. Either way the
