@@ -141,13 +141,22 @@ def test_a_phase_extends_while_its_round_is_in_flight_and_stops_when_it_lands(mo
     assert overlap.run_phase(fixed, 3, overlap.Phase(start))[3] == 4  # no round in flight: exactly H
 
 
-def _bench(avg: str, land: float, seed: int = 0, H: int = 4) -> dict:
+def _bench(avg: str, land: float, seed: int = 0, H: int = 4, extra: str = "") -> dict:
     from p2ptrain.bench.diloco import Settings, run_config
 
     st = Settings(steps=12, batch=2, seq_len=16, warmup=2, warm_start=0, eval_batches=1, eval_batch=4,
-                  workers=2, overlap_land=land, model=dict(d_model=16, n_layers=1, n_heads=2, ffn_hidden=32,
-                                                           max_seq_len=16))
+                  workers=2, overlap_land=land, overlap_extra=extra,
+                  model=dict(d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
     return run_config(st, "diloco", H, avg, seed, None)
+
+
+def test_bench_extendable_phases_train_extra_steps_only_before_a_late_landing():
+    torch.set_num_threads(1)
+    plain, ext = _bench("eager", 1.0), _bench("eager", 1.0, extra="0,2")
+    assert ext["outer_sha256"] != plain["outer_sha256"] and np.isfinite(ext["val_loss"])
+    assert _bench("eager", 1.0, extra="0,0")["outer_sha256"] == plain["outer_sha256"]
+    with pytest.raises(ValueError, match="lands after the phase"):
+        _bench("eager", 0.5, extra="0,2")
 
 
 def test_bench_overlap_that_lands_at_once_is_synchronous_diloco_bit_for_bit():

@@ -14,14 +14,13 @@ Configurations, all from the same initial model (per seed) and at equal compute 
   diloco_H*_sparse         the same with issue 18's compressed contributions (top-k + 2-bit +
                error feedback, all-gathered; `sparse_mean`) and its own outer lr/momentum
 Optionally all of them start from a briefly pre-trained checkpoint (--warm-start steps of one
-worker, shared by every configuration of a seed).
+worker, shared by every configuration of a seed). Overlapped schemes: `diloco_overlap`.
 
 Wire bytes per worker use the ring formula 2 (M-1)/M * payload per all-reduce, with payload
 quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step;
 sparse sends its framed messages to each of the M-1 others (`p2ptrain.reduce.sparse.wire_nbytes`).
-Configurations run in separate processes (--jobs) of one thread each by default: on two
-shared cores, two single-threaded processes were faster and far steadier than one process with
-two threads (OpenMP barriers stall when another job takes a core).
+Configurations run in separate processes (--jobs) of one thread each by default: on two shared
+cores that was faster and far steadier than one two-thread process (OpenMP barriers stall).
 """
 
 from __future__ import annotations
@@ -85,10 +84,11 @@ class Settings:
     overlap_land: float = 1.0
     """Overlapped schemes (issue 17, `diloco_overlap`): the fraction of the next phase done when
     a round's average lands (1.0: the reduce takes a whole phase), their own outer step (None:
-    DiLoCo's) and eager's stand-in as a multiple of the peer's own delta."""
+    DiLoCo's), eager's stand-in as a multiple of own delta, extra steps per worker ("E0,E1")."""
     overlap_outer_lr: float | None = None
     overlap_outer_momentum: float | None = None
     eager_scale: float = 1.0
+    overlap_extra: str = ""
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0 or not 0 <= self.overlap_land <= 1:
@@ -200,7 +200,7 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
         errs = []
         if avg in diloco_overlap.OVERLAP_AVGS:  # issue 17: fp32 mean, one-round-delayed landing
             diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H),
-                                 st.eager_scale)
+                                 st.eager_scale, st.overlap_extra)
         for r in range(0 if avg in diloco_overlap.OVERLAP_AVGS else S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
                 for h in range(H):
@@ -330,7 +330,7 @@ def settings_from_args(args) -> Settings:
         st.seq_len = st.model["max_seq_len"]
     for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
                  "ef_decay", "sparse_outer_lr", "sparse_outer_momentum", "overlap_land",
-                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale"):
+                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale", "overlap_extra"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:

@@ -21,6 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap-outer-lr", type=float, default=None, help="their outer lr (default: DiLoCo's)")
     p.add_argument("--overlap-outer-momentum", type=float, default=None, help="their outer momentum (default: DiLoCo's)")
     p.add_argument("--eager-scale", type=float, default=None, help="eager: stand-in = this x own delta (default 1)")
+    p.add_argument("--overlap-extra", default=None, metavar="E0,E1,..",
+                   help="extendable phases (train.max_inner_steps): worker w's extra inner steps per phase, "
+                        "taken while the average has not landed (needs --overlap-land 1)")
 
 
 def outer_step(st, avg: str, lr: float, momentum: float) -> tuple[float, float]:
@@ -32,10 +35,19 @@ def outer_step(st, avg: str, lr: float, momentum: float) -> tuple[float, float]:
             momentum if st.overlap_outer_momentum is None else st.overlap_outer_momentum)
 
 
+class _Held:
+    """A schedule that does not move: a phase's extra steps train at the current lr."""
+
+    def step(self) -> None:
+        pass
+
+
 def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int,
-          eager_scale: float = 1.0) -> None:
+          eager_scale: float = 1.0, extra: str = "") -> None:
     """Run `rounds` overlapped rounds; afterwards models[0] holds the committed params.
-    `batch(w, s)`: worker w's batch at inner step s; `step_fn(model, opt, sched, batches)`."""
+    `batch(w, s)`: worker w's batch at inner step s; `step_fn(model, opt, sched, batches)`.
+    `extra` ("E0,E1,.."): worker w adds E_w steps to each phase before the average lands (a
+    faster peer under train.max_inner_steps), on batches of their own, the schedule held."""
     import torch
 
     from p2ptrain.train import overlap_math as om
@@ -44,6 +56,10 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
     if scheme not in OVERLAP_AVGS or not 0 <= land <= H:
         raise ValueError(f"scheme must be one of {OVERLAP_AVGS} and 0 <= land <= H")
     M = len(models)
+    adds = [int(x) for x in extra.split(",")] if extra else [0]
+    adds = [adds[w % len(adds)] for w in range(M)]
+    if min(adds) < 0 or (any(adds) and land != H):
+        raise ValueError("extra steps must be >= 0, and are taken only when the average lands after the phase")
     starts = [outer.outer.clone() for _ in range(M)]
     pending = None  # the committed state of the last round, not yet landed on the workers
     last_avg, last_own = None, [None] * M  # "mixed": the last round's average and our deltas in it
@@ -59,6 +75,8 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
                 if pending is not None and h == land:
                     land_on(w)
                 step_fn(m, opt, sched, [batch(w, r * H + h)])
+            for j in range(adds[w]):
+                step_fn(m, opt, _Held(), [batch(w, (1 << 40) + r * adds[w] + j)])
             if pending is not None and land == H:
                 land_on(w)
         locals_ = [flatten(m.parameters()) for m in models]

@@ -259,14 +259,25 @@ class Trainer:
         lap = trio.current_time()
         committed = getattr(self.local, "evaluates_committed", False)
         nb = self.config.eval_batches
-        val = await trio.to_thread.run_sync(lambda: self.local.evaluate(nb, committed=True) if committed
-                                            else self.local.evaluate())
+        val = await self._beside_phase(lambda: self.local.evaluate(nb, committed=True) if committed
+                                       else self.local.evaluate())
         lap = _lap(tm, "evaluate", lap)
         await self.publish_state(report["loss"], val)
         _lap(tm, "publish_state", lap)
         self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()})
         self.events.emit("outer_step_committed", val_loss=round(val, 5), **report)
         done.set()
+
+    async def _beside_phase(self, fn):
+        """Blocking work that runs beside the next inner phase (evaluation). Overlapped runs
+        give it the phase's lower CPU priority: at normal priority it starved the hand-over
+        from one phase to the next (trio's thread, at normal priority too) on a shared CPU,
+        and the phase thread exactly when the round's state landed (issue 17)."""
+        if self.spec.train.overlap_scheme == "none":
+            return await trio.to_thread.run_sync(fn)
+        from p2ptrain.train.overlap import run_niced
+
+        return await run_niced(self.config.phase_nice, fn)
 
     async def _wait_reported(self) -> None:
         if self._reported is not None:
