@@ -53,7 +53,7 @@ def test_phase_start_per_scheme():
 
 
 def test_phase_lands_posted_state_between_steps_from_another_thread():
-    from p2ptrain.train.overlap import Phase
+    from p2ptrain.train.phases import Phase
 
     p = torch.nn.Parameter(_vec(1, 50).clone())
     start = p.detach().clone()
@@ -125,7 +125,8 @@ def test_a_phase_extends_while_its_round_is_in_flight_and_stops_when_it_lands(mo
     """H = 4, max 7: a phase whose round has not landed keeps stepping (extra windows of its
     own, the schedule not advanced) up to max; one whose round landed stops at H, or at the
     first step boundary after the landing. A phase with no round in flight takes exactly H."""
-    from p2ptrain.train import data, overlap
+    from p2ptrain.train import data
+    from p2ptrain.train import phases as overlap
 
     monkeypatch.setattr(data, "train_batch", lambda ds, peer, window, *a: torch.tensor(window))
     start = torch.zeros(6)
@@ -207,7 +208,7 @@ def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_
 
     import trio
 
-    from p2ptrain.train.overlap import run_niced
+    from p2ptrain.train.phases import run_niced
 
     def probe(x):
         tid = threading.get_native_id()

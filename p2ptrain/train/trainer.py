@@ -54,7 +54,7 @@ class TrainerConfig:
     phase_nice: int = 10
     """Overlapped runs: how much lower the inner-phase thread's CPU priority is than the
     round's (Linux nice steps, 0-19; 0 = the same), so communication is not slowed by the
-    inner steps it overlaps on a shared CPU (`p2ptrain.train.overlap.run_niced`)."""
+    inner steps it overlaps on a shared CPU (`p2ptrain.train.phases.run_niced`)."""
 
     def __post_init__(self) -> None:
         if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1 or self.eval_batches < 1:
@@ -275,7 +275,7 @@ class Trainer:
         and the phase thread exactly when the round's state landed (issue 17)."""
         if self.spec.train.overlap_scheme == "none":
             return await trio.to_thread.run_sync(fn)
-        from p2ptrain.train.overlap import run_niced
+        from p2ptrain.train.phases import run_niced
 
         return await run_niced(self.config.phase_nice, fn)
 
