@@ -230,6 +230,52 @@ def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_
     trio.run(main)
 
 
+def test_phase_worker_runs_phases_back_to_back_and_hands_over_at_normal_priority(monkeypatch):
+    """Phase 1's round commits with go_on: the worker turns (contribution, next start) in
+    the normal-priority hand-over thread and trains phase 2 at once; phase 2's round does not
+    (go_on False): the worker reports and waits for trio. Inner steps ran at nice +5."""
+    import os
+
+    import trio
+
+    from p2ptrain.train import data
+    from p2ptrain.train import phases
+
+    monkeypatch.setattr(data, "train_batch", lambda ds, peer, window, *a: torch.tensor(window))
+    prio = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
+    seen = {"step": set(), "turn": set()}
+    events = []
+
+    class Local(_FakeLocal):
+        def inner_step(self, tokens, losses, schedule=True):
+            seen["step"].add(prio())
+            super().inner_step(tokens, losses, schedule)
+
+    def turn(phase, steps, go_on):
+        seen["turn"].add(prio())
+        return np.full(3, float(steps), np.float32), phases.Phase(torch.zeros(6), True) if go_on else None
+
+    async def main():
+        base = prio()
+        send, recv = trio.open_memory_channel(10)
+        worker = phases.PhaseWorker(Local(2, 4), turn, 5, send, lambda e, **kw: events.append((e, kw)),
+                                    lambda no: None)
+        first = phases.Phase(torch.zeros(6), True)
+        worker.submit(1, first)
+        await trio.sleep(0.05)
+        first.post(torch.zeros(6), go_on=True)
+        no, res, ph, delta, nxt, _ = await recv.receive()
+        assert (no, ph) == (1, first) and nxt is not None and res[3] >= 2
+        nxt.post(torch.zeros(6), go_on=False)
+        no2, res2, ph2, _, nxt2, _ = await recv.receive()
+        assert (no2, ph2, nxt2) == (2, nxt, None)
+        worker.stop()
+        assert seen["step"] == {min(19, base + 5)} and seen["turn"] == {base}
+        assert [kw["phase"] for e, kw in events if e == "inner_phase_started"] == [1, 2]
+
+    trio.run(main)
+
+
 def test_utilization_counts_whole_cycles_from_phase_starts():
     from p2ptrain.bench.utilization import measure
 

@@ -16,6 +16,7 @@ The old inbox was one map of at most 256 tags with the oldest evicted: anyone co
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,13 +78,15 @@ class Inbox:
         self._early[sender] = early  # re-inserted: the most recent sender last
 
     async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send,
-                      unreachable_silent: bool = False) -> dict[bytes, bytes]:
+                      unreachable_silent: bool = False, gone=None, probe: float = 1.0) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
         `send()` returns the members it could not even open a stream to (or None); with
         `unreachable_silent` those count as silent at once: they never got our message, so
         they count us as silent too, and waiting out the timeout for them (a crashed peer)
-        only delays everyone else (issue 17: a peer killed mid-run)."""
+        only delays everyone else (issue 17: a peer killed mid-run). `gone(members)`, with
+        `unreachable_silent`: checked every `probe` seconds for the members still awaited, those
+        certainly gone (a member that died after our message reached it) count as silent too."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -94,12 +97,18 @@ class Inbox:
                 w.box[p] = data
         try:
             undelivered = await send()
-            unreachable = frozenset(undelivered or ()) if unreachable_silent else frozenset()
+            unreachable = set(undelivered or ()) if unreachable_silent else set()
             wanted = others - unreachable
+            probing = unreachable_silent and gone is not None
             with trio.move_on_after(timeout):
                 while not wanted <= w.box.keys():
                     w.event = trio.Event()
-                    await w.event.wait()
+                    with trio.move_on_after(probe if probing else math.inf):
+                        await w.event.wait()
+                    if probing and not wanted <= w.box.keys():
+                        lost = set(await gone(set(wanted - w.box.keys())))
+                        unreachable |= lost
+                        wanted -= lost
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]

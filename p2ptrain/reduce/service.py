@@ -29,7 +29,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
-from p2ptrain.identity import peer_id_from_str, public_from_peer_id_bytes, verify
+from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce import butterfly, reach, ringvote
 from p2ptrain.reduce.blame import BlameLedger
 from p2ptrain.reduce.bulk import session_tag
@@ -352,7 +352,8 @@ class AllReduceService:
         self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
-        got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent)
+        got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
+                                       gone=self._gone)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out
@@ -360,6 +361,10 @@ class AllReduceService:
     async def unreachable(self, peers: set[str], timeout: float = 3.0) -> set[str]:
         """`p2ptrain.reduce.reach.unreachable` from this node."""
         return await reach.unreachable(self.host, peers, timeout)
+
+    async def _gone(self, ids: set[bytes]) -> set[bytes]:
+        gone = await reach.unreachable(self.host, {peer_id_to_str(p) for p in ids})
+        return {p for p in ids if peer_id_to_str(p) in gone}
 
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
         return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL)

@@ -50,6 +50,10 @@ class Phase:
             self._pending, self.go_on = committed, go_on
         self._posted.set()
 
+    def has_pending(self) -> bool:
+        with self._lock:
+            return self._pending is not None
+
     def wait_posted(self) -> bool:
         """Block until the round this phase overlaps is over; its `go_on`."""
         self._posted.wait()
@@ -74,12 +78,13 @@ EXTRA_WINDOWS = 1 << 48
 """Data-window index of a phase's extra steps: disjoint from the regular ones (phase * H + i)."""
 
 
-def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float, int, float, int]:
+def run_phase(local, phase_no: int, phase: Phase, progress=None, urgent=None) -> tuple[float, int, float, int]:
     """H inner steps on phase `phase_no`'s data windows, landing the committed state at the
     first step boundary after it was posted; then, while the round it overlaps is still in
     flight, extra steps up to `local.max_H` rather than idle (on windows of their own, at
     the schedule's current learning rate). (mean loss, tokens, seconds in inner steps with
-    their data windows, steps)."""
+    their data windows, steps). `urgent(fn, *args)` runs the landing (PhaseWorker: at
+    normal priority)."""
     from p2ptrain.train.data import train_batch
 
     params = list(local.model.parameters())
@@ -87,6 +92,8 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float,
     losses: list = []
     busy, i = 0.0, 0
     while i < local.H or (i < local.max_H and phase.waiting()):
+        if urgent is not None and phase.has_pending():
+            urgent(phase.land, params, i)
         phase.land(params, i)
         regular = i < local.H
         window = phase_no * local.H + i if regular else EXTRA_WINDOWS + phase_no * local.max_H + i
@@ -158,6 +165,7 @@ class PhaseWorker:
         self.emit, self.progress = emit, progress
         self.token = trio.lowlevel.current_trio_token()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.urgent = Urgent()  # started from trio's thread: normal priority
         threading.Thread(target=self._body, name="p2ptrain-inner-phases", daemon=True).start()
 
     def submit(self, no: int, phase: Phase) -> None:
@@ -165,6 +173,7 @@ class PhaseWorker:
 
     def stop(self) -> None:
         self.jobs.put(None)
+        self.urgent.stop()
 
     def _soon(self, fn, *args, **kw) -> None:
         try:
@@ -180,10 +189,42 @@ class PhaseWorker:
                 while phase is not None:
                     self._soon(self.emit, "inner_phase_started", phase=no, overlaps_round=no - 1,
                                t=round(time.time(), 3))
-                    res = run_phase(self.local, no, phase, self.progress(no))
+                    res = run_phase(self.local, no, phase, self.progress(no), self.urgent)
                     ended = time.time()
-                    delta, nxt = self.turn(phase, res[3], phase.wait_posted())
+                    delta, nxt = self.urgent(self.turn, phase, res[3], phase.wait_posted())
                     self._soon(self.send.send_nowait, (no, res, phase, delta, nxt, ended))
                     no, phase = no + 1, nxt
             except BaseException as exc:  # re-raised on the trio side
                 self._soon(self.send.send_nowait, exc)
+
+
+class Urgent:
+    """A thread at normal priority that runs the phase worker's hand-over work for it (the
+    landing, the contribution and next start point) while the worker waits: at nice +10
+    behind the process's other work, that took 5-85 ms per phase on contended cores."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._body, name="p2ptrain-phase-handover", daemon=True).start()
+
+    def __call__(self, fn, *args):
+        box: dict = {}
+        done = threading.Event()
+        self.jobs.put((fn, args, box, done))
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+
+    def _body(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fn, args, box, done = job
+            try:
+                box["value"] = fn(*args)
+            except BaseException as exc:  # re-raised in the caller's thread
+                box["error"] = exc
+            finally:
+                done.set()

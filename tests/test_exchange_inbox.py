@@ -1,0 +1,48 @@
+"""`p2ptrain.reduce.exchange.Inbox.collect` in memory under trio's autojump clock: who an
+exchange stops waiting for (issue 17: a peer killed mid-run cost its group the whole wait)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from p2ptrain.reduce.exchange import Inbox
+
+ME, A, B = b"me", b"a", b"b"
+
+
+def _collect(undelivered=(), gone_after=None, silent=True, timeout=20.0):
+    """A answers at once; B never does. Returns (result, fake seconds taken)."""
+    inbox = Inbox(known=lambda p: True)
+    calls = []
+
+    async def send():
+        inbox.put(A, b"tag", b"from a")
+        return set(undelivered)
+
+    async def gone(peers):
+        calls.append(set(peers))
+        return {B} & peers if gone_after is not None and len(calls) >= gone_after else set()
+
+    async def main():
+        t0 = trio.current_time()
+        got = await inbox.collect(b"tag", [ME, A, B], ME, timeout, send, silent, gone=gone)
+        return got, trio.current_time() - t0
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), calls
+
+
+def test_a_member_no_stream_opened_to_is_silent_at_once():
+    (got, took), _ = _collect(undelivered={B})
+    assert got == {A: b"from a"} and took < 1.0
+
+
+def test_a_member_that_died_after_our_message_is_dropped_at_the_next_probe():
+    (got, took), calls = _collect(gone_after=3)
+    assert got == {A: b"from a"} and 2.5 < took < 4.0, took
+    assert all(c == {B} for c in calls)  # only members still awaited are probed
+
+
+def test_without_unreachable_silent_the_exchange_waits_out_its_timeout():
+    (got, took), calls = _collect(undelivered={B}, gone_after=1, silent=False)
+    assert got == {A: b"from a"} and took >= 20.0 and calls == []
