@@ -201,6 +201,12 @@ def test_init_gives_eager_runs_the_outer_step_measured_best_for_them_unless_told
     told = spec("--overlap", "eager", "--outer-lr", "0.7", "--outer-momentum", "0.9")
     assert (told.outer_lr, told.outer_momentum) == (0.7, 0.9)
     assert spec("--overlap", "delayed").outer_lr == 0.7
+    # overlapped phases extend up to 2 H unless told; other runs have a fixed H
+    assert eager.max_inner_steps == 2 * eager.inner_steps and spec().max_inner_steps is None
+    assert spec("--overlap", "eager", "--max-inner-steps", "0").max_inner_steps is None
+    assert spec("--overlap", "eager", "--max-inner-steps", "60").max_inner_steps == 60
+    with pytest.raises(Exception, match="max_inner_steps"):
+        spec("--max-inner-steps", "60")  # a sequential run cannot extend
 
 
 def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_come_back():

@@ -49,10 +49,10 @@ class UtilSettings:
     overlap: str = "eager"
     seed: int = 17
     eval_batches: int = 1
-    max_inner_steps: int = 0
-    """0: every phase exactly H. Else the overlapped run's phases extend up to this many
-    steps while their round is in flight (train.max_inner_steps), and a third run, overlapped
-    with fixed H, is measured beside it for comparison."""
+    max_inner_steps: int | None = None
+    """The overlapped run's phases extend up to this many steps while their round is in
+    flight (train.max_inner_steps; None: `init`'s default, 2 H), and a third run, overlapped
+    with fixed H, is measured beside it; 0: fixed H only."""
 
     def __post_init__(self) -> None:
         if self.peers < 2 or self.mbit <= 0 or self.inner_steps < 1 or not 1 <= self.warm < self.steps:
@@ -62,15 +62,21 @@ class UtilSettings:
         if self.max_inner_steps and self.max_inner_steps < self.inner_steps:
             raise ValueError("max_inner_steps must be 0 or >= inner_steps")
 
+    @property
+    def extends(self) -> bool:
+        return self.max_inner_steps != 0
+
 
 def init_run(work: Path, s: UtilSettings, overlap: str, extend: bool = False) -> tuple[Path, str]:
     name = f"run-{overlap}{'-extend' if extend else ''}"
+    ext: list[str] = []  # the sequential run, or extendable phases at init's default
+    if overlap != "none" and (not extend or s.max_inner_steps):
+        ext = ["--max-inner-steps", str(s.max_inner_steps if extend else 0)]
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(work / name), "--key", str(work / "init.key"),
          "--preset", s.preset, "--inner-steps", str(s.inner_steps), "--batch-size", str(s.batch), "--seq-len",
          str(s.seq_len), "--warmup", "5", "--planned-outer-steps", "100", "--join-window", str(s.join_window),
-         "--group-size", str(s.peers), "--seed", str(s.seed), "--overlap", overlap,
-         *(["--max-inner-steps", str(s.max_inner_steps)] if extend else [])],
+         "--group-size", str(s.peers), "--seed", str(s.seed), "--overlap", overlap, *ext],
         capture_output=True, text=True, timeout=300, cwd=work)
     if out.returncode != 0:
         raise RuntimeError(f"p2ptrain init failed: {out.stderr.strip()[-500:]}")
@@ -166,8 +172,8 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap", default="eager", choices=["delayed", "eager"])
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
     p.add_argument("--max-inner-steps", type=int, default=None, metavar="N",
-                   help="overlapped phases extend up to N steps while their round is in flight (a third "
-                        "run, overlapped with fixed H, is measured beside it)")
+                   help="overlapped phases extend up to N steps while their round is in flight (default: "
+                        "init's, 2 H; a third run, overlapped with fixed H, is measured beside it); 0: fixed H")
     p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
 
 
@@ -186,8 +192,8 @@ def run(args) -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-util-"))
     t0 = time.monotonic()
-    runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap, bool(s.max_inner_steps))}
-    if s.max_inner_steps:
+    runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap, s.extends)}
+    if s.extends:
         runs["overlapped_fixed_h"] = init_run(work, s, s.overlap)
     result: dict = {}
     try:
@@ -222,7 +228,7 @@ def run(args) -> int:
                "steps_per_phase_overlapped": ovl["steps_per_phase"],
                **({"utilization_overlapped_fixed_h": result["overlapped_fixed_h"]["utilization"],
                    "throughput_ratio_fixed_h": round(result["overlapped_fixed_h"]["steps_per_s"] / seq["steps_per_s"], 3)}
-                  if s.max_inner_steps else {}),
+                  if s.extends else {}),
                "identical_params": all(r["identical_params"] for r in result.values()),
                "settings": asdict(s), "seconds": round(time.monotonic() - t0, 1), "logs": str(work)}
     if args.json:

@@ -42,8 +42,8 @@ def add_parser(sub) -> None:
                         "pseudo-gradient standing in for the average; the committed state is the same math")
     p.add_argument("--max-inner-steps", type=int, default=None, metavar="N",
                    help="with --overlap: a peer whose phase ends before the previous round landed keeps "
-                        "stepping up to N inner steps instead of waiting for slower peers (default: exactly "
-                        "--inner-steps; with it, reruns are no longer bit-identical)")
+                        "stepping, up to N inner steps, instead of idling for slower peers (default 2 x "
+                        "--inner-steps; 0: exactly --inner-steps)")
     p.add_argument("--join-window", type=float, default=30.0,
                    help="longest wait, after the first peer is ready, for the others (a step closes "
                         "earlier once every peer training it is ready)")
@@ -83,11 +83,21 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
                             outer_momentum=outer_momentum, group_size=args.group_size,
                             allreduce=args.allreduce, aggregation=args.aggregation, **compressor,
                             overlap=None if getattr(args, "overlap", "none") == "none" else args.overlap,
-                            max_inner_steps=getattr(args, "max_inner_steps", None)),
+                            max_inner_steps=_max_inner_steps(args)),
             timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
             genesis=GenesisSpec(genesis_sha, genesis_bytes))
     except SpecError as exc:
         raise CLIError(str(exc), "see `p2ptrain init --help`") from None
+
+
+def _max_inner_steps(args) -> int | None:
+    """Overlapped runs extend a phase up to 2 H by default (bench utilization: fixed H left the
+    faster peers idle for the slowest one; the extra steps cost no validation loss,
+    BENCHMARKS.md); 0 means a fixed H, which is what every other run has (None)."""
+    n = getattr(args, "max_inner_steps", None)
+    if getattr(args, "overlap", "none") == "none":
+        return n or None  # a number here is refused by the spec, with its reason
+    return 2 * args.inner_steps if n is None else n or None
 
 
 def run(args) -> int:
