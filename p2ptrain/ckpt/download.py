@@ -94,10 +94,11 @@ class CheckpointServer:
         return manifest, digest
 
     async def publish(self, dht, run_id: str, data: bytes, step: int, params: str, members: list[str],
-                      addrs: list[str], ttl: float = 600.0) -> chunks.ChunkManifest:
+                      addrs: list[str], ttl: float = 600.0, blocking=None) -> chunks.ChunkManifest:
         """Serve `data` as chunks and advertise it; returns its chunk manifest (whose
-        `sha256` is the whole checkpoint's hash)."""
-        manifest, digest = await trio.to_thread.run_sync(self.serve, data)
+        `sha256` is the whole checkpoint's hash). `blocking(fn, *args)` runs the chunking and
+        hashing (default `trio.to_thread.run_sync`)."""
+        manifest, digest = await (blocking or trio.to_thread.run_sync)(self.serve, data)
         value = providers.encode(step, digest, manifest.sha256, params, members, addrs)
         await dht.store(keys.providers(run_id), value, ttl=ttl)
         self.current = (step, digest)

@@ -81,12 +81,14 @@ class Inbox:
                       unreachable_silent: bool = False, gone=None, probe: float = 1.0) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
-        `send()` returns the members it could not even open a stream to (or None); with
-        `unreachable_silent` those count as silent at once: they never got our message, so
-        they count us as silent too, and waiting out the timeout for them (a crashed peer)
-        only delays everyone else (issue 17: a peer killed mid-run). `gone(members)`, with
-        `unreachable_silent`: checked every `probe` seconds for the members still awaited, those
-        certainly gone (a member that died after our message reached it) count as silent too."""
+        With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
+        no dial), members still awaited are checked at once if `send()` could not open a
+        stream to them (it returns those, or None), then every `probe` seconds; the gone
+        count as silent. Waiting out the timeout for a crashed peer only delayed everyone
+        else (issue 17: a peer killed mid-run, including one that died after our message
+        reached it). A stream that failed to open is not enough: "no valid connections" is
+        often transient, and counting such a live member silent at once left it out of its
+        group (seen in CI)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -96,11 +98,14 @@ class Inbox:
             if data is not None:
                 w.box[p] = data
         try:
-            undelivered = await send()
-            unreachable = set(undelivered or ()) if unreachable_silent else set()
-            wanted = others - unreachable
+            undelivered = set(await send() or ()) & others
             probing = unreachable_silent and gone is not None
+            unreachable: set[bytes] = set()
+            wanted = set(others)
             with trio.move_on_after(timeout):
+                if probing and undelivered:
+                    unreachable = set(await gone(undelivered)) & undelivered
+                    wanted -= unreachable
                 while not wanted <= w.box.keys():
                     w.event = trio.Event()
                     with trio.move_on_after(probe if probing else math.inf):

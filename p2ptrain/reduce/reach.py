@@ -1,12 +1,13 @@
 """Reaching a round's members over libp2p: small control messages (votes, exchanges) and
 telling a crashed peer from a live one.
 
-Both answers feed liveness decisions elsewhere: `send_all`'s undelivered members count as
-silent at once in a roster confirmation (`Inbox.collect`), and `unreachable` lets an
-election stop waiting for an expected peer and a roster merge leave out a peer whose ready
-record outlived it (issue 17: a peer killed mid-run). Neither judges a peer whose address we
-never learned, and neither decides a round: a wrong "unreachable" only drops a member that
-could not have taken part with us anyway.
+Both answers feed liveness decisions elsewhere. In a roster confirmation, members that
+`send_all` could not open a stream to are probed at once and count as silent if gone
+(`Inbox.collect`). `unreachable` lets an election stop waiting for an expected peer, and a
+roster merge leave out a peer whose ready record outlived it (issue 17: a peer killed
+mid-run). An election never judges a peer whose address we never learned; an exchange does
+(it cannot reach that member at all). Neither decides a round: a wrong "unreachable" only
+drops a member that could not have taken part with us anyway.
 """
 
 from __future__ import annotations
@@ -23,16 +24,29 @@ log = logging.getLogger("p2ptrain.reduce.reach")
 SEND_TIMEOUT = 5.0
 
 
+OPEN_RETRIES = (0.1, 0.3, 1.0)
+"""Pauses before opening a stream again: "no valid connections" is often transient (a
+connection being replaced), and a member that misses our message counts us as silent."""
+
+
 async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TProtocol) -> set[bytes]:
-    """Send `msg` to every member but us, each on a stream of its own; returns those we could
-    not even open a stream to (certainly not delivered, unlike a failure after it opened)."""
+    """Send `msg` to every member but us, each on a stream of its own (opening it again a
+    few times within SEND_TIMEOUT); returns those we could not even open a stream to
+    (certainly not delivered, unlike a failure after it opened)."""
     undelivered: set[bytes] = set()
 
     async def one(peer: bytes) -> None:
         opened = False
         try:
             with trio.fail_after(SEND_TIMEOUT):
-                stream = await host.new_stream(ID(peer), [protocol])
+                for pause in (*OPEN_RETRIES, None):
+                    try:
+                        stream = await host.new_stream(ID(peer), [protocol])
+                        break
+                    except Exception:
+                        if pause is None:
+                            raise
+                        await trio.sleep(pause)
                 opened = True
                 await stream.write(msg)
                 await stream.close()
@@ -48,9 +62,11 @@ async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TPro
     return undelivered
 
 
-async def unreachable(host, peers: set[str], timeout: float = 3.0) -> set[str]:
+async def unreachable(host, peers: set[str], timeout: float = 3.0, unknown_gone: bool = False) -> set[str]:
     """Those of `peers` we know addresses for, hold no connection to and cannot dial within
-    `timeout`: certainly not there now (a crashed peer; its ready record outlives it)."""
+    `timeout`: certainly not there now (a crashed peer; its ready record outlives it).
+    `unknown_gone`: a peer we hold no connection to and know no address for counts too (an
+    exchange member we cannot reach at all; an election only waits for such a peer)."""
     gone: set[str] = set()
     network, store = host.get_network(), host.get_peerstore()
 
@@ -62,7 +78,14 @@ async def unreachable(host, peers: set[str], timeout: float = 3.0) -> set[str]:
 
     async def one(peer: str) -> None:
         pid = ID(peer_id_from_str(peer))
-        if network.get_connections(pid) or not addressed(pid):
+        # py-libp2p 0.8.1 keeps closed connections in the swarm's map (docs/UPSTREAM.md, 8):
+        # only an open one says the peer is there; otherwise the dial decides (and gives
+        # new_stream a live connection again).
+        if any(not getattr(c, "is_closed", False) for c in network.get_connections(pid)):
+            return
+        if not addressed(pid):
+            if unknown_gone:
+                gone.add(peer)
             return
         try:
             with trio.fail_after(timeout):

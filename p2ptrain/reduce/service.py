@@ -363,7 +363,7 @@ class AllReduceService:
         return await reach.unreachable(self.host, peers, timeout)
 
     async def _gone(self, ids: set[bytes]) -> set[bytes]:
-        gone = await reach.unreachable(self.host, {peer_id_to_str(p) for p in ids})
+        gone = await reach.unreachable(self.host, {peer_id_to_str(p) for p in ids}, unknown_gone=True)
         return {p for p in ids if peer_id_to_str(p) in gone}
 
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:

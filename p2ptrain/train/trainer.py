@@ -262,22 +262,22 @@ class Trainer:
         val = await self._beside_phase(lambda: self.local.evaluate(nb, committed=True) if committed
                                        else self.local.evaluate())
         lap = _lap(tm, "evaluate", lap)
-        await self.publish_state(report["loss"], val)
+        await self.publish_state(report["loss"], val, report["params_sha256"])
         _lap(tm, "publish_state", lap)
         self.events.emit("step_timing", step=t, seconds={k: round(v, 4) for k, v in tm.items()})
         self.events.emit("outer_step_committed", val_loss=round(val, 5), **report)
         done.set()
 
-    async def _beside_phase(self, fn):
-        """Blocking work that runs beside the next inner phase (evaluation). Overlapped runs
-        give it the phase's lower CPU priority: at normal priority it starved the hand-over
-        from one phase to the next (trio's thread, at normal priority too) on a shared CPU,
-        and the phase thread exactly when the round's state landed (issue 17)."""
+    async def _beside_phase(self, fn, *args):
+        """Blocking work that runs beside the next inner phase (evaluation, the state record's
+        snapshot and chunk hashes). Overlapped runs give it the phase's lower CPU priority: at
+        normal priority this burst, which starts as a round commits, starved the hand-over
+        from one phase to the next on a shared CPU (issue 17)."""
         if self.spec.train.overlap_scheme == "none":
-            return await trio.to_thread.run_sync(fn)
+            return await trio.to_thread.run_sync(fn, *args)
         from p2ptrain.train.phases import run_niced
 
-        return await run_niced(self.config.phase_nice, fn)
+        return await run_niced(self.config.phase_nice, fn, *args)
 
     async def _wait_reported(self) -> None:
         if self._reported is not None:
@@ -311,19 +311,23 @@ class Trainer:
         """Inner-step progress: a bar on a terminal, plain log lines otherwise."""
         return progress.make(f"outer step {t}", self.events.json_mode, "inner steps")
 
-    async def publish_state(self, loss: float | None = None, val_loss: float | None = None) -> None:
+    async def publish_state(self, loss: float | None = None, val_loss: float | None = None,
+                            params: str | None = None) -> None:
+        """`params`: the committed params' hash when the caller has it (the outer step
+        returns it: hashing them again was part of the burst at every commit)."""
         # Training blocks only for the in-memory snapshot; the disk write runs in the
         # writer's thread (p2ptrain.ckpt.checkpoint.AsyncWriter).
         t0 = time.perf_counter()
-        data = await trio.to_thread.run_sync(self.local.state_bytes)
+        data = await self._beside_phase(self.local.state_bytes)
         snapshot = time.perf_counter() - t0
         self.writer.submit(self.local.step, data)
-        params = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+        params = params or await trio.to_thread.run_sync(self.local.outer.params_sha256)
         addrs = self.node.rpc.local_addrs()
         # Served as verified chunks only (p2ptrain.ckpt.download); the chunking hashes the whole
         # state once, and that hash names it in the state record too.
         served = await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
-                                                sorted(self.last_roster) if self.local.step else [], addrs)
+                                                sorted(self.last_roster) if self.local.step else [], addrs,
+                                                blocking=self._beside_phase)
         await states.publish(self.dht, self.run_id, records.State(
             self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), kind_counts(self.node.host)))
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
