@@ -138,3 +138,46 @@ def test_bug6_autonat_dial_back_reuses_the_askers_connection():
 
     assert trio.run(verdict, lambda h: AutoNATService(h, serve=True)) == Message.OK  # the bug
     assert trio.run(verdict, fresh_dial_autonat) == Message.E_DIAL_ERROR  # the workaround
+
+
+def test_bug8_new_stream_fails_instead_of_dialing_when_every_listed_connection_is_closed():
+    """A connection whose close is under way (or was cancelled: it then stays listed for
+    good) makes `Swarm.new_stream` raise although the peer is right there; with the
+    workaround (`prune_closed_connections`, installed by build_host) the swarm dials again."""
+    from libp2p.custom_types import TProtocol
+    from libp2p.network.exceptions import SwarmException
+    from libp2p.peer.peerinfo import PeerInfo
+
+    proto = TProtocol("/p2ptrain/test-bug8/1")
+
+    async def main() -> tuple[str, bool]:
+        cfg = NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"])
+        a, b = build_host(Identity.generate(), cfg), build_host(Identity.generate(), cfg)
+        listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+
+        async def echo(stream):
+            await stream.close()
+
+        b.set_stream_handler(proto, echo)
+        async with a.run(listen), b.run(listen):
+            await a.connect(PeerInfo(b.get_id(), b.get_addrs()))
+            swarm = a.get_network()
+
+            def close_in_place() -> None:  # closed as far as the connection knows, still listed
+                for conn in swarm.get_connections(b.get_id()):
+                    conn.event_closed.set()
+
+            close_in_place()
+            try:
+                await swarm.p2ptrain_unpruned_new_stream(b.get_id())
+                bug = "opened"
+            except SwarmException as exc:
+                bug = str(exc)
+            close_in_place()
+            stream = await a.new_stream(b.get_id(), [proto])  # the workaround: pruned, dialed again
+            await stream.close()
+            return bug, True
+
+    bug, fixed = trio.run(main)
+    assert "No valid connections available" in bug, bug
+    assert fixed

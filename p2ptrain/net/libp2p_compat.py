@@ -18,6 +18,13 @@ test that shows the bug (tests/test_upstream_bugs.py); drop it when upstream fix
    workaround is a module of its own, `p2ptrain/net/peerguard.py` (per-peer limits from
    `p2ptrain/net/limits.py`), installed by `p2ptrain.net.node.Node`.
 
+8. `Swarm.new_stream` filters the closed connections out of those listed for a peer and
+   raises "No valid connections available" when none is left, without dialing. A closing
+   connection stays listed until its close finishes, and one whose close was cancelled
+   stays listed for good, so a live peer could not be reached (seen in CI: an honest
+   member's confirmations and checkpoint fetches failed). `prune_closed_connections`
+   removes a peer's connections when every one is closed, so `new_stream` dials afresh.
+
 6. The AutoNAT server's dial-back uses `host.connect`, which returns at once when the
    asking peer is already connected (it always is: it asked over that connection), so
    every peer whose advertised IP matches its observed IP is told "public", even with its
@@ -57,6 +64,26 @@ def probe_tcp_ports(addrs: list[multiaddr.Multiaddr]) -> None:
             raise ListenError(f"{a}: {exc.strerror}") from None
         finally:
             sock.close()
+
+
+def prune_closed_connections(host) -> None:
+    """Workaround 8: before each outbound stream, forget a peer's connections when every one
+    is closed (`Swarm.remove_conn`), so the swarm dials instead of failing. The unpatched
+    method stays reachable as `swarm.p2ptrain_unpruned_new_stream` (the bug's test)."""
+    swarm = host.get_network()
+    if hasattr(swarm, "p2ptrain_unpruned_new_stream"):
+        return
+    inner = swarm.new_stream
+
+    async def new_stream(peer_id):
+        conns = swarm.get_connections(peer_id)
+        if conns and all(getattr(c, "is_closed", False) for c in conns):
+            for conn in conns:
+                swarm.remove_conn(conn)
+        return await inner(peer_id)
+
+    swarm.p2ptrain_unpruned_new_stream = inner
+    swarm.new_stream = new_stream
 
 
 def check_listening(host) -> None:

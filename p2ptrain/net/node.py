@@ -21,7 +21,7 @@ from p2ptrain.dht.libp2p_rpc import Libp2pRpc
 from p2ptrain.dht.node import DHTConfig, DHTNode
 from p2ptrain.events import EventSink
 from p2ptrain.identity import Identity, peer_id_from_str, peer_id_to_str
-from p2ptrain.net.libp2p_compat import ListenError, check_listening, probe_tcp_ports
+from p2ptrain.net.libp2p_compat import ListenError, check_listening, probe_tcp_ports, prune_closed_connections
 from p2ptrain.net.limits import LimitsConfig
 from p2ptrain.net.peerguard import PeerGuard
 
@@ -118,8 +118,10 @@ def build_host(identity: Identity, config: NodeConfig):
         high_watermark=max(9, config.max_connections * 3 // 4), max_connections_per_peer=2,
         dial_timeout=config.dial_timeout,
     )
-    return new_host(key_pair=key_pair, muxer_preference="YAMUX", connection_config=conn,
+    host = new_host(key_pair=key_pair, muxer_preference="YAMUX", connection_config=conn,
                     addrs_factory=addrs_factory)
+    prune_closed_connections(host)
+    return host
 
 
 class Node:
