@@ -101,19 +101,18 @@ class Inbox:
             undelivered = set(await send() or ()) & others
             probing = unreachable_silent and gone is not None
             unreachable: set[bytes] = set()
-            wanted = set(others)
+
+            async def drop_gone(candidates: set[bytes]) -> None:
+                if probing and candidates:
+                    unreachable.update(set(await gone(candidates)) & candidates)
+
             with trio.move_on_after(timeout):
-                if probing and undelivered:
-                    unreachable = set(await gone(undelivered)) & undelivered
-                    wanted -= unreachable
-                while not wanted <= w.box.keys():
+                await drop_gone(undelivered)
+                while not (others - unreachable) <= w.box.keys():
                     w.event = trio.Event()
                     with trio.move_on_after(probe if probing else math.inf):
                         await w.event.wait()
-                    if probing and not wanted <= w.box.keys():
-                        lost = set(await gone(set(wanted - w.box.keys())))
-                        unreachable |= lost
-                        wanted -= lost
+                    await drop_gone(set(others - unreachable - w.box.keys()))
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]

@@ -95,11 +95,12 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
         waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored - absent
-        if gone is not None and trio.current_time() >= probe_at and waiting - {r.peer for r in recs}:
-            absent |= await gone(waiting - {r.peer for r in recs})
+        posted = {r.peer for r in recs}
+        if gone is not None and trio.current_time() >= probe_at and waiting - posted:
+            absent |= await gone(waiting - posted)
             waiting -= absent
             probe_at = trio.current_time() + config.probe
-        missing = len(waiting - {r.peer for r in recs})
+        missing = len(waiting - posted)
         d = election.deadline(recs, config.window, missing, wall_time())
         if d is not None and (wall_time() >= d + config.margin or (waiting and not missing)):
             return recs, d

@@ -92,9 +92,8 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None, urgent=None) ->
     losses: list = []
     busy, i = 0.0, 0
     while i < local.H or (i < local.max_H and phase.waiting()):
-        if urgent is not None and phase.has_pending():
-            urgent(phase.land, params, i)
-        phase.land(params, i)
+        if phase.has_pending():  # the landing, at normal priority when a worker gives one
+            (urgent or _call)(phase.land, params, i)
         regular = i < local.H
         window = phase_no * local.H + i if regular else EXTRA_WINDOWS + phase_no * local.max_H + i
         t0 = time.perf_counter()  # data windows count, as in the sequential loop's phase
@@ -107,6 +106,10 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None, urgent=None) ->
     local.inner_done += i
     mean = float(torch.stack(losses).double().mean())
     return mean, i * local.batch * local.seq_len, busy, i
+
+
+def _call(fn, *args):
+    return fn(*args)
 
 
 def lower_priority(nice: int) -> None:
