@@ -73,6 +73,26 @@ def test_phase_lands_posted_state_between_steps_from_another_thread():
     assert ph.landed_at == 1
 
 
+def test_a_shifted_start_lands_exactly_before_any_step_and_the_committed_state_wins():
+    from p2ptrain.train.phases import Phase
+
+    p = torch.nn.Parameter(_vec(1, 50).clone())
+    ph = Phase(p.detach().clone(), awaits_round=True)
+    target = _vec(3, 50)
+    ph.shift(target)
+    ph.land([p], 0)  # before any inner step: the target itself, bit for bit
+    assert torch.equal(p.detach(), target) and ph.shifted_at == 0 and ph.landed_at is None and ph.waiting()
+    with torch.no_grad():
+        p.add_(1.0)
+    committed = _vec(2, 50)
+    ph.post(committed)
+    ph.shift(_vec(4, 50))  # after the committed state: dropped
+    assert not ph.waiting()
+    ph.land([p], 1)
+    assert torch.equal(ph.start, committed) and ph.landed_at == 1
+    assert torch.allclose(p.detach(), committed + 1.0)
+
+
 def test_manifest_overlap_field_validated_and_in_the_run_id():
     from dataclasses import replace
 
@@ -142,11 +162,11 @@ def test_a_phase_extends_while_its_round_is_in_flight_and_stops_when_it_lands(mo
     assert overlap.run_phase(fixed, 3, overlap.Phase(start))[3] == 4  # no round in flight: exactly H
 
 
-def _bench(avg: str, land: float, seed: int = 0, H: int = 4, extra: str = "") -> dict:
+def _bench(avg: str, land: float, seed: int = 0, H: int = 4, extra: str = "", shift: int = 0) -> dict:
     from p2ptrain.bench.diloco import Settings, run_config
 
     st = Settings(steps=12, batch=2, seq_len=16, warmup=2, warm_start=0, eval_batches=1, eval_batch=4,
-                  workers=2, overlap_land=land, overlap_extra=extra,
+                  workers=2, overlap_land=land, overlap_extra=extra, overlap_shift=shift,
                   model=dict(d_model=16, n_layers=1, n_heads=2, ffn_hidden=32, max_seq_len=16))
     return run_config(st, "diloco", H, avg, seed, None)
 
@@ -158,6 +178,20 @@ def test_bench_extendable_phases_train_extra_steps_only_before_a_late_landing():
     assert _bench("eager", 1.0, extra="0,0")["outer_sha256"] == plain["outer_sha256"]
     with pytest.raises(ValueError, match="lands after the phase"):
         _bench("eager", 0.5, extra="0,2")
+
+
+def test_bench_a_late_eager_start_changes_the_run_unless_the_average_lands_first():
+    """`--overlap-shift K`: phases train from the last one's end until their eager start lands
+    K steps in (the phase worker's hand-over); an average landing first supersedes it (landing
+    before any step: synchronous DiLoCo, bit for bit)."""
+    torch.set_num_threads(1)
+    plain = _bench("eager", 1.0)
+    late = _bench("eager", 1.0, shift=1)
+    assert late["outer_sha256"] != plain["outer_sha256"] and np.isfinite(late["val_loss"])
+    assert _bench("eager", 0.0, shift=1)["outer_sha256"] == _bench("fp32", 1.0)["outer_sha256"]
+    for bad in (dict(avg="delayed", land=1.0, shift=1), dict(avg="eager", land=1.0, shift=4)):
+        with pytest.raises(ValueError, match="shift"):
+            _bench(**bad)
 
 
 def test_bench_overlap_that_lands_at_once_is_synchronous_diloco_bit_for_bit():
@@ -236,11 +270,14 @@ def test_inner_phases_run_in_a_thread_of_their_own_at_lower_priority_and_errors_
     trio.run(main)
 
 
-def test_phase_worker_runs_phases_back_to_back_and_hands_over_at_normal_priority(monkeypatch):
-    """Phase 1's round commits with go_on: the worker turns (contribution, next start) in
-    the normal-priority hand-over thread and trains phase 2 at once; phase 2's round does not
-    (go_on False): the worker reports and waits for trio. Inner steps ran at nice +5."""
+def test_phase_worker_trains_on_while_the_hand_over_computes_the_next_start(monkeypatch):
+    """Phase 1's round commits with go_on: the worker snapshots the params and trains phase 2
+    at once, while the normal-priority hand-over thread computes the contribution and phase
+    2's start point (slowly here), which lands at a step boundary of phase 2, moving the
+    params by start - end. Phase 2's round does not go on: the worker lands and contributes
+    through `finish` and waits for trio. Inner steps ran at nice +5."""
     import os
+    import time
 
     import trio
 
@@ -249,32 +286,55 @@ def test_phase_worker_runs_phases_back_to_back_and_hands_over_at_normal_priority
 
     monkeypatch.setattr(data, "train_batch", lambda ds, peer, window, *a: torch.tensor(window))
     prio = lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())  # noqa: E731
-    seen = {"step": set(), "turn": set()}
+    seen = {"step": set(), "turn": set(), "steps_at_turn": None}
     events = []
 
     class Local(_FakeLocal):
         def inner_step(self, tokens, losses, schedule=True):
             seen["step"].add(prio())
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.add_(1.0)  # progress: one per step
+            time.sleep(0.01)
             super().inner_step(tokens, losses, schedule)
 
-    def turn(phase, steps, go_on):
+    local = Local(2, 200)
+    params = list(local.model.parameters())
+
+    def turn(phase, end, nxt):
         seen["turn"].add(prio())
-        return np.full(3, float(steps), np.float32), phases.Phase(torch.zeros(6), True) if go_on else None
+        assert torch.equal(nxt.start, end)
+        time.sleep(0.1)  # a slow hand-over: phase 2 trains meanwhile
+        seen["steps_at_turn"] = len(local.steps)
+        nxt.shift(end + 100.0)
+        return np.full(6, 7.0, np.float32)
+
+    def finish(phase, steps):
+        seen["turn"].add(prio())
+        phase.land(params, steps)
+        return np.zeros(6, np.float32)
 
     async def main():
         base = prio()
         send, recv = trio.open_memory_channel(10)
-        worker = phases.PhaseWorker(Local(2, 4), turn, 5, send, lambda e, **kw: events.append((e, kw)),
+        worker = phases.PhaseWorker(local, turn, finish, 5, send, lambda e, **kw: events.append((e, kw)),
                                     lambda no: None)
+        init = [p.detach().clone() for p in params]
         first = phases.Phase(torch.zeros(6), True)
         worker.submit(1, first)
         await trio.sleep(0.05)
         first.post(torch.zeros(6), go_on=True)
         no, res, ph, delta, nxt, _ = await recv.receive()
-        assert (no, ph) == (1, first) and nxt is not None and res[3] >= 2
-        nxt.post(torch.zeros(6), go_on=False)
+        assert (no, ph) == (1, first) and nxt is not None and res[3] >= 2 and delta[0] == 7.0
+        assert seen["steps_at_turn"] > res[3]  # phase 2 trained while the hand-over ran
+        await trio.sleep(0.05)  # the shift lands at phase 2's next step boundary
+        nxt.post(nxt.start.clone(), go_on=False)  # lands as it is: a zero move
         no2, res2, ph2, _, nxt2, _ = await recv.receive()
         assert (no2, ph2, nxt2) == (2, nxt, None)
+        assert nxt.shifted_at is not None and nxt.shifted_at >= 1 and nxt.landed_at >= nxt.shifted_at
+        # every step added 1 and the shift 100, once: its offset, not a copy of its target
+        moved = [p.detach() - i for p, i in zip(params, init)]
+        assert all(torch.allclose(m, torch.full_like(m, res[3] + res2[3] + 100.0)) for m in moved)
         worker.stop()
         assert seen["step"] == {min(19, base + 5)} and seen["turn"] == {base}
         assert [kw["phase"] for e, kw in events if e == "inner_phase_started"] == [1, 2]

@@ -66,13 +66,11 @@ class Settings:
     here); after 500 warm steps the same settings match or beat data-parallel (BENCHMARKS.md)."""
     eval_batches: int = 8
     eval_batch: int = 64
-    block: int = 16
-    """int8 sub-block size of the ring (the network's default)."""
+    block: int = 16  # int8 sub-block size of the ring (the network's default)
     topk_fraction: float = 0.0369
     """sparse: entries kept per chunk: k = 151 of 4096, the most that stays >= 2000x below
     data-parallel's bytes at H=50 with Elias-Fano offsets (SparseLoCo: 1-3 %)."""
-    chunk: int = 4096
-    """sparse: top-k chunk."""
+    chunk: int = 4096  # sparse: top-k chunk
     ef_decay: float = 0.8
     """sparse: error-feedback decay beta. Seed-0 sweep at H=50: 0.8 and 0.9 beat SparseLoCo's
     0.95 (1.5151 / 1.5160 vs ~1.52), 1.0 and 0.65 are worse (BENCHMARKS.md)."""
@@ -84,11 +82,13 @@ class Settings:
     overlap_land: float = 1.0
     """Overlapped schemes (issue 17, `diloco_overlap`): the fraction of the next phase done when
     a round's average lands (1.0: the reduce takes a whole phase), their own outer step (None:
-    DiLoCo's), eager's stand-in as a multiple of own delta, extra steps per worker ("E0,E1")."""
+    DiLoCo's), eager's stand-in as a multiple of own delta, extra steps per worker ("E0,E1"),
+    eager's start point landing this many steps into the phase (`overlap_shift`)."""
     overlap_outer_lr: float | None = None
     overlap_outer_momentum: float | None = None
     eager_scale: float = 1.0
     overlap_extra: str = ""
+    overlap_shift: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0 or not 0 <= self.overlap_land <= 1:
@@ -200,7 +200,7 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
         errs = []
         if avg in diloco_overlap.OVERLAP_AVGS:  # issue 17: fp32 mean, one-round-delayed landing
             diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H),
-                                 st.eager_scale, st.overlap_extra)
+                                 st.eager_scale, st.overlap_extra, st.overlap_shift)
         for r in range(0 if avg in diloco_overlap.OVERLAP_AVGS else S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
                 for h in range(H):
@@ -330,7 +330,7 @@ def settings_from_args(args) -> Settings:
         st.seq_len = st.model["max_seq_len"]
     for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
                  "ef_decay", "sparse_outer_lr", "sparse_outer_momentum", "overlap_land",
-                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale", "overlap_extra"):
+                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale", "overlap_extra", "overlap_shift"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:

@@ -24,6 +24,9 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap-extra", default=None, metavar="E0,E1,..",
                    help="extendable phases (train.max_inner_steps): worker w's extra inner steps per phase, "
                         "taken while the average has not landed (needs --overlap-land 1)")
+    p.add_argument("--overlap-shift", type=int, default=None, metavar="K",
+                   help="eager: each phase's start point lands K inner steps into it; the phase trains from "
+                        "the last one's end until then (the phase worker computes it beside the first steps)")
 
 
 def outer_step(st, avg: str, lr: float, momentum: float) -> tuple[float, float]:
@@ -43,11 +46,13 @@ class _Held:
 
 
 def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str, land: int,
-          eager_scale: float = 1.0, extra: str = "") -> None:
+          eager_scale: float = 1.0, extra: str = "", shift: int = 0) -> None:
     """Run `rounds` overlapped rounds; afterwards models[0] holds the committed params.
     `batch(w, s)`: worker w's batch at inner step s; `step_fn(model, opt, sched, batches)`.
     `extra` ("E0,E1,.."): worker w adds E_w steps to each phase before the average lands (a
-    faster peer under train.max_inner_steps), on batches of their own, the schedule held."""
+    faster peer under train.max_inner_steps), on batches of their own, the schedule held.
+    `shift` (eager): the start point lands that many steps into the phase (PhaseWorker),
+    as an offset, like a round's average; one landing after it supersedes it."""
     import torch
 
     from p2ptrain.train import overlap_math as om
@@ -60,18 +65,24 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
     adds = [adds[w % len(adds)] for w in range(M)]
     if min(adds) < 0 or (any(adds) and land != H):
         raise ValueError("extra steps must be >= 0, and are taken only when the average lands after the phase")
+    if shift and (scheme != "eager" or not 0 < shift < H):
+        raise ValueError("a start-point shift is simulated for the eager scheme, 0 < shift < H")
+    targets: list = [None] * M  # eager starts not yet landed (shift > 0)
     starts = [outer.outer.clone() for _ in range(M)]
     pending = None  # the committed state of the last round, not yet landed on the workers
     last_avg, last_own = None, [None] * M  # "mixed": the last round's average and our deltas in it
 
-    def land_on(w: int) -> None:
+    def land_on(w: int, to=None) -> None:
         params = list(models[w].parameters())
-        unflatten_into(om.rebase(flatten(params), starts[w], pending), params)
-        starts[w] = pending
+        to = pending if to is None else to
+        unflatten_into(om.rebase(flatten(params), starts[w], to), params)
+        starts[w], targets[w] = to, None
 
     for r in range(rounds):
         for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
             for h in range(H):
+                if targets[w] is not None and h == shift and (pending is None or land > shift):
+                    land_on(w, targets[w])
                 if pending is not None and h == land:
                     land_on(w)
                 step_fn(m, opt, sched, [batch(w, r * H + h)])
@@ -96,5 +107,8 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, scheme: str,
         last_avg, last_own = mean, deltas
         if scheme != "delayed":
             for w in range(M):
-                unflatten_into(starts[w], list(models[w].parameters()))
+                if shift:  # the phase trains from where the last one ended until its start lands
+                    targets[w], starts[w] = starts[w], locals_[w]
+                else:
+                    unflatten_into(starts[w], list(models[w].parameters()))
     unflatten_into(outer.outer, list(models[0].parameters()))

@@ -125,10 +125,10 @@ def gather_to_host(params: Sequence[torch.Tensor], out: torch.Tensor | None = No
     return out
 
 
-def scatter_from_host(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
-    """Copy consecutive slices of host vector `flat` into `params` (in place, no autograd);
-    host->device copies from pinned memory are issued non_blocking, then one wait so the
-    caller may change `flat` afterwards."""
+def scatter_from_host(flat: torch.Tensor, params: Sequence[torch.Tensor], add: bool = False) -> None:
+    """Copy consecutive slices of host vector `flat` into `params` (in place, no autograd;
+    `add`: add them instead); host->device copies from pinned memory are issued
+    non_blocking, then one wait so the caller may change `flat` afterwards."""
     total = sum(p.numel() for p in params)
     if flat.numel() != total:
         raise ValueError(f"flat vector has {flat.numel()} values, the parameters {total}")
@@ -136,7 +136,11 @@ def scatter_from_host(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> Non
     with torch.no_grad():
         for p in params:
             n = p.numel()
-            p.copy_(flat[offset:offset + n].view_as(p), non_blocking=True)
+            src = flat[offset:offset + n].view_as(p)
+            if add:  # a device temporary (a no-op `to` on the host), then an in-place add
+                p.add_(src.to(p.device, non_blocking=True))
+            else:
+                p.copy_(src, non_blocking=True)
             offset += n
     sync_if_cuda(params)
 

@@ -2,7 +2,9 @@
 
 Per outer step t (the arithmetic is `p2ptrain.train.overlap_math`):
   1. the next phase's start point is set by the run's scheme (delayed: the local params as
-     they are; eager: the outer step with this peer's own delta standing in for the average);
+     they are; eager: the outer step with this peer's own delta standing in for the average).
+     The phase worker computes it beside the next phase's first steps, which train from the
+     last phase's end until it lands (`phases.PhaseWorker`; usually before the first step);
   2. in one trio nursery: the inner steps of phase t+1 in a worker thread, the trainer's
      own round for step t (`Trainer.commit_step`: verified round, outer step on the
      committed average, state record -- or skip and catch up), and the ready record and
@@ -78,11 +80,20 @@ class OverlappedLoop:
         local = dev.gather_to_host(self._params())
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
-    def _turn(self, phase: Phase, steps: int, go_on: bool) -> tuple[np.ndarray, Phase | None]:
-        """`_finish`, then (`go_on`: the committed state is the next phase's base) the next
-        phase's start point from that contribution."""
-        delta = self._finish(phase, steps)
-        return delta, self._next_phase(torch.from_numpy(delta)) if go_on else None
+    def _turn(self, phase: Phase, end: torch.Tensor, nxt: Phase) -> np.ndarray:
+        """The hand-over (PhaseWorker, beside phase `nxt`, which trains from `end` already):
+        `phase`'s contribution, and `nxt`'s start point by the run's scheme, shifted onto it.
+        The committed state was posted to `phase` (go_on), landed or not: the contribution
+        is start - end either way (a landing moves both), and a state that did not land is
+        in the start point (delayed: rebased onto it; eager: the step from it)."""
+        delta = om.contribution(phase.start, end)
+        out = self.local.outer
+        if self.scheme != "delayed":
+            nxt.shift(om.phase_start(self.scheme, out.outer, out.momentum, end, delta, out.cfg.lr,
+                                     out.cfg.momentum, out.cfg.nesterov))
+        elif phase.landed_at is None:
+            nxt.shift(om.rebase(end, phase.start, out.outer))
+        return np.ascontiguousarray(delta.numpy(), np.float32)
 
     async def _join_ahead(self) -> None:
         """Join two steps ahead (`Trainer._join_ahead`). Others post their ready record for
@@ -106,7 +117,7 @@ class OverlappedLoop:
             tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=res[3], landed_at=None)
             delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
         send, self._results = trio.open_memory_channel(math.inf)
-        worker = PhaseWorker(local, self._turn, self.nice, send, tr.events.emit, tr._progress)
+        worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress)
         elected, ahead = None, None
         try:
             while not tr.done():
@@ -147,7 +158,8 @@ class OverlappedLoop:
             # Whatever the peer now holds: the new state, a caught-up one, or the old one. The
             # worker goes straight on only from a step we committed (a failed round retries
             # step t with phase t+1 again, a catch-up rejoins; both go through `run`).
-            phase.post(local.outer.outer.clone(), go_on=not skipped and local.step == t + 1 and not tr.done())
+            go_on = not skipped and local.step == t + 1 and not tr.done()
+            await trio.to_thread.run_sync(lambda: phase.post(local.outer.outer.clone(), go_on))
         with trio.CancelScope(shield=True):  # the worker owns the model until it reports
             got = await self._results.receive()
         if isinstance(got, BaseException):
@@ -156,5 +168,6 @@ class OverlappedLoop:
         if (no, done_phase) != (t + 1, phase):
             raise RuntimeError(f"phase worker reported phase {no}, expected {t + 1}")
         tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=res[3], t=round(ended, 3),
-                       landed_at=phase.landed_at if phase.landed_at is not None else res[3])
+                       landed_at=phase.landed_at if phase.landed_at is not None else res[3],
+                       shifted_at=phase.shifted_at)
         return res, delta, ahead, skipped, nxt.get("elected") if local.step == t + 1 else None
