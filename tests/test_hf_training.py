@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 ENV = {"P2PTRAIN_SERVE_CHUNK_KIB": "32"}
 
 
-def init_run(d: Path) -> str:
+def init_run(d: Path, *extra: str) -> str:
     hf_fixtures.write_llama(d / "model")
     hf_fixtures.train_bpe(d / "tok" / "tokenizer.json")
     hf_fixtures.write_jsonl(d / "data")
@@ -29,7 +29,7 @@ def init_run(d: Path) -> str:
         [sys.executable, "-m", "p2ptrain", "init", "--out", "run", "--key", "initiator.key", "--model", "hf:model",
          "--tokenizer", "tok/tokenizer.json", "--data", "jsonl:data/*.jsonl", "--inner-steps", "16",
          "--batch-size", "4", "--seq-len", "64", "--warmup", "2", "--planned-outer-steps", "6",
-         "--join-window", "10", "--group-size", "4", "--seed", "7"],
+         "--join-window", "10", "--group-size", "4", "--seed", "7", *extra],
         capture_output=True, text=True, timeout=300, cwd=d, env={**ENV, "P2PTRAIN_CACHE": str(d / "cache0"),
                                                                   **_base_env()})
     assert out.returncode == 0, out.stderr
@@ -96,3 +96,24 @@ def test_a_cuda_peer_and_a_cpu_peer_commit_identical_params(procs):
     for step in (1, 2):
         evs = [committed(p, step) for p in (gpu, cpu)]
         assert evs[0]["params_sha256"] == evs[1]["params_sha256"] and len(evs[0]["members"]) == 2, evs
+
+
+def test_an_overlapped_cuda_peer_and_cpu_peer_commit_identical_params(procs):
+    """The overlapped loop on a GPU (issue 17): the phase worker lands committed states and
+    the hand-over's eager start onto CUDA params between inner steps (an in-place add of a
+    host offset, `device.scatter_from_host(add=True)`), and the committed params must stay
+    the same bytes as a CPU member's."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU on this machine (torch.cuda.is_available() is False)")
+    d = procs.log_dir
+    rid = init_run(d, "--overlap", "eager")
+    boot, baddr = start_bootstrap(procs)
+    gpu = join(procs, baddr, "gpu", ["--manifest", str(d / "run" / "run.toml")], 4, 2, device="cuda")
+    cpu = join(procs, baddr, "cpu", ["--run", rid], 4, 2, device="cpu")
+    for step in (1, 2, 3):
+        evs = [committed(p, step) for p in (gpu, cpu)]
+        assert evs[0]["params_sha256"] == evs[1]["params_sha256"] and len(evs[0]["members"]) == 2, evs
+    phases = [e for e in gpu.all_events if e["event"] == "inner_phase" and e.get("phase", 0) >= 2]
+    assert phases, "the GPU peer ran no overlapped phase"

@@ -89,6 +89,10 @@ class Settings:
     eager_scale: float = 1.0
     overlap_extra: str = ""
     overlap_shift: int = 0
+    stream_fragments: int = 4
+    """streaming (`diloco_stream`): fragments P, start point in flight, final flush round."""
+    stream_scheme: str = "eager"
+    stream_flush: bool = True
 
     def __post_init__(self) -> None:
         if self.workers < 2 or self.steps < 1 or self.batch < 1 or self.warm_start < 0 or not 0 <= self.overlap_land <= 1:
@@ -96,10 +100,6 @@ class Settings:
 
 
 # ----------------------------------------------------------------------------- training
-def _lr_warm(warmup: int):
-    return lambda s: min(1.0, (s + 1) / max(1, warmup))
-
-
 def _optimizer(model, st: Settings, total: int, opt_state=None):
     """AdamW + cosine schedule over `total` steps; continues a warm start's Adam moments."""
     from p2ptrain.train.outer import make_inner_optimizer
@@ -149,7 +149,7 @@ def warm_start_state(st: Settings, seed: int) -> dict | None:
     opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": st.weight_decay},
                              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}],
                             lr=st.inner_lr, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_warm(st.warmup))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, st.warmup)))
     for s in range(st.warm_start):
         _step(model, opt, sched, [train_batch(ds, b"warm", s, st.batch, st.seq_len, seed)])
     return {"model": copy.deepcopy(model.state_dict()), "opt": copy.deepcopy(opt.state_dict())}
@@ -198,10 +198,9 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
         outer = OuterOptimizer(model, OuterConfig(lr, mom, st.nesterov))
         efs = [np.zeros(n, np.float32) for _ in range(M)] if sparse else None
         errs = []
-        if avg in diloco_overlap.OVERLAP_AVGS:  # issue 17: fp32 mean, one-round-delayed landing
-            diloco_overlap.train(models, opts, outer, batch, _step, H, S // H, avg, round(st.overlap_land * H),
-                                 st.eager_scale, st.overlap_extra, st.overlap_shift)
-        for r in range(0 if avg in diloco_overlap.OVERLAP_AVGS else S // H):
+        simulated = diloco_overlap.simulate(st, avg, models, opts, outer, batch, _step, H, S // H)
+        out.update(simulated or {})
+        for r in range(0 if simulated is not None else S // H):
             for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
                 for h in range(H):
                     _step(m, opt, sched, [batch(w, r * H + h)])
@@ -305,10 +304,10 @@ def add_arguments(p) -> None:
     p.add_argument("--single-mx", action=argparse.BooleanOptionalAction, default=True,
                    help="also run 1 worker for M x steps (same tokens as DP/DiLoCo), one seed")
     p.add_argument("--avg", nargs="+", default=["fp32", "int8", "sparse"],
-                   choices=["fp32", "int8", "sparse", *diloco_overlap.OVERLAP_AVGS],
+                   choices=["fp32", "int8", "sparse", *diloco_overlap.SIMULATED],
                    help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18; "
                         "delayed/eager/mixed: fp32, overlapped outer steps, issue 17)")
-    diloco_overlap.add_arguments(p)
+    diloco_overlap.add_arguments(p)  # and streaming's
     p.add_argument("--topk-fraction", type=float, default=None)
     p.add_argument("--ef-decay", type=float, default=None)
     p.add_argument("--sparse-outer-lr", type=float, default=None)
@@ -330,7 +329,8 @@ def settings_from_args(args) -> Settings:
         st.seq_len = st.model["max_seq_len"]
     for name in ("steps", "batch", "inner_lr", "outer_lr", "outer_momentum", "warm_start", "topk_fraction",
                  "ef_decay", "sparse_outer_lr", "sparse_outer_momentum", "overlap_land",
-                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale", "overlap_extra", "overlap_shift"):
+                 "overlap_outer_lr", "overlap_outer_momentum", "eager_scale", "overlap_extra", "overlap_shift",
+                 "stream_fragments", "stream_scheme", "stream_flush"):
         if getattr(args, name) is not None:
             setattr(st, name, getattr(args, name))
     if args.no_nesterov:

@@ -13,6 +13,7 @@ model is that committed state (the final round lands before evaluation).
 from __future__ import annotations
 
 OVERLAP_AVGS = ("delayed", "eager", "mixed")
+SIMULATED = (*OVERLAP_AVGS, "streaming")
 
 
 def add_arguments(p) -> None:
@@ -27,15 +28,33 @@ def add_arguments(p) -> None:
     p.add_argument("--overlap-shift", type=int, default=None, metavar="K",
                    help="eager: each phase's start point lands K inner steps into it; the phase trains from "
                         "the last one's end until then (the phase worker computes it beside the first steps)")
+    from p2ptrain.bench import diloco_stream
+
+    diloco_stream.add_arguments(p)
 
 
 def outer_step(st, avg: str, lr: float, momentum: float) -> tuple[float, float]:
     """The outer lr and momentum configuration `avg` trains with (the overlapped schemes may
     have their own: Settings.overlap_outer_lr / overlap_outer_momentum)."""
-    if avg not in OVERLAP_AVGS:
+    if avg not in SIMULATED:
         return lr, momentum
     return (lr if st.overlap_outer_lr is None else st.overlap_outer_lr,
             momentum if st.overlap_outer_momentum is None else st.overlap_outer_momentum)
+
+
+def simulate(st, avg: str, models, opts, outer, batch, step_fn, H: int, rounds: int) -> dict | None:
+    """Train an overlapped scheme (`train`) or streaming (`diloco_stream.train`) in place of
+    synchronous DiLoCo's loop; None for the synchronous schemes (the caller runs them)."""
+    if avg in OVERLAP_AVGS:  # fp32 mean, one-round-delayed landing
+        train(models, opts, outer, batch, step_fn, H, rounds, avg, round(st.overlap_land * H), st.eager_scale,
+              st.overlap_extra, st.overlap_shift)
+        return {}
+    if avg == "streaming":  # fragment rounds every H / P steps, fp32 mean
+        from p2ptrain.bench import diloco_stream
+
+        return diloco_stream.train(models, opts, outer, batch, step_fn, H, rounds, st.stream_fragments,
+                                   st.stream_scheme, st.overlap_land, st.stream_flush)
+    return None
 
 
 class _Held:

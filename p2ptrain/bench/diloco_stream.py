@@ -1,0 +1,117 @@
+"""Fragment-wise (streaming) overlapped DiLoCo in `bench diloco`'s simulation (issue 17).
+
+Streaming DiLoCo (arXiv 2501.18512): the flat parameter vector is split into P fragments and
+each fragment is synchronized every H inner steps, the fragments staggered by H / P steps,
+so a round carries 1/P of the payload and one starts every H / P steps. On a link where the
+whole vector's all-reduce takes a whole phase (`diloco_overlap` with land = 1, the case
+`bench utilization` is built around), a fragment's round takes H / P steps: its average lands
+H / P steps after its round began instead of H, while the bytes per H steps are the same.
+
+Per worker and fragment f the arithmetic is `overlap_math`'s, on f's slice: the fragment's
+contribution is start_f - y_f; at its round the start moves by the scheme ("eager": the
+Nesterov step with the worker's own delta standing in for the average; "delayed": nothing);
+the committed fragment lands `land` steps later by `rebase`. The committed state changes only
+by the Nesterov step on the fp32 mean of one fragment, on every worker alike. After the last
+inner step every fragment's outstanding progress is averaged in one final round (`flush`),
+so the evaluated model holds all the training, as synchronous DiLoCo's last round does.
+
+Fragments are strided blocks of the flat vector (block b belongs to fragment b mod P), so
+every fragment spans every layer (the paper's "strided" pattern, at block granularity).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+STREAM_BLOCK = 4096
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--stream-fragments", type=int, default=None, metavar="P",
+                   help="streaming: fragments P (H must be a multiple of P; default 4)")
+    p.add_argument("--stream-scheme", default=None, choices=["eager", "delayed", "none"],
+                   help="streaming: a fragment's start point while its round is in flight (default eager; "
+                        "none = no overlap, the round lands before the next step)")
+    p.add_argument("--stream-flush", action=argparse.BooleanOptionalAction, default=None,
+                   help="streaming: a final round of every fragment's outstanding progress (default on)")
+
+
+def fragments(n: int, P: int, block: int | None = None):
+    """Index tensors of the P fragments of an n-vector: block b of `block` values is fragment b % P."""
+    import torch
+
+    block = STREAM_BLOCK if block is None else block
+    if not 1 <= P <= max(1, -(-n // block)):
+        raise ValueError(f"{P} fragments of {block}-value blocks do not fit a {n}-value vector")
+    owner = (torch.arange(n) // block) % P
+    return [torch.nonzero(owner == f).squeeze(1) for f in range(P)]
+
+
+def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, scheme: str, land_frac: float,
+          flush: bool = True) -> dict:
+    """Run rounds * H inner steps per worker with fragment rounds every H / P steps; afterwards
+    models[0] holds the committed params. `land_frac`: the fraction of the H / P-step interval
+    done when a fragment's average lands (1: when the next fragment's round starts)."""
+    import torch
+
+    from p2ptrain.train import overlap_math as om
+    from p2ptrain.train.outer import flatten, unflatten_into
+
+    if P < 1 or H % P or scheme not in ("eager", "delayed", "none") or not 0 <= land_frac <= 1:
+        raise ValueError("need H a multiple of P >= 1, scheme eager/delayed/none, 0 <= land <= 1")
+    M, Hf = len(models), H // P
+    tau = 0 if scheme == "none" else round(land_frac * Hf)
+    frags = fragments(outer.outer.numel(), P)
+    cfg = outer.cfg
+    starts = [outer.outer.clone() for _ in range(M)]
+    pending: list = []  # (land at inner step, fragment, committed slice)
+    last = [0] * P  # inner step of each fragment's last round
+    synced = 0
+
+    def params(w):
+        return list(models[w].parameters())
+
+    def land_due(s: int) -> None:
+        while pending and pending[0][0] <= s:
+            _, f, committed = pending.pop(0)
+            for w in range(M):
+                y = flatten(params(w))
+                y[frags[f]] = om.rebase(y[frags[f]], starts[w][frags[f]], committed)
+                starts[w][frags[f]] = committed
+                unflatten_into(y, params(w))
+
+    def fragment_round(f: int, s: int) -> None:
+        nonlocal synced
+        idx = frags[f]
+        ys = [flatten(params(w)) for w in range(M)]
+        deltas = [om.contribution(starts[w][idx], ys[w][idx]) for w in range(M)]
+        x, m = outer.outer[idx], outer.momentum[idx]
+        for w in range(M):  # the start while the round is in flight (from x, m *before* the step)
+            starts[w][idx] = om.phase_start(scheme if scheme != "none" else "delayed", x, m, ys[w][idx], deltas[w],
+                                            cfg.lr, cfg.momentum, cfg.nesterov)
+            if scheme == "eager":
+                ys[w][idx] = starts[w][idx]
+                unflatten_into(ys[w], params(w))
+        x2, m2 = om.nesterov(x, m, torch.stack(deltas).mean(0), cfg.lr, cfg.momentum, cfg.nesterov)
+        outer.outer[idx], outer.momentum[idx] = x2, m2
+        pending.append((s + tau, f, x2.clone()))
+        last[f], synced = s, synced + 1
+
+    S = rounds * H
+    for s in range(S):
+        land_due(s)
+        for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
+            step_fn(m, opt, sched, [batch(w, s)])
+        if (s + 1) % Hf == 0:
+            land_due(s + 1) if tau == Hf else None  # lands as the next fragment's round starts
+            fragment_round(((s + 1) // Hf - 1) % P, s + 1)
+            if tau == 0:
+                land_due(s + 1)
+    land_due(S + H)
+    if flush:  # every fragment's progress since its last round, in one final round
+        for f in range(P):
+            if last[f] < S:  # (a fragment whose round just ran has no progress: no momentum-only step)
+                fragment_round(f, S)
+        land_due(S + H)
+    unflatten_into(outer.outer, params(0))
+    return {"fragment_rounds": synced, "fragments": P, "land_steps": tau}
