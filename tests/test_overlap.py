@@ -301,7 +301,7 @@ def test_phase_worker_trains_on_while_the_hand_over_computes_the_next_start(monk
     local = Local(2, 200)
     params = list(local.model.parameters())
 
-    def turn(phase, end, nxt):
+    def turn(phase, end, nxt, no):
         seen["turn"].add(prio())
         assert torch.equal(nxt.start, end)
         time.sleep(0.1)  # a slow hand-over: phase 2 trains meanwhile

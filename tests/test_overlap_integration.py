@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from conftest import start_bootstrap
@@ -17,12 +18,12 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 
 
-def _init_overlap(d, inner_steps: int, planned: int):
+def _init_overlap(d, inner_steps: int, planned: int, *extra: str):
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", str(inner_steps), "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", str(planned), "--join-window", "20", "--group-size", "4", "--seed", "3",
-         "--overlap", "eager"],
+         "--overlap", "eager", *extra],
         capture_output=True, text=True, timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     assert 'overlap = "eager"' in (d / "run" / "run.toml").read_text()
@@ -92,6 +93,47 @@ def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, o
     report(f"overlapped run, peer killed after step 2: (step, members) {[(s, n) for s, n, _ in pairs]}, "
            f"seconds between commits {gaps} (join window 20 s)")
     assert max(gaps, default=0) < 15, gaps  # a dead peer is found gone, not waited out (window 20 s)
+
+
+@pytest.fixture(scope="module")
+def stream_run(tmp_path_factory):
+    return _init_overlap(tmp_path_factory.mktemp("stream-run"), 6, 12, "--fragments", "2")
+
+
+def test_streaming_run_reduces_one_fragment_per_step_identically_on_every_member(procs, stream_run, keys):
+    """`init --fragments 2` (Streaming DiLoCo): phases of H / P = 3 steps, and outer step t
+    reduces fragment t mod 2 only. Every member commits the same params at every step, and
+    between two committed states only that step's fragment of the params and momentum moved
+    (read back from a member's checkpoints)."""
+    from p2ptrain.ckpt import checkpoint
+    from p2ptrain.run.runner import checkpoint_dir
+    from p2ptrain.train import fragments
+
+    run_path, rid = stream_run
+    assert "fragments = 2" in (run_path / "run.toml").read_text()
+    boot, baddr = start_bootstrap(procs)
+    peers = start_trainers(procs, baddr, stream_run, keys, 3, STEPS)
+    steps = [[committed(p, s) for p in peers] for s in range(1, STEPS + 1)]
+    for evs in steps:
+        assert len({e["params_sha256"] for e in evs}) == 1, evs
+        assert all(len(e["members"]) == 3 for e in evs), evs
+    assert steps[-1][0]["val_loss"] < steps[0][0]["val_loss"], [evs[0]["val_loss"] for evs in steps]
+    assert {e["steps"] for e in peers[0].all_events if e["event"] == "inner_phase"} >= {3}  # H / P
+    if not any(e["event"] == "checkpoint_written" and e["step"] == STEPS for e in peers[0].all_events):
+        peers[0].wait_event(lambda e: e["event"] == "checkpoint_written" and e["step"] == STEPS, 60)
+    states = {}
+    for path in sorted(checkpoint_dir(procs.log_dir / "p0", rid).glob("step-*.p2ck")):
+        arrays, meta = checkpoint.decode(path.read_bytes())
+        states[meta["outer_step"]] = arrays
+    assert len(states) >= 2, sorted(states)
+    for t in sorted(states)[:-1]:
+        if t + 1 not in states:
+            continue
+        a, b = states[t], states[t + 1]
+        n = a["outer"].size
+        moved = np.flatnonzero((a["outer"] != b["outer"]) | (a["momentum"] != b["momentum"]))
+        frag = fragments.index(n, 2, t % 2)
+        assert moved.size > 0 and np.isin(moved, frag).all(), (t, moved.size, frag.size)
 
 
 @pytest.fixture(scope="module")

@@ -19,15 +19,6 @@ def _bench(avg: str, seed: int = 0, H: int = 4, **stream) -> dict:
     return run_config(st, "diloco", H, avg, seed, None)
 
 
-def test_fragments_are_strided_blocks_that_partition_the_vector():
-    frags = diloco_stream.fragments(10_000, 3, block=1000)
-    allidx = torch.cat(frags).sort().values
-    assert torch.equal(allidx, torch.arange(10_000))
-    assert frags[1][:3].tolist() == [1000, 1001, 1002] and 4000 in frags[1].tolist()
-    with pytest.raises(ValueError):
-        diloco_stream.fragments(100, 2, block=1000)  # one block cannot hold two fragments
-
-
 def test_one_fragment_without_overlap_is_synchronous_diloco_bit_for_bit():
     torch.set_num_threads(1)
     sync = _bench("fp32")

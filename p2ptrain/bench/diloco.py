@@ -221,10 +221,10 @@ def run_config(st: Settings, kind: str, H: int, avg: str, seed: int, warm) -> di
             for m in models[1:]:
                 unflatten_into(outer.outer, list(m.parameters()))
         payload = quantized_nbytes(n, st.block) if avg == "int8" else 4 * n
-        # all-gather: each worker sends its contribution's messages to each of the M - 1 others
+        # all-gather: each worker sends its messages to each of the M - 1 others; streaming: 1/P each
         per_round = (M - 1) * sparse_wire_nbytes(n, st) if sparse else ring * payload
-        out.update(wire_bytes=round((S // H) * per_round), inner_steps=S, outer_steps=S // H,
-                   tokens=S * M * st.batch * st.seq_len, outer_sha256=outer.params_sha256()[:16])
+        out.update(wire_bytes=round(out.get("fragment_rounds", S // H) / out.get("fragments", 1) * per_round),
+                   inner_steps=S, outer_steps=S // H, tokens=S * M * st.batch * st.seq_len, outer_sha256=outer.params_sha256()[:16])
         if errs:
             out[f"{avg}_rel_err"] = statistics.fmean(errs)
     else:

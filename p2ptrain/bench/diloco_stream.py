@@ -15,15 +15,16 @@ by the Nesterov step on the fp32 mean of one fragment, on every worker alike. Af
 inner step every fragment's outstanding progress is averaged in one final round (`flush`),
 so the evaluated model holds all the training, as synchronous DiLoCo's last round does.
 
-Fragments are strided blocks of the flat vector (block b belongs to fragment b mod P), so
-every fragment spans every layer (the paper's "strided" pattern, at block granularity).
+Fragments are the network's (`p2ptrain.train.fragments`): strided blocks of the flat
+vector, so every fragment spans every layer (the paper's "strided" pattern).
 """
 
 from __future__ import annotations
 
 import argparse
 
-STREAM_BLOCK = 4096
+STREAM_BLOCK = None
+"""Block size of the fragments (None: the network's, p2ptrain.train.fragments.BLOCK)."""
 
 
 def add_arguments(p) -> None:
@@ -36,17 +37,6 @@ def add_arguments(p) -> None:
                    help="streaming: a final round of every fragment's outstanding progress (default on)")
 
 
-def fragments(n: int, P: int, block: int | None = None):
-    """Index tensors of the P fragments of an n-vector: block b of `block` values is fragment b % P."""
-    import torch
-
-    block = STREAM_BLOCK if block is None else block
-    if not 1 <= P <= max(1, -(-n // block)):
-        raise ValueError(f"{P} fragments of {block}-value blocks do not fit a {n}-value vector")
-    owner = (torch.arange(n) // block) % P
-    return [torch.nonzero(owner == f).squeeze(1) for f in range(P)]
-
-
 def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, scheme: str, land_frac: float,
           flush: bool = True) -> dict:
     """Run rounds * H inner steps per worker with fragment rounds every H / P steps; afterwards
@@ -54,6 +44,7 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, sche
     done when a fragment's average lands (1: when the next fragment's round starts)."""
     import torch
 
+    from p2ptrain.train import fragments
     from p2ptrain.train import overlap_math as om
     from p2ptrain.train.outer import flatten, unflatten_into
 
@@ -61,7 +52,7 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, sche
         raise ValueError("need H a multiple of P >= 1, scheme eager/delayed/none, 0 <= land <= 1")
     M, Hf = len(models), H // P
     tau = 0 if scheme == "none" else round(land_frac * Hf)
-    frags = fragments(outer.outer.numel(), P)
+    fr = fragments.Fragments(outer.outer.numel(), P, STREAM_BLOCK or fragments.BLOCK)
     cfg = outer.cfg
     starts = [outer.outer.clone() for _ in range(M)]
     pending: list = []  # (land at inner step, fragment, committed slice)
@@ -76,25 +67,25 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, sche
             _, f, committed = pending.pop(0)
             for w in range(M):
                 y = flatten(params(w))
-                y[frags[f]] = om.rebase(y[frags[f]], starts[w][frags[f]], committed)
-                starts[w][frags[f]] = committed
+                fr.put(y, f, om.rebase(fr.part(y, f), fr.part(starts[w], f), committed))
+                fr.put(starts[w], f, committed)
                 unflatten_into(y, params(w))
 
     def fragment_round(f: int, s: int) -> None:
         nonlocal synced
-        idx = frags[f]
         ys = [flatten(params(w)) for w in range(M)]
-        deltas = [om.contribution(starts[w][idx], ys[w][idx]) for w in range(M)]
-        x, m = outer.outer[idx], outer.momentum[idx]
+        deltas = [om.contribution(fr.part(starts[w], f), fr.part(ys[w], f)) for w in range(M)]
+        x, m = fr.part(outer.outer, f), fr.part(outer.momentum, f)
         for w in range(M):  # the start while the round is in flight (from x, m *before* the step)
-            starts[w][idx] = om.phase_start(scheme if scheme != "none" else "delayed", x, m, ys[w][idx], deltas[w],
-                                            cfg.lr, cfg.momentum, cfg.nesterov)
+            start = om.phase_start(scheme if scheme != "none" else "delayed", x, m, fr.part(ys[w], f), deltas[w],
+                                   cfg.lr, cfg.momentum, cfg.nesterov)
+            fr.put(starts[w], f, start)
             if scheme == "eager":
-                ys[w][idx] = starts[w][idx]
+                fr.put(ys[w], f, start)
                 unflatten_into(ys[w], params(w))
-        x2, m2 = om.nesterov(x, m, torch.stack(deltas).mean(0), cfg.lr, cfg.momentum, cfg.nesterov)
-        outer.outer[idx], outer.momentum[idx] = x2, m2
-        pending.append((s + tau, f, x2.clone()))
+        # the network's outer step on one fragment (OuterOptimizer.step with frags)
+        outer.step(torch.stack(deltas).mean(0), load_model=False, frags=fr, t=f)
+        pending.append((s + tau, f, fr.part(outer.outer, f).clone()))
         last[f], synced = s, synced + 1
 
     S = rounds * H

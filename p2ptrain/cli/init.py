@@ -44,6 +44,10 @@ def add_parser(sub) -> None:
                    help="with --overlap: a peer whose phase ends before the previous round landed keeps "
                         "stepping, up to N inner steps, instead of idling for slower peers (default 2 x "
                         "--inner-steps; 0: exactly --inner-steps)")
+    p.add_argument("--fragments", type=int, default=None, metavar="P",
+                   help="with --overlap: streaming outer steps (issue 17): step t reduces fragment t mod P of "
+                        "the parameters and a phase is --inner-steps / P steps, so each round carries 1/P of "
+                        "the payload and lands P x sooner; outer step defaults to 0.7 / 0.9 (best measured)")
     p.add_argument("--join-window", type=float, default=30.0,
                    help="longest wait, after the first peer is ready, for the others (a step closes "
                         "earlier once every peer training it is ready)")
@@ -68,7 +72,9 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
     sparse = args.allreduce == "sparse"
     # eager overlap: the best outer step measured when a round lands late in the next phase
     # (3 seeds: +2.3 % vs synchronous DiLoCo at a whole phase, against +8.5 % with 0.7 / 0.9)
-    eager = getattr(args, "overlap", "none") == "eager" and not sparse
+    # Streaming (--fragments) rounds land H / P steps late: DiLoCo's own outer step measured best
+    fragments = getattr(args, "fragments", None)
+    eager = getattr(args, "overlap", "none") == "eager" and not sparse and not fragments
     lr0, mom0 = (2.0, 0.5) if sparse else (0.5, 0.8) if eager else (0.7, 0.9)
     outer_lr = args.outer_lr if args.outer_lr is not None else lr0
     outer_momentum = args.outer_momentum if args.outer_momentum is not None else mom0
@@ -83,7 +89,7 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
                             outer_momentum=outer_momentum, group_size=args.group_size,
                             allreduce=args.allreduce, aggregation=args.aggregation, **compressor,
                             overlap=None if getattr(args, "overlap", "none") == "none" else args.overlap,
-                            max_inner_steps=_max_inner_steps(args)),
+                            max_inner_steps=_max_inner_steps(args), fragments=fragments),
             timeouts=TimeoutsSpec(join_window=args.join_window, exchange=5.0),
             genesis=GenesisSpec(genesis_sha, genesis_bytes))
     except SpecError as exc:
@@ -117,6 +123,14 @@ def run(args) -> int:
     ds = args.prepared.ds
     draft = build_spec(args, ds.content_hash)
     genesis = genesis_state(draft, args.prepared.weights)
+    if draft.train.fragments:
+        from p2ptrain.train.fragments import Fragments
+        from p2ptrain.train.local import decode_state
+
+        try:
+            Fragments(decode_state(genesis)[0]["outer"].numel(), draft.train.fragments)
+        except ValueError as exc:
+            raise CLIError(str(exc), "use fewer --fragments or a larger model") from None
     signed = mf.sign(draft.with_genesis(checkpoint.sha256(genesis), len(genesis)).to_dict(), identity)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint.write_atomic(out / "genesis.p2ck", genesis)

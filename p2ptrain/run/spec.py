@@ -124,6 +124,10 @@ class TrainSpec(_Section):
     # exactly inner_steps, and reruns are bit-identical; with it, how many steps a peer adds
     # depends on timing (members stay identical to each other: they commit one average).
     max_inner_steps: int | None = None
+    # Overlapped runs: outer step t reduces only fragment t mod P of the parameters, and a
+    # phase is inner_steps / P steps (p2ptrain.train.fragments; Streaming DiLoCo). None, and
+    # absent from the manifest: every step reduces the whole vector.
+    fragments: int | None = None
 
     def __post_init__(self) -> None:
         _int(self.inner_steps, "train.inner_steps", 1)
@@ -143,6 +147,15 @@ class TrainSpec(_Section):
             _int(self.max_inner_steps, "train.max_inner_steps", self.inner_steps)
             _need(self.overlap is not None, "train.max_inner_steps needs train.overlap (a phase extends only "
                   "while the previous round is still in flight)")
+        if self.fragments is not None:
+            _int(self.fragments, "train.fragments", 2)
+            _need(self.overlap is not None, "train.fragments needs train.overlap (fragment rounds overlap the "
+                  "phases; without overlap use a smaller inner_steps instead)")
+            _need(self.inner_steps % self.fragments == 0,
+                  f"train.inner_steps {self.inner_steps} must be a multiple of train.fragments {self.fragments}")
+            _need(self.allreduce in ("int8", "fp32") and self.aggregation == "mean",
+                  "train.fragments works with allreduce int8/fp32 and aggregation mean (sparse error feedback "
+                  "and robust reputation are kept per whole vector)")
         inner = [self.seed, self.inner_lr, self.warmup, self.weight_decay, self.batch_size, self.seq_len,
                  self.schedule, self.planned_outer_steps]
         if all(v is None for v in inner):
@@ -155,6 +168,11 @@ class TrainSpec(_Section):
         for name in ("batch_size", "seq_len", "planned_outer_steps"):
             _int(getattr(self, name), f"train.{name}", 1)
         _need(isinstance(self.schedule, str), "train.schedule must be a string")
+
+    @property
+    def n_fragments(self) -> int:
+        """1 (whole-vector steps) or train.fragments."""
+        return self.fragments or 1
 
     @property
     def overlap_scheme(self) -> str:

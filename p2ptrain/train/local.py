@@ -17,6 +17,7 @@ from p2ptrain.ckpt import checkpoint
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.train import device as dev
 from p2ptrain.train.data import Dataset, evaluate, load_run_dataset, train_batch
+from p2ptrain.train.fragments import Fragments
 from p2ptrain.train.hf import build_run_model
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
 
@@ -79,8 +80,10 @@ class LocalModel:
         self.spec = spec
         self.ds = ds
         self.peer_id = peer_id
-        self.H = tr.inner_steps
-        self.max_H = tr.max_inner_steps or tr.inner_steps
+        P = tr.n_fragments
+        self.H = tr.inner_steps // P
+        """Inner steps per phase: H, or H / P in a streaming run (train.fragments)."""
+        self.max_H = (tr.max_inner_steps or tr.inner_steps) // P
         """Overlapped runs: the most inner steps a phase may take while its round is in flight."""
         self.batch = tr.batch_size
         self.seq_len = tr.seq_len
@@ -88,11 +91,13 @@ class LocalModel:
         self.model = build_run_model(spec.model.config, self.seed).to(self.device)
         self.outer = OuterOptimizer(self.model, OuterConfig(float(tr.outer_lr), float(tr.outer_momentum)))
         self.step = self.load_state(state)
-        total = self.H * tr.planned_outer_steps
+        total = tr.inner_steps * tr.planned_outer_steps
         self.inner_opt, self.sched = make_inner_optimizer(
             self.model, float(tr.inner_lr), float(tr.weight_decay), tr.warmup, total, tr.schedule)
         self.inner_done = 0
         self.n_params = int(sum(p.numel() for p in self.model.parameters()))
+        self.frags = Fragments(self.n_params, P)  # ValueError when P fragments do not fit the model
+        """Which fragment each outer step reduces (p2ptrain.train.fragments; P = 1: all)."""
         self.detached = False
         """Overlapped runs (p2ptrain.train.overlap): outer steps and adopted states leave the
         model alone (it trains in another thread; the overlapped loop rebases it), and
@@ -146,7 +151,9 @@ class LocalModel:
         return np.ascontiguousarray(self.outer.pseudo_gradient(self.model).detach().cpu().numpy(), np.float32)
 
     def outer_step(self, avg: np.ndarray) -> str:
-        self.outer.step(torch.from_numpy(np.array(avg, dtype=np.float32)), load_model=not self.detached)
+        """Apply step `self.step`'s committed average (its fragment's, in a streaming run)."""
+        self.outer.step(torch.from_numpy(np.array(avg, dtype=np.float32)), load_model=not self.detached,
+                        frags=self.frags, t=self.step)
         self.step += 1
         return self.outer.params_sha256()
 

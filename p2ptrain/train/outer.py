@@ -94,23 +94,31 @@ class OuterOptimizer:
         params = self.params if model is None else list(model.parameters())
         return self.outer - device.gather_to_host(params, self._staging)
 
-    def step(self, avg_pseudo_grad: torch.Tensor, load_model: bool = True) -> None:
+    def step(self, avg_pseudo_grad: torch.Tensor, load_model: bool = True, frags=None, t: int = 0) -> None:
         """Nesterov SGD on the outer parameters with grad = avg_pseudo_grad, then load them
         into the model (not with load_model=False: an overlapped run's model keeps training in
         another thread, p2ptrain.train.overlap). Separately rounded ops only (module
-        docstring): bit-portable."""
+        docstring): bit-portable. `frags` (p2ptrain.train.fragments.Fragments, P > 1): the
+        grad is step t's fragment, and only its params and momenta move, by the same
+        elementwise operations as a full step."""
         g = avg_pseudo_grad.detach().to("cpu", torch.float32).reshape(-1)
-        if g.numel() != self.outer.numel():
-            raise ValueError(f"pseudo-gradient has {g.numel()} values, the model {self.outer.numel()}")
+        whole = frags is None or frags.P == 1
+        want = self.outer.numel() if whole else frags.size(t)
+        if g.numel() != want:
+            raise ValueError(f"pseudo-gradient has {g.numel()} values, the model {'' if whole else 'fragment '}{want}")
         if not bool(torch.isfinite(g).all()):
             raise ValueError("pseudo-gradient holds inf or NaN; refusing to apply it")
         m, lr = self.cfg.momentum, self.cfg.lr
+        x, buf = (self.outer, self.momentum) if whole else (frags.part(self.outer, t), frags.part(self.momentum, t))
         if m > 0:
-            self.momentum.mul_(m).add_(g)          # buf = m * buf + g
-            d = torch.mul(self.momentum, m).add_(g) if self.cfg.nesterov else self.momentum
+            buf.mul_(m).add_(g)          # buf = m * buf + g
+            d = torch.mul(buf, m).add_(g) if self.cfg.nesterov else buf
         else:
             d = g
-        self.outer.sub_(torch.mul(d, lr))          # p = p - lr * d
+        x.sub_(torch.mul(d, lr))          # p = p - lr * d
+        if not whole:  # `part` copied the fragment out: write it back
+            frags.put(self.outer, t, x)
+            frags.put(self.momentum, t, buf)
         self.steps += 1
         self.skipped = 0
         if load_model:

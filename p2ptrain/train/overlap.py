@@ -43,6 +43,7 @@ import trio
 
 from p2ptrain.train import device as dev
 from p2ptrain.train import overlap_math as om
+from p2ptrain.train.fragments import Fragments
 from p2ptrain.train.phases import Phase, PhaseWorker, run_phase
 
 log = logging.getLogger("p2ptrain.train.overlap")
@@ -54,6 +55,9 @@ class OverlappedLoop:
         self.scheme = trainer.spec.train.overlap_scheme
         self.nice = trainer.config.phase_nice
         self.local.detached = True
+        self.frags = getattr(self.local, "frags", None) or Fragments(self.local.outer.numel)
+        """Streaming runs (train.fragments): step t reduces and restarts fragment t mod P only."""
+        self.prev: Phase | None = None  # the last phase created: its start points carry on
 
     def _params(self) -> list[torch.Tensor]:
         return list(self.local.model.parameters())
@@ -63,16 +67,33 @@ class OverlappedLoop:
         catch-up: `detached` adopts states without touching it)."""
         start = self.local.outer.outer.clone()
         dev.scatter_from_host(start, self._params())
-        return Phase(start)
+        self.prev = Phase(start)
+        return self.prev
 
-    def _next_phase(self, delta: torch.Tensor) -> Phase:
-        out = self.local.outer
+    def _next_phase(self, delta: torch.Tensor, t: int) -> Phase:
+        """The phase beside round t (contribution `delta`, full length), from the trio side."""
+        out, fr = self.local.outer, self.frags
         local = dev.gather_to_host(self._params())
-        start = om.phase_start(self.scheme, out.outer, out.momentum, local, delta, out.cfg.lr, out.cfg.momentum,
-                               out.cfg.nesterov)
+        start = om.phase_start(self.scheme, fr.part(out.outer, t), fr.part(out.momentum, t), fr.part(local, t),
+                               fr.part(delta, t), out.cfg.lr, out.cfg.momentum, out.cfg.nesterov)
+        if fr.P > 1:  # only fragment f(t) restarts; the others keep their start points
+            frag, start = start, self.prev.start.clone()
+            fr.put(start, t, frag)
+            fr.put(local, t, frag)
         if self.scheme != "delayed":  # delayed starts where the model already is
-            dev.scatter_from_host(start, self._params())
-        return Phase(start, awaits_round=True)
+            dev.scatter_from_host(start if fr.P == 1 else local, self._params())
+        self.prev = Phase(start, awaits_round=True, exact=fr.P == 1)
+        return self.prev
+
+    def _successor(self, phase: Phase, end: torch.Tensor, no: int) -> Phase:
+        """The phase after `phase` (number `no`) in the worker, before its first step: its start
+        points are `phase`'s, with step `no`'s fragment restarting from where it ended (the
+        hand-over then shifts it to the scheme's start, `_turn`)."""
+        if self.frags.P == 1:
+            return Phase(end, awaits_round=True)
+        start = phase.start.clone()
+        self.frags.put(start, no, self.frags.part(end, no))
+        return Phase(start, awaits_round=True, exact=False)
 
     def _finish(self, phase: Phase, steps: int) -> np.ndarray:
         """Land a state that arrived after the phase's last step; the phase's contribution."""
@@ -80,19 +101,29 @@ class OverlappedLoop:
         local = dev.gather_to_host(self._params())
         return np.ascontiguousarray(om.contribution(phase.start, local).numpy(), np.float32)
 
-    def _turn(self, phase: Phase, end: torch.Tensor, nxt: Phase) -> np.ndarray:
+    def _turn(self, phase: Phase, end: torch.Tensor, nxt: Phase, no: int) -> np.ndarray:
         """The hand-over (PhaseWorker, beside phase `nxt`, which trains from `end` already):
-        `phase`'s contribution, and `nxt`'s start point by the run's scheme, shifted onto it.
-        The committed state was posted to `phase` (go_on), landed or not: the contribution
-        is start - end either way (a landing moves both), and a state that did not land is
-        in the start point (delayed: rebased onto it; eager: the step from it)."""
+        `phase`'s contribution (to step `no`), and `nxt`'s start point by the run's scheme,
+        shifted onto it. The committed state was posted to `phase` (go_on), landed or not:
+        the contribution is start - end either way (a landing moves both), and a state that
+        did not land is in the start point (delayed: rebased onto it; eager: the step from
+        it). Streaming: only fragment f(no) restarts; every other fragment's target is the
+        committed state, which lands a state `phase` did not (elsewhere the offset is 0)."""
         delta = om.contribution(phase.start, end)
-        out = self.local.outer
+        out, fr = self.local.outer, self.frags
         if self.scheme != "delayed":
-            nxt.shift(om.phase_start(self.scheme, out.outer, out.momentum, end, delta, out.cfg.lr,
-                                     out.cfg.momentum, out.cfg.nesterov))
-        elif phase.landed_at is None:
-            nxt.shift(om.rebase(end, phase.start, out.outer))
+            part = om.phase_start(self.scheme, fr.part(out.outer, no), fr.part(out.momentum, no), fr.part(end, no),
+                                  fr.part(delta, no), out.cfg.lr, out.cfg.momentum, out.cfg.nesterov)
+        elif phase.landed_at is None or fr.P > 1:
+            part = om.rebase(fr.part(end, no), fr.part(phase.start, no), fr.part(out.outer, no))
+        else:
+            part = None
+        if part is not None and fr.P == 1:
+            nxt.shift(part)
+        elif part is not None:
+            target = out.outer.clone()
+            fr.put(target, no, part)
+            nxt.shift(target)
         return np.ascontiguousarray(delta.numpy(), np.float32)
 
     async def _join_ahead(self) -> None:
@@ -117,14 +148,15 @@ class OverlappedLoop:
             tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=res[3], landed_at=None)
             delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
         send, self._results = trio.open_memory_channel(math.inf)
-        worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress)
+        worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress,
+                             self._successor)
         elected, ahead = None, None
         try:
             while not tr.done():
                 t = local.step
                 tr.events.emit("outer_step_started", step=t, joining=joining, overlap=self.scheme)
                 if ahead is None:  # the worker waits for its next run of phases
-                    ahead = await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta))
+                    ahead = await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta), t)
                     worker.submit(t + 1, ahead)
                 res, delta, ahead, skipped, elected = await self._cycle(t, ahead, delta, joining, res, elected)
                 joining = False
@@ -136,7 +168,7 @@ class OverlappedLoop:
                     if elected is None or tr.me not in elected[0]:
                         elected = None
                         await self._join_ahead()
-                    await trio.to_thread.run_sync(self._first_phase)
+                    await trio.to_thread.run_sync(self._first_phase)  # (self.prev)
                     res, joining = (math.nan, 0, 0.0, 0), True
                     delta = np.zeros(local.outer.numel, np.float32)
         finally:
@@ -153,7 +185,7 @@ class OverlappedLoop:
                 # Ready record and election for step t+1 beside round t: its round starts
                 # the moment phase t+1 ends (the roster confirmation checks the base).
                 nursery.start_soon(self._announce, t + 1, nxt)
-            skipped = await tr.commit_step(t, delta, joining, *res[:3], elected=elected,
+            skipped = await tr.commit_step(t, self.frags.part(delta, t), joining, *res[:3], elected=elected,
                                            inner_steps=res[3] or local.H)
             # Whatever the peer now holds: the new state, a caught-up one, or the old one. The
             # worker goes straight on only from a step we committed (a failed round retries
@@ -167,6 +199,7 @@ class OverlappedLoop:
         no, res, done_phase, delta, ahead, ended = got
         if (no, done_phase) != (t + 1, phase):
             raise RuntimeError(f"phase worker reported phase {no}, expected {t + 1}")
+        self.prev = ahead or done_phase
         tr.events.emit("inner_phase", phase=t + 1, seconds=round(res[2], 4), steps=res[3], t=round(ended, 3),
                        landed_at=phase.landed_at if phase.landed_at is not None else res[3],
                        shifted_at=phase.shifted_at)

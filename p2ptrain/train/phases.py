@@ -44,10 +44,13 @@ class Phase:
     params are then the start itself, and a round that lands there makes the phase exactly
     synchronous DiLoCo)."""
 
-    def __init__(self, start: torch.Tensor, awaits_round: bool = False) -> None:
+    def __init__(self, start: torch.Tensor, awaits_round: bool = False, exact: bool = True) -> None:
         self.start = start
         """Where the params' progress is measured from: the last start point landed."""
         self.awaits_round = awaits_round
+        self.exact = exact
+        """The params equal `start` before the first step, so a landing there copies (False in
+        streaming runs: each fragment's start point is its own, p2ptrain.train.fragments)."""
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (target, target - start)
         self._lands = 0  # landings so far: an offset computed against an older start is stale
         self._round = False  # the committed state is posted (landed or pending)
@@ -111,7 +114,7 @@ class Phase:
                 self.landed_at = at_step
             elif not self._round:
                 self.shifted_at = at_step
-        if at_step == 0:
+        if at_step == 0 and self.exact:
             dev.scatter_from_host(pending[0], params)
         else:
             dev.scatter_from_host(pending[1], params, add=True)
@@ -205,15 +208,17 @@ class PhaseWorker:
     phase, contribution, next phase or None, end time), or the exception that ended it.
 
     The hand-over takes only a snapshot of the params: the next phase starts training from
-    them at once, while a normal-priority thread (`Urgent`) runs `turn(phase, end, nxt)`,
+    them at once, while a normal-priority thread (`Urgent`) runs `turn(phase, end, nxt, no)`,
     which returns the contribution and gives `nxt` its start point with `Phase.shift` (it
     lands between two steps, usually before the first). Computed before the next phase
     could start, the hand-over took 5-110 ms per 0.9 s phase on contended cores, most of
     what kept utilization at 0.95-0.96 (BENCHMARKS.md). Without `go_on`, `finish(phase,
     steps)` lands and contributes, and the trio side decides what comes next."""
 
-    def __init__(self, local, turn, finish, nice: int, send, emit, progress) -> None:
+    def __init__(self, local, turn, finish, nice: int, send, emit, progress, successor=None) -> None:
         self.local, self.turn, self.finish, self.nice, self.send = local, turn, finish, nice, send
+        self.successor = successor or (lambda phase, end, no: Phase(end, awaits_round=True))
+        """(phase, its end params, its number) -> the next phase, before its first step."""
         self.emit, self.progress = emit, progress
         self.token = trio.lowlevel.current_trio_token()
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -246,7 +251,7 @@ class PhaseWorker:
                     ended = time.time()
                     if phase.wait_posted():
                         end = dev.gather_to_host(params)
-                        nxt = Phase(end, awaits_round=True)  # the params are there already
+                        nxt = self.successor(phase, end, no)  # the params are there already
                         self.urgent.submit(self._handover, no, res, phase, end, nxt, ended)
                     else:
                         nxt = None
@@ -258,7 +263,7 @@ class PhaseWorker:
 
     def _handover(self, no: int, res: tuple, phase: Phase, end: torch.Tensor, nxt: Phase, ended: float) -> None:
         try:
-            delta = self.turn(phase, end, nxt)
+            delta = self.turn(phase, end, nxt, no)
         except BaseException as exc:  # re-raised on the trio side
             self._soon(self.send.send_nowait, exc)
         else:
