@@ -65,7 +65,8 @@ def test_three_peers_overlapped_run_identical_params_loss_falls(procs, overlap_r
         assert all(e["seconds"] > 0 for e in phases)
 
 
-def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, overlap_run, keys, report):
+@pytest.mark.parametrize("which", ["overlap_run", "stream_run"])
+def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, which, keys, report, request):
     """The survivors commit every step from the kill on, as a pair, their params identical at
     every step. The dead peer no stream opens to is silent at once in a roster confirmation,
     and an election expecting it finds it gone instead of waiting out the join window. Before (xfail until this session): survivors that left a failed
@@ -74,7 +75,7 @@ def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, o
     import signal
 
     boot, baddr = start_bootstrap(procs)
-    peers = start_trainers(procs, baddr, overlap_run, keys, 3, 8)
+    peers = start_trainers(procs, baddr, request.getfixturevalue(which), keys, 3, 8)
     for s in (1, 2):
         evs = [committed(p, s) for p in peers]
         assert len({e["params_sha256"] for e in evs}) == 1
@@ -90,7 +91,7 @@ def test_peer_killed_mid_run_the_others_go_on_without_it_and_never_fork(procs, o
     two = [s for s, n, _ in pairs if n == 2]
     assert two, pairs  # the survivors committed steps as a group of two
     gaps = [round(b[2] - a[2], 2) for a, b in zip(pairs, pairs[1:])]
-    report(f"overlapped run, peer killed after step 2: (step, members) {[(s, n) for s, n, _ in pairs]}, "
+    report(f"{which}, peer killed after step 2: (step, members) {[(s, n) for s, n, _ in pairs]}, "
            f"seconds between commits {gaps} (join window 20 s)")
     assert max(gaps, default=0) < 15, gaps  # a dead peer is found gone, not waited out (window 20 s)
 
@@ -143,14 +144,22 @@ def slow_overlap_run(tmp_path_factory):
     return _init_overlap(tmp_path_factory.mktemp("overlap-run-h40"), 40, 20)
 
 
-def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, slow_overlap_run, keys):
+@pytest.fixture(scope="module")
+def slow_stream_run(tmp_path_factory):
+    """The same with streaming steps (--fragments 2: phases of 20 steps, half the payload)."""
+    return _init_overlap(tmp_path_factory.mktemp("stream-run-h40"), 40, 20, "--fragments", "2")
+
+
+@pytest.mark.parametrize("which", ["slow_overlap_run", "slow_stream_run"])
+def test_newcomer_joins_an_overlapped_run_and_commits_identically(procs, which, keys, request):
     """A peer that starts after the others announces itself one step ahead, adopts that
     step's state, contributes zeros to its first round while its first phase trains, and
-    then commits the same params as the others."""
+    then commits the same params as the others (streaming: zeros of its step's fragment)."""
+    run = request.getfixturevalue(which)
     boot, baddr = start_bootstrap(procs)
-    first = start_trainers(procs, baddr, slow_overlap_run, keys[:2], 2, 200)  # still training when it joins
+    first = start_trainers(procs, baddr, run, keys[:2], 2, 200)  # still training when it joins
     [committed(p, 1) for p in first]
-    run_path, rid = slow_overlap_run
+    run_path, rid = run
     work = procs.log_dir / "late"
     work.mkdir(parents=True, exist_ok=True)
     late = procs.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(keys[2]),

@@ -54,7 +54,13 @@ class UtilSettings:
     flight (train.max_inner_steps; None: `init`'s default, 2 H), and a third run, overlapped
     with fixed H, is measured beside it; 0: fixed H only."""
 
+    fragments: int = 0
+    """P > 1: a streaming run beside the others (train.fragments: a round of 1/P of the
+    payload every H / P steps), over P times as many outer steps (the same inner steps)."""
+
     def __post_init__(self) -> None:
+        if self.fragments and (self.fragments < 2 or self.inner_steps % self.fragments):
+            raise ValueError("fragments must be 0 or >= 2 and divide inner_steps")
         if self.peers < 2 or self.mbit <= 0 or self.inner_steps < 1 or not 1 <= self.warm < self.steps:
             raise ValueError("need peers >= 2, mbit > 0, inner_steps >= 1, 1 <= warm < steps")
         if self.overlap not in ("delayed", "eager"):
@@ -67,11 +73,13 @@ class UtilSettings:
         return self.max_inner_steps != 0
 
 
-def init_run(work: Path, s: UtilSettings, overlap: str, extend: bool = False) -> tuple[Path, str]:
-    name = f"run-{overlap}{'-extend' if extend else ''}"
+def init_run(work: Path, s: UtilSettings, overlap: str, extend: bool = False, fragments: int = 0) -> tuple[Path, str]:
+    name = f"run-{overlap}{'-extend' if extend else ''}{f'-p{fragments}' if fragments else ''}"
     ext: list[str] = []  # the sequential run, or extendable phases at init's default
     if overlap != "none" and (not extend or s.max_inner_steps):
         ext = ["--max-inner-steps", str(s.max_inner_steps if extend else 0)]
+    if fragments:  # (init's outer step for streaming runs: DiLoCo's 0.7 / 0.9)
+        ext += ["--fragments", str(fragments)]
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(work / name), "--key", str(work / "init.key"),
          "--preset", s.preset, "--inner-steps", str(s.inner_steps), "--batch-size", str(s.batch), "--seq-len",
@@ -83,9 +91,11 @@ def init_run(work: Path, s: UtilSettings, overlap: str, extend: bool = False) ->
     return work / name, out.stdout.strip().splitlines()[-1]
 
 
-def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str, port: int) -> list[list[dict]]:
-    """Every peer's events once each has committed step s.steps (raises on a timeout). A
-    fresh `port` per run: the last run's sockets may still hold the old one."""
+def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: str, port: int,
+               steps: int | None = None) -> list[list[dict]]:
+    """Every peer's events once each has committed step `steps` (default s.steps; raises on a
+    timeout). A fresh `port` per run: the last run's sockets may still hold the old one."""
+    steps = steps or s.steps
     from p2ptrain.procs import ProcessGroup
 
     with ProcessGroup(work / name) as group:
@@ -98,10 +108,10 @@ def run_in_lab(lab, work: Path, s: UtilSettings, run: tuple[Path, str], name: st
             peers.append(group.start(
                 ["join", "--bootstrap", baddr, "--listen", f"/ip4/{lab.ip(i)}/tcp/{port + 1}", "--key",
                  str(work / f"p{i}.key"), "--workdir", str(work / name / f"w{i}"), *which, "--min-peers",
-                 str(s.peers), "--max-outer-steps", str(s.steps), "--threads", "1", "--eval-batches", str(s.eval_batches), "--json"],
+                 str(s.peers), "--max-outer-steps", str(steps), "--threads", "1", "--eval-batches", str(s.eval_batches), "--json"],
                 f"p{i}", prefix=lab.prefix(i)))
         for p in peers:
-            p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] >= s.steps, 120 + 60 * s.steps)
+            p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] >= steps, 120 + 60 * steps)
         return [list(p.all_events) for p in peers]
 
 
@@ -174,6 +184,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-inner-steps", type=int, default=None, metavar="N",
                    help="overlapped phases extend up to N steps while their round is in flight (default: "
                         "init's, 2 H; a third run, overlapped with fixed H, is measured beside it); 0: fixed H")
+    p.add_argument("--fragments", type=int, default=None, metavar="P",
+                   help="also a streaming run (init --fragments P: a round of 1/P of the payload every H/P steps)")
     p.add_argument("--json", action="store_true", help="JSON lines; the last is bench_utilization_summary")
 
 
@@ -181,7 +193,7 @@ def run(args) -> int:
     from p2ptrain.bench.inetlab import LabUnavailable, internet_lab, unavailable_reason
 
     s = UtilSettings(peers=args.peers, mbit=args.mbit, overlap=args.overlap, preset=args.preset)
-    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches", "max_inner_steps"):
+    for name in ("inner_steps", "steps", "batch", "seq_len", "eval_batches", "max_inner_steps", "fragments"):
         if getattr(args, name) is not None:
             setattr(s, name, getattr(args, name))
     s.__post_init__()
@@ -195,13 +207,16 @@ def run(args) -> int:
     runs = {"sequential": init_run(work, s, "none"), "overlapped": init_run(work, s, s.overlap, s.extends)}
     if s.extends:
         runs["overlapped_fixed_h"] = init_run(work, s, s.overlap)
+    if s.fragments:
+        runs["overlapped_streaming"] = init_run(work, s, s.overlap, s.extends, s.fragments)
     result: dict = {}
     try:
         with internet_lab(rates_mbit=[s.mbit] * s.peers, boot=True) as lab:
             for k, (mode, run_) in enumerate(runs.items()):
                 log(f"utilization: {mode} run, {s.peers} peers at {s.mbit:g} Mbit/s, H={s.inner_steps}")
-                events = run_in_lab(lab, work, s, run_, mode, 4000 + 10 * k)
-                per_peer = [measure(ev, s.warm, s.steps) for ev in events]
+                P = s.fragments if mode == "overlapped_streaming" else 1  # P rounds per H inner steps
+                events = run_in_lab(lab, work, s, run_, mode, 4000 + 10 * k, s.steps * P)
+                per_peer = [measure(ev, s.warm * P, s.steps * P) for ev in events]
                 result[mode] = summarize_mode(per_peer)
                 hashes = {}
                 for ev in events:
@@ -229,6 +244,9 @@ def run(args) -> int:
                **({"utilization_overlapped_fixed_h": result["overlapped_fixed_h"]["utilization"],
                    "throughput_ratio_fixed_h": round(result["overlapped_fixed_h"]["steps_per_s"] / seq["steps_per_s"], 3)}
                   if s.extends else {}),
+               **({"utilization_overlapped_streaming": result["overlapped_streaming"]["utilization"],
+                   "throughput_ratio_streaming": round(result["overlapped_streaming"]["steps_per_s"] / seq["steps_per_s"], 3),
+                   "round_s_streaming": result["overlapped_streaming"]["comm_s_mean"]} if s.fragments else {}),
                "identical_params": all(r["identical_params"] for r in result.values()),
                "settings": asdict(s), "seconds": round(time.monotonic() - t0, 1), "logs": str(work)}
     if args.json:
