@@ -98,17 +98,18 @@ def test_a_cuda_peer_and_a_cpu_peer_commit_identical_params(procs):
         assert evs[0]["params_sha256"] == evs[1]["params_sha256"] and len(evs[0]["members"]) == 2, evs
 
 
-def test_an_overlapped_cuda_peer_and_cpu_peer_commit_identical_params(procs):
+@pytest.mark.parametrize("extra", [[], ["--fragments", "2"]], ids=["whole", "streaming"])
+def test_an_overlapped_cuda_peer_and_cpu_peer_commit_identical_params(procs, extra):
     """The overlapped loop on a GPU (issue 17): the phase worker lands committed states and
     the hand-over's eager start onto CUDA params between inner steps (an in-place add of a
     host offset, `device.scatter_from_host(add=True)`), and the committed params must stay
-    the same bytes as a CPU member's."""
+    the same bytes as a CPU member's; also with streaming steps (one fragment a step)."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU on this machine (torch.cuda.is_available() is False)")
     d = procs.log_dir
-    rid = init_run(d, "--overlap", "eager")
+    rid = init_run(d, "--overlap", "eager", *extra)
     boot, baddr = start_bootstrap(procs)
     gpu = join(procs, baddr, "gpu", ["--manifest", str(d / "run" / "run.toml")], 4, 2, device="cuda")
     cpu = join(procs, baddr, "cpu", ["--run", rid], 4, 2, device="cpu")

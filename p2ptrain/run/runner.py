@@ -141,6 +141,8 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         # checkpoint, or a state its group attested wrongly. Say so; never train on it.
         raise NodeError(f"the run's state does not load: {exc}",
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
+    except ValueError as exc:  # a run this node cannot train as configured (e.g. fragments, torchrun ranks)
+        raise NodeError(f"cannot train this run here: {exc}", "join it as one process per node, or start another run") from None
     exchange = float(spec.timeouts.exchange)
     svc = parts.service(node.host, node.identity, AllReduceConfig(
         # sparse runs use the service for its exchanges only: its ring mode is unused

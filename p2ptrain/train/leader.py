@@ -68,6 +68,8 @@ class LeaderModel:
 
     def __init__(self, spec, ds, peer_id: bytes, state: bytes, threads: int, device: torch.device,
                  precision: str, env: ranks.RankEnv, cfg: ranks.RanksConfig) -> None:
+        if spec.train.overlap_scheme != "none":  # the overlapped loop drives one process's model
+            raise ValueError("an overlapped run (train.overlap) trains in one process per node, not under torchrun")
         self.env, self.cfg = env, cfg
         self.lock = threading.Lock()
         ranks.send_setup(spec.to_dict(), ds, peer_id, threads, precision)
