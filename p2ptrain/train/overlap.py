@@ -130,7 +130,7 @@ class OverlappedLoop:
         """Join two steps ahead (`Trainer._join_ahead`). Others post their ready record for
         step t+1 when round t starts, before state t is even published, so a peer that adopts
         state t is too late for rounds t and t+1."""
-        await self.tr._join_ahead(2)
+        await self.tr._join_ahead(2, and_next=True)
 
     async def _announce(self, t: int, into: dict) -> None:
         into["elected"] = await self.tr.announce(t, False)

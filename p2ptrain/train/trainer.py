@@ -90,6 +90,7 @@ class Trainer:
         self.committed = 0
         self.last_roster: set[str] = set()
         self._ahead: dict[int, float] = {}  # steps we announced ahead (join-ahead) -> that ready_at
+        self._ahead_joining: set[int] = set()  # ... of which we announce again as joining (no clock)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -146,15 +147,24 @@ class Trainer:
         """Whether committing step t would end our run (then we announce no step after it)."""
         return bool(self.config.max_outer_steps) and self.committed + 1 >= self.config.max_outer_steps
 
-    async def _join_ahead(self, ahead: int = 1) -> None:
+    async def _join_ahead(self, ahead: int = 1, and_next: bool = False) -> None:
         """Join step t+1 instead: announce it at once (a joining record starts no clock, and
         the others' election for t+1 finds it), adopt state t+1 when it appears, then join its
         round with zeros. Without this, steps shorter than a catch-up kept a restarted peer
-        one step behind for good (seen once evaluation left the critical path)."""
+        one step behind for good (seen once evaluation left the critical path). `and_next`
+        (overlapped runs): announce the step after it too, as joining. The others elect that
+        step beside the round we join, and their election closes as soon as the members of
+        their last roster posted, which we are not yet: announced only beside that round, we
+        could lose that race (seen in a streaming run's 1 s steps, issue 17), and a lost race
+        cost the join window (our group elected us, theirs did not), then another join."""
         for _ in range(3):  # the state we adopt may already be past t+1 (a slow fetch): again
             t1 = self.local.step + ahead
-            self._ahead[t1] = await elect.publish_ready(self.dht, self.run_id, t1, self.node.rpc.local_addrs(), True,
-                                                        self.elect_cfg.window)
+            addrs = self.node.rpc.local_addrs()
+            self._ahead[t1] = await elect.publish_ready(self.dht, self.run_id, t1, addrs, True, self.elect_cfg.window)
+            if and_next:
+                self._ahead[t1 + 1] = await elect.publish_ready(self.dht, self.run_id, t1 + 1, addrs, True,
+                                                                self.elect_cfg.window)
+                self._ahead_joining.add(t1 + 1)
             self.events.emit("joining_ahead", step=t1)
             await self.catch_up(t1)
             if self.local.step <= t1:
@@ -193,6 +203,9 @@ class Trainer:
         phase t still trains, so a round starts the moment its phase ends."""
         tm: dict[str, float] = {}
         lap = trio.current_time()
+        if t in self._ahead_joining:  # announced early: its ready_at must not start the clock now
+            self._ahead_joining.discard(t)
+            joining = True
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
                                   self._ahead.pop(t, None) or self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
