@@ -79,6 +79,28 @@ def relayed_between(boot, a: str, b: str, settle: float = 2.5) -> int:
     return sum(c["bytes"] for c in last["circuits"] if {c["src"], c["dst"]} == {a, b})
 
 
+def _tracker_upgrades(p1, p2, id1: str, id2: str, wait: float = 10.0) -> list[dict]:
+    """The nodes' `connection_upgraded` events for the pair. The connection tracker polls the
+    connection table, so its event can trail the probe's own observation (once it came after
+    the test looked: a full-suite run, 2026-11-26); wait for it, bounded. None at all is right
+    only if the tracker never saw the pair relayed (the hole punch beat its first poll), and
+    then the probe's own "relayed, then hole-punched" is the evidence."""
+    import time
+
+    deadline = time.monotonic() + wait
+    while True:
+        evs = [e for e in p1.all_events + p2.all_events if e["event"] == "connection_upgraded"]
+        if evs or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if not evs:
+        seen = [e for p, other in ((p1, id2), (p2, id1)) for e in p.all_events
+                if e["event"] == "peer_connection" and e.get("remote") == other and e.get("kind") == "relayed"]
+        assert not seen, f"the tracker saw the pair relayed but reported no upgrade: {seen}"
+        evs = [{"event": "connection_upgraded", "method": "hole-punch", "seen_by": "probe only"}]
+    return evs
+
+
 def test_a_hole_punch_then_bulk_bypasses_relay(lab, group, report):
     boot, baddr = start_boot(group, lab)
     s1, s2 = lab.sites["s1"], lab.sites["s2"]
@@ -89,8 +111,8 @@ def test_a_hole_punch_then_bulk_bypasses_relay(lab, group, report):
     assert any("/p2p-circuit" in a for a in r2["addrs"]), r2
     size = 64 * MIB
     ev = send(p1, id2, size, wait_direct=30)
-    upgraded = [e for e in p1.all_events + p2.all_events if e["event"] == "connection_upgraded"]
     relayed = relayed_between(boot, id1, id2)
+    upgraded = _tracker_upgrades(p1, p2, id1, id2)
     report(f"(a) first connection {ev['first_kind']}, upgraded {upgraded[:1]}, transfer over {ev['kind']}: "
           f"{size} B in {ev['seconds']} s ({ev['mb_per_s']} MB/s); relay carried {relayed} B between the pair "
           f"({100 * relayed / size:.3f} % of the transfer)")
@@ -142,14 +164,17 @@ def test_b_fully_random_nat_falls_back_to_relay(lab, group, report):
     assert ev["first_kind"] == "relayed" and ev["kind"] == "relayed", ev
     assert relayed >= size, relayed
     assert not [e for e in p1.all_events + p3.all_events if e["event"] == "connection_upgraded"]
-    # The relay enforces its limit: a second push overruns the circuit's budget and is cut.
-    p3.send({"send_to": id1, "bytes": size, "wait_direct": 0})
-    cut = p3.wait_event(lambda e: e["event"] in ("probe_sent", "probe_failed"), 120)
+    # The relay enforces its limit: a second push of twice the budget is cut, on the same
+    # circuit or on a fresh one (the relayed connection was once re-dialed between the two
+    # pushes, and a fresh circuit had room for a push the size of the first: a full-suite run,
+    # 2026-11-26); either way no circuit carries more than its budget.
+    p3.send({"send_to": id1, "bytes": 2 * limit, "wait_direct": 0})
+    cut = p3.wait_event(lambda e: e["event"] in ("probe_sent", "probe_failed"), 180)
     after = relayed_between(boot, id1, id3)
-    report(f"(b) with a {limit} B circuit budget a second push ends with {cut['event']}; "
-          f"relay carried {after} B for the pair")
+    report(f"(b) with a {limit} B circuit budget a second push of {2 * limit} B ends with {cut['event']}; "
+          f"relay carried {after} B for the pair ({after - relayed} B of it for the second push)")
     assert cut["event"] == "probe_failed", cut
-    assert after <= limit + MIB, after
+    assert after - relayed <= limit + MIB, (relayed, after)
 
 
 def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group, report):
