@@ -37,8 +37,6 @@ def test_fragments_partition_the_vector_in_strided_blocks(n, P, block):
 def test_fragments_refuse_what_does_not_fit():
     with pytest.raises(ValueError, match="do not fit"):
         Fragments(100, 2, block=4096)
-    with pytest.raises(ValueError, match="multiple"):
-        fragments.validate(2, 10_000, 5, block=16)
     with pytest.raises(ValueError):
         fragments.index(100, 2, 2, 4)
     assert Fragments(100).at(7) is None and Fragments(100).size(3) == 100  # P = 1: the whole vector

@@ -22,23 +22,11 @@ simulation in `p2ptrain.bench.diloco_stream`.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 BLOCK = 4096
 """Values per block. 16 KiB of fp32: large enough that indexing runs at memory speed, small
 enough that a 0.1M-parameter model still has dozens of blocks to stride."""
-
-
-def validate(P: int, n: int, H: int, block: int = BLOCK) -> None:
-    """Raise ValueError unless P fragments of `block` values fit an n-vector and divide H."""
-    if not isinstance(P, int) or P < 1:
-        raise ValueError(f"fragments must be an integer >= 1, got {P!r}")
-    if H % P:
-        raise ValueError(f"inner steps {H} must be a multiple of the fragments {P} (a phase is H / P steps)")
-    if P > blocks(n, block):
-        raise ValueError(f"{P} fragments of {block}-value blocks do not fit a model of {n} values")
 
 
 def blocks(n: int, block: int = BLOCK) -> int:
@@ -50,19 +38,12 @@ def of_step(t: int, P: int) -> int:
     return t % P
 
 
-@functools.lru_cache(maxsize=64)
-def _index(n: int, P: int, f: int, block: int) -> np.ndarray:
-    owner = (np.arange(n, dtype=np.int64) // block) % P
-    idx = np.flatnonzero(owner == f)
-    idx.flags.writeable = False
-    return idx
-
-
 def index(n: int, P: int, f: int, block: int = BLOCK) -> np.ndarray:
-    """Sorted int64 positions of fragment f of an n-vector (read-only, cached)."""
+    """Sorted int64 positions of fragment f of an n-vector: the definition, for tests and
+    checks (`Fragments.part` / `put`, which the network uses, build no such array)."""
     if not 0 <= f < P:
         raise ValueError(f"fragment {f} out of range for {P} fragments")
-    return _index(n, P, f, block)
+    return np.flatnonzero((np.arange(n, dtype=np.int64) // block) % P == f)
 
 
 def size(n: int, P: int, f: int, block: int = BLOCK) -> int:
