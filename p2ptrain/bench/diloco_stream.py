@@ -94,7 +94,8 @@ def train(models, opts, outer, batch, step_fn, H: int, rounds: int, P: int, sche
         for w, (m, (opt, sched)) in enumerate(zip(models, opts)):
             step_fn(m, opt, sched, [batch(w, s)])
         if (s + 1) % Hf == 0:
-            land_due(s + 1) if tau == Hf else None  # lands as the next fragment's round starts
+            if tau == Hf:  # lands as the next fragment's round starts
+                land_due(s + 1)
             fragment_round(((s + 1) // Hf - 1) % P, s + 1)
             if tau == 0:
                 land_due(s + 1)

@@ -89,8 +89,9 @@ class Trainer:
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
         self.last_roster: set[str] = set()
-        self._ahead: dict[int, float] = {}  # steps we announced ahead (join-ahead) -> that ready_at
-        self._ahead_joining: set[int] = set()  # ... of which we announce again as joining (no clock)
+        # steps we announced ahead (join-ahead) -> (that ready_at, announce it again as joining:
+        # an early ready_at must not start the clock)
+        self._ahead: dict[int, tuple[float, bool]] = {}
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -160,11 +161,9 @@ class Trainer:
         for _ in range(3):  # the state we adopt may already be past t+1 (a slow fetch): again
             t1 = self.local.step + ahead
             addrs = self.node.rpc.local_addrs()
-            self._ahead[t1] = await elect.publish_ready(self.dht, self.run_id, t1, addrs, True, self.elect_cfg.window)
-            if and_next:
-                self._ahead[t1 + 1] = await elect.publish_ready(self.dht, self.run_id, t1 + 1, addrs, True,
-                                                                self.elect_cfg.window)
-                self._ahead_joining.add(t1 + 1)
+            for t, again_joining in ((t1, False), (t1 + 1, True))[:2 if and_next else 1]:
+                at = await elect.publish_ready(self.dht, self.run_id, t, addrs, True, self.elect_cfg.window)
+                self._ahead[t] = (at, again_joining)
             self.events.emit("joining_ahead", step=t1)
             await self.catch_up(t1)
             if self.local.step <= t1:
@@ -203,11 +202,9 @@ class Trainer:
         phase t still trains, so a round starts the moment its phase ends."""
         tm: dict[str, float] = {}
         lap = trio.current_time()
-        if t in self._ahead_joining:  # announced early: its ready_at must not start the clock now
-            self._ahead_joining.discard(t)
-            joining = True
-        await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining, self.elect_cfg.window,
-                                  self._ahead.pop(t, None) or self.round.contributor.ready_at(wall_time()))
+        ready_at, again_joining = self._ahead.pop(t, (None, False))
+        await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining or again_joining,
+                                  self.elect_cfg.window, ready_at or self.round.contributor.ready_at(wall_time()))
         lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
