@@ -153,3 +153,23 @@ def test_inner_optimizer_schedules():
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(6e-4)
+
+
+def test_seek_schedule_matches_stepping_there_and_a_late_starter_gets_the_runs_lr():
+    """A peer that adopts state t trains at the run's lr for t, not from its own warmup."""
+    from p2ptrain.train.outer import make_inner_optimizer, seek_schedule
+
+    model = torch.nn.Linear(4, 4)
+    stepped = make_inner_optimizer(model, 1e-3, 0.1, 10, 200)
+    for _ in range(137):
+        stepped[0].step()
+        stepped[1].step()
+    late = make_inner_optimizer(model, 1e-3, 0.1, 10, 200)
+    assert late[0].param_groups[0]["lr"] != stepped[0].param_groups[0]["lr"]
+    seek_schedule(late[1], 137)
+    assert [g["lr"] for g in late[0].param_groups] == [g["lr"] for g in stepped[0].param_groups]
+    late[0].step()
+    late[1].step()  # and it goes on from there like the other
+    stepped[0].step()
+    stepped[1].step()
+    assert late[1].get_last_lr() == stepped[1].get_last_lr()

@@ -133,6 +133,9 @@ class _FakeLocal:
         self.steps: list[tuple[int, bool]] = []
         self.on_step = on_step
 
+    def seek_schedule(self, phase):
+        pass
+
     def inner_step(self, tokens, losses, schedule=True):
         self.steps.append((int(tokens), schedule))
         losses.append(torch.tensor(1.0))

@@ -19,7 +19,7 @@ from p2ptrain.train import device as dev
 from p2ptrain.train.data import Dataset, evaluate, load_run_dataset, train_batch
 from p2ptrain.train.fragments import Fragments
 from p2ptrain.train.hf import build_run_model
-from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer
+from p2ptrain.train.outer import OuterConfig, OuterOptimizer, make_inner_optimizer, seek_schedule
 
 
 class DataMismatch(ValueError):
@@ -122,6 +122,7 @@ class LocalModel:
         t0 = time.perf_counter()
         self.model.train()
         losses = []
+        self.seek_schedule(self.step)
         for i in range(self.H):
             global_step = self.step * self.H + i
             tokens = train_batch(self.ds, self.peer_id, global_step, self.batch, self.seq_len, self.seed)
@@ -132,6 +133,10 @@ class LocalModel:
         # one device->host sync for all H losses (a float() per step would stall the GPU)
         mean = float(torch.stack(losses).double().mean())
         return mean, self.H * self.batch * self.seq_len, time.perf_counter() - t0
+
+    def seek_schedule(self, phase: int) -> None:
+        """The inner lr schedule at phase `phase`'s first step, wherever this peer started."""
+        seek_schedule(self.sched, phase * self.H)
 
     def inner_step(self, tokens: torch.Tensor, losses: list, schedule: bool = True) -> None:
         """One AdamW step on a batch already on the device (the throughput bench times this).

@@ -196,3 +196,15 @@ def make_inner_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=betas)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(warmup, total_steps, schedule, min_ratio))
     return opt, sched
+
+
+def seek_schedule(sched, position: int) -> None:
+    """Put the inner schedule (`make_inner_optimizer`'s LambdaLR) at the run's inner step
+    `position` (outer step x steps per phase), as `position` calls of `step` would. A peer
+    that adopted state t counted its schedule from its own start, so it trained at warmup
+    or peak lr while the others were deep in the cosine, and its first contribution was
+    rejected as a norm outlier for good (an overlapped newcomer test, 2026-11-26)."""
+    sched.last_epoch = position
+    for g, base, lam in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        g["lr"] = base * lam(position)
+    sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]

@@ -134,6 +134,7 @@ def run_phase(local, phase_no: int, phase: Phase, progress=None) -> tuple[float,
     from p2ptrain.train.data import train_batch
 
     params = list(local.model.parameters())
+    local.seek_schedule(phase_no)  # the run's lr at this phase, wherever this peer started
     local.model.train()
     losses: list = []
     busy, i = 0.0, 0

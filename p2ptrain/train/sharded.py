@@ -28,7 +28,7 @@ from p2ptrain.run.spec import RunSpec
 from p2ptrain.train import device as dev
 from p2ptrain.train.data import Dataset, train_batch, val_batches
 from p2ptrain.train.hf import build_run_model
-from p2ptrain.train.outer import make_inner_optimizer
+from p2ptrain.train.outer import make_inner_optimizer, seek_schedule
 
 
 def rank_rows(tokens: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -155,6 +155,7 @@ class ShardedModel:
         t0 = time.perf_counter()
         self.model.train()
         losses = []
+        seek_schedule(self.sched, step * self.H)  # a node that joined late trains at the run's lr
         for i in range(self.H):
             tokens = train_batch(self.ds, self.peer_id, step * self.H + i, self.batch, self.seq_len, self.seed)
             self.inner_step(dev.to_device(rank_rows(tokens, self.rank, self.world), self.device), losses)
