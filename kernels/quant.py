@@ -50,6 +50,7 @@ from .reference import (  # noqa: F401  (re-exported: same layout helpers on bot
 )
 from .lanes import (
     _G,
+    _sqacc8,
 )
 from .superblock import (
     _deq_par,
@@ -148,36 +149,20 @@ def owner_hop(q_in, meta_in, local, mul=1.0, block=DEFAULT_BLOCK, q_out=None, me
 
 @numba.njit(cache=True, nogil=True)
 def _sumsq(x):
-    # The reference's order exactly, SUMSQ_LANES (8) lanes (no fast-math: LLVM may not
-    # reassociate a lane's sum). Lanes in locals, not an array: an accumulator array is
-    # stored and reloaded every step and ran 5x slower.
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    # The reference's order exactly: SUMSQ_LANES (8) lanes, lane j takes x[j], x[j+8], ... in
+    # sequence (one explicit vector register: `lanes._sqacc8`), the tail into lanes 0..,
+    # then the lanes added 0..7.
+    lanes = np.zeros(8, np.float64)
     n = x.size
     head = n - n % 8
-    for i in range(0, head, 8):
-        v0, v1, v2, v3 = np.float64(x[i]), np.float64(x[i + 1]), np.float64(x[i + 2]), np.float64(x[i + 3])
-        v4, v5, v6, v7 = np.float64(x[i + 4]), np.float64(x[i + 5]), np.float64(x[i + 6]), np.float64(x[i + 7])
-        a0 += v0 * v0
-        a1 += v1 * v1
-        a2 += v2 * v2
-        a3 += v3 * v3
-        a4 += v4 * v4
-        a5 += v5 * v5
-        a6 += v6 * v6
-        a7 += v7 * v7
-    tail = np.zeros(8, np.float64)
+    _sqacc8(x, np.int64(head // 8), lanes)
     for j in range(n - head):
         v = np.float64(x[head + j])
-        tail[j] = v * v
-    a0 += tail[0]
-    a1 += tail[1]
-    a2 += tail[2]
-    a3 += tail[3]
-    a4 += tail[4]
-    a5 += tail[5]
-    a6 += tail[6]
-    a7 += tail[7]
-    return 0.0 + a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
+        lanes[j] += v * v
+    total = 0.0
+    for j in range(8):
+        total += lanes[j]
+    return total
 
 
 def sumsq(x) -> float:

@@ -173,7 +173,8 @@ def sumsq64(x: np.ndarray) -> float:
     OpenBLAS's thread pool, whose threads spin-wait for work; next to the ring's own threads
     on 2 shared cores that cost ~0.5 CPU s per member per 64 MiB round and stretched a
     1 Gbit/s round 5x (BENCHMARKS.md, "Emulated internet"). The kernel (`kernels.sumsq`, one
-    pass, this thread) is ~3x faster than einsum, which other dtypes/layouts still take."""
+    pass, this thread, one explicit vector register) takes ~4 ms per 16M values here, ~3x
+    faster than einsum, which other dtypes/layouts still take."""
     if x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous:
         from p2ptrain import kernels as K
 
