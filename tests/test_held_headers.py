@@ -34,10 +34,11 @@ class _Spy:
 
 def test_held_check_waits_for_settle_then_passes_or_fails_without_blame():
     held, spy = HeldChecker(5.0), _Spy()
+    assert held.pending()  # the ring reads step-0 frames ahead meanwhile
     threading.Timer(0.2, held.settle, (spy,)).start()
     t0 = time.monotonic()
     held.check(0, 0, 0, b"", np.zeros(1, np.float32))
-    assert spy.calls == 1 and time.monotonic() - t0 >= 0.15
+    assert spy.calls == 1 and time.monotonic() - t0 >= 0.15 and not held.pending()
     held.settle(None, "ignored: the first settle stands")
     held.check(1, 0, 0, b"", np.zeros(1, np.float32))
     assert spy.calls == 2

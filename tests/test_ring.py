@@ -151,3 +151,98 @@ def test_check_sees_each_frames_decoded_values_and_can_blame():
     run_members(member, world)
     assert isinstance(errors[2], RingError) and errors[2].blame == "evil" and errors[2].reason == "made up"
     assert seen[2] > 1 and all(s > 0 for s in seen) and wrong == [0] * world
+
+
+class _HeldSpy:
+    """A check that is pending until `settle` (like `contribution.HeldChecker`) and records,
+    at its first call, how many frames its member had already received."""
+
+    def __init__(self, recv_ch) -> None:
+        self.ev = threading.Event()
+        self.recv_ch = recv_ch
+        self.received_at_first_check: int | None = None
+        self.steps_received_at_first_check: set[int] = set()
+
+    def pending(self) -> bool:
+        return not self.ev.is_set()
+
+    def __call__(self, step, c, j, payload, values) -> None:
+        assert self.ev.wait(10.0)
+        if self.received_at_first_check is None:
+            self.received_at_first_check = self.recv_ch.stats.frames
+            self.steps_received_at_first_check = set(self.recv_ch.seen_steps)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(world):
+    """While the members' headers are not in (check pending), each member keeps receiving
+    its predecessor's step-0 frames into spare buffers, so the link keeps moving; never a
+    later frame (it may depend on our own progress: waiting for it would deadlock). The
+    result is bit for bit the unchecked round's."""
+    n = 300_007
+    cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
+    vecs = [np.random.default_rng(10 + i).standard_normal(n).astype(np.float32) for i in range(world)]
+    clean, _ = run_ring(vecs, cfg, *make_ring(world))
+    sends, recvs = make_ring(world)
+    for ch in recvs:  # which steps a channel has delivered so far
+        ch.seen_steps = []
+        recv = ch.recv
+        ch.recv = lambda fid, out, recv=recv, ch=ch: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
+    spies = [_HeldSpy(recvs[i]) for i in range(world)]
+    threading.Timer(0.5, lambda: [s.ev.set() for s in spies]).start()
+    results, errors = [None] * world, [None] * world
+
+    def member(i):
+        try:
+            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, check=spies[i])
+        except Exception as exc:
+            errors[i] = exc
+
+    run_members(member, world)
+    assert errors == [None] * world
+    k = len(layout(n, world, cfg)[0])  # sub-chunks per chunk: the predecessor's step-0 frames
+    assert k > 2
+    for s in spies:
+        assert s.received_at_first_check == k, "all of the predecessor's own chunk, nothing more"
+        assert s.steps_received_at_first_check == {0}
+    assert all(np.array_equal(r, clean[0]) for r in results)
+
+
+def test_own_payloads_stream_to_the_ring_and_digest_exactly_what_was_sent():
+    """`OwnPayloads` (the training path's step-0 frames, encoded beside the data plane): the
+    ring may read frame j before `produce` has run; the bytes and their digests are the
+    eager `own_payloads` ones, the round is bit for bit the plain one, and a production that
+    fails fails the ring at once instead of leaving it waiting."""
+    from p2ptrain.reduce.ring import own_payloads
+    from p2ptrain.run.contribution import OwnPayloads
+
+    world, n = 3, 300_007
+    cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
+    vecs = [np.random.default_rng(20 + i).standard_normal(n).astype(np.float32) for i in range(world)]
+    clean, _ = run_ring(vecs, cfg, *make_ring(world))
+    owns = [OwnPayloads(vecs[i], i, world, cfg, 10.0) for i in range(world)]
+    digests = [None] * world
+    threading.Timer(0.3, lambda: [digests.__setitem__(i, o.produce()) for i, o in enumerate(owns)]).start()
+    sends, recvs = make_ring(world)
+    results, errors = [None] * world, [None] * world
+
+    def member(i):
+        try:
+            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, own=owns[i])
+        except Exception as exc:
+            errors[i] = exc
+
+    run_members(member, world)
+    assert errors == [None] * world
+    assert all(np.array_equal(r, clean[0]) for r in results)
+    for i, o in enumerate(owns):
+        eager = own_payloads(vecs[i], i, world, cfg)
+        assert [bytes(o[j]) for j in range(len(o))] == [bytes(p) for p in eager]
+        assert digests[i] == tuple(hashlib.sha256(p).hexdigest() for p in eager)
+
+    broken = OwnPayloads(np.zeros(n, np.float32), 0, world, cfg, 10.0)
+    broken.send = None  # production raises on its first frame
+    with pytest.raises(TypeError):
+        broken.produce()
+    with pytest.raises(RuntimeError, match="encoding our own frame 0 failed"):
+        broken[0]

@@ -140,6 +140,12 @@ class ArenaPool:
                 del self._free[:len(self._free) - self.limit]
 
 
+READ_AHEAD_BYTES = 64 << 20
+"""At most this many received bytes wait for their turn in one round (a 1 Gbit/s link
+carries ~6 MiB in the 0.05 s a header may take; a predecessor's own chunk is 1/W of the
+payload)."""
+
+
 def _split(buf, m: int) -> tuple[np.ndarray, np.ndarray]:
     a = np.frombuffer(buf, np.uint8)
     return a[:m].view(np.int8), a[m:]
@@ -164,7 +170,10 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     could be signed first). `check(step, chunk, sub, payload, values)`: called on every
     received frame with the fp32 values it decodes to, before anything is mixed in; an
     exception with a `peer` attribute aborts the round blaming that peer. It must not keep
-    `payload` or `values`: both buffers are reused. `pool` lends the wire buffers (see ArenaPool).
+    `payload` or `values` (both buffers are reused) nor write them (an all-gather frame's
+    values are already its part of the result: one decode per frame, not two). A check with
+    a `pending()` method that returns True is waiting for something (`HeldChecker`): the
+    round meanwhile reads its predecessor's step-0 frames ahead. `pool` lends the wire buffers (see ArenaPool).
 
     Like the raw-socket ceiling (p2ptrain/bench/raw_ring.py), this thread receives straight
     into preallocated buffers and only sending has its own thread: no receive pump, no
@@ -203,6 +212,10 @@ class _RingRound:
         # array per frame cost page faults on every frame of the verified path.
         self.values = np.empty(max(m for _, _, m in self.rs.at.values()), np.float32) if check else None
         self.sender = _Sender(send_ch, recv_ch)
+        # Frames received before their turn (`read_ahead`): recv index -> (buffer, spare).
+        self.ahead: dict[int, tuple[memoryview, np.ndarray | None]] = {}
+        self.spares: list[np.ndarray] = []
+        self.ahead_bytes = 0
         self.ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
         self.final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
         self.si = self.sent = 0
@@ -212,8 +225,13 @@ class _RingRound:
         try:
             sender.start()
             self.flush()
-            for fid, c, j in self.recvs:
-                self.step(fid, c, j, self.receive(fid, c, j))
+            for i, (fid, c, j) in enumerate(self.recvs):
+                buf, spare = self.ahead.pop(i) if i in self.ahead else self.receive(fid, c, j)
+                self.read_ahead(i + 1)
+                self.step(fid, c, j, self.checked(fid, c, j, buf))
+                if spare is not None:  # step is done with it (only all-gather frames are kept)
+                    self.spares.append(spare)
+                    self.ahead_bytes -= len(buf)
             if self.si != len(self.sends):
                 raise RingError(f"schedule incomplete: {len(self.sends) - self.si} frames never sent")
             sender.q.put(None)
@@ -260,12 +278,15 @@ class _RingRound:
             self.sent += len(payload)
             self.si += 1
 
-    def receive(self, fid: FrameId, c: int, j: int) -> memoryview:
-        """The frame, straight into its buffer, checked before anything is mixed in."""
+    def receive(self, fid: FrameId, c: int, j: int, ahead: bool = False) -> tuple[memoryview, np.ndarray | None]:
+        """The frame, straight into its buffer, and the spare buffer it took if any: a
+        reduce-scatter frame read `ahead` cannot use the one shared scratch buffer."""
         lo, hi = self.lay[c][j]
-        m = hi - lo
+        m, spare = hi - lo, None
         if fid.step < self.world - 1:
-            buf = memoryview(self.scratch[:wire_bytes(m, self.cfg)])
+            if ahead:
+                spare = self.spares.pop() if self.spares else np.empty(self.scratch.size, np.uint8)
+            buf = memoryview((self.scratch if spare is None else spare)[:wire_bytes(m, self.cfg)])
         elif self.fp32:
             buf = memoryview(self.result[lo:hi]).cast("B")
         else:
@@ -273,9 +294,32 @@ class _RingRound:
         got = self.recv_ch.recv(fid, buf)
         if got != len(buf):
             raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
+        return buf, spare
+
+    def read_ahead(self, i: int) -> None:
+        """While the frame check is held (the members' signed headers are not in yet), keep
+        the link moving: receive the next frames into spare buffers, up to READ_AHEAD_BYTES.
+        Without this our predecessor stalls once the socket buffers fill (~2 MiB) and the
+        header wait (signing and exchanging beside the data plane) lands on the round.
+        Step-0 frames only: our predecessor sends its own chunk unconditionally, while any
+        later frame may depend on our own progress, and waiting for it here would deadlock."""
+        pending = getattr(self.check, "pending", None)
+        while (pending is not None and pending() and i + len(self.ahead) < len(self.recvs)
+               and self.recvs[i + len(self.ahead)][0].step == 0 and self.ahead_bytes < READ_AHEAD_BYTES):
+            k = i + len(self.ahead)
+            self.ahead[k] = self.receive(*self.recvs[k], ahead=True)
+            self.ahead_bytes += len(self.ahead[k][0])
+
+    def checked(self, fid: FrameId, c: int, j: int, buf: memoryview) -> memoryview:
+        """`buf`, held to the caller's check before anything is mixed in."""
         if self.check is not None:
-            values = (np.frombuffer(buf, np.float32) if self.fp32
-                      else K.dequantize(*_split(buf, m), self.cfg.block, out=self.values[:m]))
+            lo, hi = self.lay[c][j]
+            m = hi - lo
+            if self.fp32:
+                values = np.frombuffer(buf, np.float32)
+            else:  # all-gather frames decode straight into the result, once (see `step`)
+                dst = self.result[lo:hi] if fid.step >= self.world - 1 else self.values[:m]
+                values = K.dequantize(*_split(buf, m), self.cfg.block, out=dst)
             try:
                 self.check(fid.step, c, j, buf, values)
             except Exception as exc:
@@ -313,7 +357,7 @@ class _RingRound:
             if fid.step < 2 * world - 3:
                 self.ready[(c, j)] = buf
                 self.flush()
-            if not self.fp32:
+            if not self.fp32 and self.check is None:  # checked frames were decoded by `receive`
                 K.dequantize(*_split(buf, m), block, out=self.result[lo:hi])
             self.final[(c, j)] = blake3(buf).digest()
 

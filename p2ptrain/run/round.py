@@ -40,7 +40,7 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import Header, HeldChecker, sign_header, sumsq64, verify_headers
+from p2ptrain.run.contribution import Header, HeldChecker, OwnPayloads, chunk_norms, sign_header, verify_headers
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -148,8 +148,7 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
         own = butterfly.own_payloads(send, world, cfg)
         digests = butterfly.chunk_digests(own)
     lay = ring.layout(delta.size, world, cfg)
-    # float64 sums without BLAS (np.linalg.norm's dot spins OpenBLAS threads: contribution.sumsq64)
-    norms = tuple(math.sqrt(sumsq64(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
+    norms = chunk_norms(delta, lay)
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
@@ -255,23 +254,41 @@ class ContributionRound:
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:
         """Headers, then the reduction; True once a round committed (filled into `out`).
-        Ring rounds exchange headers while the data plane already runs (`HeldChecker`)."""
+        Ring rounds encode, sign and exchange headers while the data plane already runs
+        (`OwnPayloads`, `HeldChecker`)."""
         rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
         robust = self.config.robust is not None
         send = self.contributor.payload(delta)
+        lay = ring.layout(delta.size, world, self.ring_cfg)
+        subs = [len(s) for s in lay]
+
+        def sign(digests: tuple[str, ...], norms: tuple[float, ...]) -> bytes:
+            norm = math.sqrt(math.fsum(x * x for x in norms))
+            header = Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens)
+            return self.contributor.sign(header, self.identity)
+
+        def sign_streamed() -> bytes:  # blocking: encodes our frames as the ring reads them
+            return sign(own.produce(), chunk_norms(delta, lay))
+
         t0 = trio.current_time()
-        prep = await trio.to_thread.run_sync(prepare, delta, send, rank, world, self.ring_cfg, robust)
-        header = Header(self.run_id, t, attempt, rh, self.me, prep.norms, prep.digests, prep.norm, inner_steps, tokens)
-        signed = await trio.to_thread.run_sync(self.contributor.sign, header, self.identity)
-        t0 = out.took("prepare", t0)
-        subs = [len(s) for s in prep.lay]
+        if robust:  # the butterfly's Checker needs every header before any data moves
+            prep = await trio.to_thread.run_sync(prepare, delta, send, rank, world, self.ring_cfg, robust)
+            own, signed = prep.own, await trio.to_thread.run_sync(sign, prep.digests, prep.norms)
+            t0 = out.took("prepare", t0)
+        else:
+            own, signed = OwnPayloads(send, rank, world, self.ring_cfg, self.config.exchange_timeout + 1.0), None
         held = None if robust else HeldChecker(self.config.exchange_timeout + 1.0)
         got: dict = {}
 
         async def headers() -> None:
             h0 = trio.current_time()
             try:
-                raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, signed, self.config.exchange_timeout)
+                raw_signed = signed
+                if raw_signed is None:  # ring: beside the data plane, which reads `own` as it fills
+                    raw_signed = await trio.to_thread.run_sync(sign_streamed)
+                    h0 = out.took("prepare", h0)
+                raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
+                                              self.config.exchange_timeout)
                 # Robust runs bound every member's influence whatever its norm: no norm filter.
                 # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
                 got["ok"], got["bad"] = verify_headers(
@@ -293,9 +310,9 @@ class ContributionRound:
             else:
                 nursery.start_soon(headers)
             if held is not None or not got["bad"]:
-                checker = held.check if held is not None else butterfly.Checker(roster, got["ok"], subs)
+                checker = held if held is not None else butterfly.Checker(roster, got["ok"], subs)
                 try:
-                    res = await self.svc.allreduce(send, self.run_id, rid, roster, own=prep.own, check=checker,
+                    res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker,
                                                    robust=self.config.robust)
                 except RoundFailed as exc:
                     failed = exc
@@ -319,8 +336,8 @@ class ContributionRound:
         ok = got["ok"]
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
-        out.bytes_recv += sum(ring.wire_bytes(prep.lay[c][j][1] - prep.lay[c][j][0], self.ring_cfg)
-                              for _, c, j in ring.schedule(rank, world, prep.lay)[1])
+        out.bytes_recv += sum(ring.wire_bytes(lay[c][j][1] - lay[c][j][0], self.ring_cfg)
+                              for _, c, j in ring.schedule(rank, world, lay)[1])
         self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
         return True
