@@ -289,12 +289,7 @@ class ContributionRound:
                     h0 = out.took("prepare", h0)
                 raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
                                               self.config.exchange_timeout)
-                # Robust runs bound every member's influence whatever its norm: no norm filter.
-                # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
-                got["ok"], got["bad"] = verify_headers(
-                    raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
-                    norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
-                    trusted=None if robust else self.ledger.standing.trusted())
+                got["ok"], got["bad"] = self._verify(raw, t, attempt, rh, roster)
             finally:
                 out.took("headers", h0)
                 if held is not None:
@@ -318,6 +313,21 @@ class ContributionRound:
                     failed = exc
                 finally:
                     out.took("reduce", t0)
+        return self._conclude(out, t, attempt, rank, lay, got, res, failed)
+
+    def _verify(self, raw: dict[str, bytes | None], t: int, attempt: int, rh: str,
+                roster: list[str]) -> tuple[dict[str, Header], dict[str, str]]:
+        robust = self.config.robust is not None
+        # Robust runs bound every member's influence whatever its norm: no norm filter.
+        # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
+        return verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
+                              norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
+                              trusted=None if robust else self.ledger.standing.trusted())
+
+    def _conclude(self, out: Outcome, t: int, attempt: int, rank: int, lay: list, got: dict, res,
+                  failed: RoundFailed | None) -> bool:
+        """An attempt's verdict from its headers (`got`) and its data plane (`res` or
+        `failed`): rejections, and on a commit `out` filled in. True once it committed."""
         bad = got.get("bad", {})
         # A missing header is silence, not a lie: a member that did not go on with this
         # roster (it heard another confirmation than we did) or crashed. Rejecting it, as
@@ -337,7 +347,7 @@ class ContributionRound:
         out.bytes_sent += res.sent_bytes
         # What the ring schedule delivered to us (the ring counts only what it sends).
         out.bytes_recv += sum(ring.wire_bytes(lay[c][j][1] - lay[c][j][0], self.ring_cfg)
-                              for _, c, j in ring.schedule(rank, world, lay)[1])
+                              for _, c, j in ring.schedule(rank, len(lay), lay)[1])
         self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
         return True
