@@ -95,6 +95,8 @@ def run(args) -> int:
         ("ring_hop", lambda: K.ring_hop(q, meta, local, block, q2, meta2)),
         ("owner_hop", lambda: K.owner_hop(q, meta, local, 0.25, block, q2, meta2, out)),
         (INPLACE, lambda: K.owner_hop(q, meta, local2, 0.5, block, q2, meta2, local2)),
+        # The verified path's norms: every header and every received frame (float64 lanes).
+        ("sumsq", lambda: K.sumsq(x)),
     ]
     payload = 4 * n
     load_before = os.getloadavg()[0]
