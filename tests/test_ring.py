@@ -214,7 +214,7 @@ def test_own_payloads_stream_to_the_ring_and_digest_exactly_what_was_sent():
     eager `own_payloads` ones, the round is bit for bit the plain one, and a production that
     fails fails the ring at once instead of leaving it waiting."""
     from p2ptrain.reduce.ring import own_payloads
-    from p2ptrain.run.contribution import OwnPayloads
+    from p2ptrain.run.contribution import OwnPayloads, frame_digest
 
     world, n = 3, 300_007
     cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
@@ -238,7 +238,7 @@ def test_own_payloads_stream_to_the_ring_and_digest_exactly_what_was_sent():
     for i, o in enumerate(owns):
         eager = own_payloads(vecs[i], i, world, cfg)
         assert [bytes(o[j]) for j in range(len(o))] == [bytes(p) for p in eager]
-        assert digests[i] == tuple(hashlib.sha256(p).hexdigest() for p in eager)
+        assert digests[i] == tuple(frame_digest(p) for p in eager)
 
     broken = OwnPayloads(np.zeros(n, np.float32), 0, world, cfg, 10.0)
     broken.send = None  # production raises on its first frame

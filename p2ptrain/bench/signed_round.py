@@ -1,5 +1,5 @@
 """An all-reduce round as training runs it, for benches and tests: each member signs a
-contribution header (its norm per chunk and the SHA-256 of every frame it sends first),
+contribution header (its norm per chunk and the BLAKE3 of every frame it sends first),
 the members exchange headers (`AllReduceService.exchange`) and check them
 (`verify_headers`), and the data plane holds every frame to them (`FrameChecker`, passed as
 `check=`, with `own=` our payloads as they are encoded), as `p2ptrain.train.trainer` does; the header

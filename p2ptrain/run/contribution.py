@@ -1,7 +1,7 @@
 """Signed contribution headers and their verification (pure logic: no I/O).
 
 Before a group reduces, each member signs a header describing its pseudo-gradient: run,
-step, attempt, roster hash, its norm per ring chunk, the SHA-256 of each sub-chunk payload
+step, attempt, roster hash, its norm per ring chunk, the BLAKE3 of each sub-chunk payload
 it will send first (its own chunk, quantized: the exact bytes its successor will receive),
 inner steps and tokens. Members exchange headers and each one runs `verify_headers` on the
 same set, so they exclude the same peers. The data plane then holds every frame to these
@@ -17,19 +17,21 @@ robust aggregation addresses Byzantine accusers.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import threading
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+from blake3 import blake3
 
 from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce.schedule import RingConfig, encode_payload, layout
 
 MAX_HEADER_BYTES = 16 * 1024
-_DOMAIN = b"p2ptrain-contribution-v1"
+_DOMAIN = b"p2ptrain-contribution-v2"
+"""v2: ring frame digests are BLAKE3 (`frame_digest`), no longer SHA-256; a v1 header fails
+its signature check here instead of having its frames blamed for the other hash."""
 
 
 class BadContribution(Exception):
@@ -208,7 +210,7 @@ class FrameChecker:
             raise BadContribution(prev, "non-finite values")
         w = self.world
         if step == 0:  # the predecessor's own data, exactly as it signed it
-            digest = hashlib.sha256(payload).hexdigest()
+            digest = frame_digest(payload)
             own = self.headers[prev].own_digests
             if sub >= len(own) or own[sub] != digest:
                 raise BadContribution(prev, "payload does not match its signed digest")
@@ -264,6 +266,14 @@ class HeldChecker:
         self._checker.check(step, chunk, sub, payload, values)
 
 
+def frame_digest(payload) -> str:
+    """What a header signs of a ring frame: its BLAKE3, hex. BLAKE3 rather than SHA-256 for
+    the ring's result digest's reason (`ring.allreduce`): ~4x the speed on one core here
+    (4.3 MiB: 0.6 ms against 2.4 ms), and every member hashes its own chunk and its
+    predecessor's, ~2/W of the payload, each round."""
+    return blake3(payload).hexdigest()
+
+
 def chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]]) -> tuple[float, ...]:
     """The norm of `delta` over each ring chunk of `lay` (what a header signs)."""
     return tuple(math.sqrt(sumsq64(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
@@ -298,7 +308,7 @@ class OwnPayloads:
         return buf
 
     def produce(self) -> tuple[str, ...]:
-        """Encode every frame, publishing each at once, then their SHA-256 (blocking)."""
+        """Encode every frame, publishing each at once, then their digests (blocking)."""
         try:
             for j, (lo, hi) in enumerate(self.subs):
                 self._bufs[j] = encode_payload(self.send[lo:hi], self.cfg)
@@ -306,4 +316,4 @@ class OwnPayloads:
         finally:
             for ev in self._ready:  # a failure must not leave the ring waiting out its timeout
                 ev.set()
-        return tuple(hashlib.sha256(b).hexdigest() for b in self._bufs)
+        return tuple(frame_digest(b) for b in self._bufs)

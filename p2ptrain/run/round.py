@@ -25,7 +25,6 @@ product uses the honest one; hostile-peer tests pass a subclass.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -40,7 +39,8 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import Header, HeldChecker, OwnPayloads, chunk_norms, sign_header, verify_headers
+from p2ptrain.run.contribution import (Header, HeldChecker, OwnPayloads, chunk_norms, frame_digest, sign_header,
+                                       verify_headers)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -140,10 +140,10 @@ class _Prepared:
 
 def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: ring.RingConfig,
             robust: bool) -> _Prepared:
-    """Encode and hash what we send, and the norms we sign (blocking: numba and SHA-256)."""
+    """Encode and hash what we send, and the norms we sign (blocking: numba and hashing)."""
     if not robust:
         own = ring.own_payloads(send, rank, world, cfg)
-        digests = tuple(hashlib.sha256(p).hexdigest() for p in own)
+        digests = tuple(frame_digest(p) for p in own)
     else:  # a copy of every chunk, each signed: every owner checks what it receives
         own = butterfly.own_payloads(send, world, cfg)
         digests = butterfly.chunk_digests(own)
