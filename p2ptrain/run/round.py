@@ -120,7 +120,8 @@ class Outcome:
     commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
     seconds: dict = field(default_factory=dict)
     """Where the round's time went (roster, prepare, headers, reduce; summed over attempts),
-    reported in the trainer's `step_timing` event (issue 17's step-protocol breakdown)."""
+    reported in the trainer's `step_timing` event (issue 17's step-protocol breakdown). In
+    ring rounds prepare and headers run beside reduce, so the parts overlap."""
 
     def took(self, part: str, since: float) -> float:
         now = trio.current_time()
