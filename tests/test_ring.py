@@ -208,41 +208,45 @@ def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(
     assert all(np.array_equal(r, clean[0]) for r in results)
 
 
-def test_own_payloads_stream_to_the_ring_and_digest_exactly_what_was_sent():
-    """`OwnPayloads` (the training path's step-0 frames, encoded beside the data plane): the
-    ring may read frame j before `produce` has run; the bytes and their digests are the
-    eager `own_payloads` ones, the round is bit for bit the plain one, and a production that
-    fails fails the ring at once instead of leaving it waiting."""
+def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():
+    """`OwnDigests` (the training path: our step-0 frames hashed beside the data plane): the
+    ring hands over each own frame as it encodes it, a signer waiting from before the round
+    starts gets the digests of exactly the bytes the eager `own_payloads` would sign, the
+    round is bit for bit the plain one, and a round that ends (or stalls) before its frames
+    exist fails the wait instead of hanging the signer."""
     from p2ptrain.reduce.ring import own_payloads
-    from p2ptrain.run.contribution import OwnPayloads, frame_digest
+    from p2ptrain.run.contribution import NotEncoded, OwnDigests, frame_digest
 
     world, n = 3, 300_007
     cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
     vecs = [np.random.default_rng(20 + i).standard_normal(n).astype(np.float32) for i in range(world)]
     clean, _ = run_ring(vecs, cfg, *make_ring(world))
-    owns = [OwnPayloads(vecs[i], i, world, cfg, 10.0) for i in range(world)]
+    owns = [OwnDigests(len(layout(n, world, cfg)[i]), 10.0) for i in range(world)]
     digests = [None] * world
-    threading.Timer(0.3, lambda: [digests.__setitem__(i, o.produce()) for i, o in enumerate(owns)]).start()
+    signers = [threading.Thread(target=lambda i=i: digests.__setitem__(i, owns[i].wait())) for i in range(world)]
+    for th in signers:
+        th.start()
     sends, recvs = make_ring(world)
     results, errors = [None] * world, [None] * world
 
     def member(i):
         try:
-            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, own=owns[i])
+            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, on_own=owns[i])
         except Exception as exc:
             errors[i] = exc
 
     run_members(member, world)
+    for th in signers:
+        th.join(10)
     assert errors == [None] * world
     assert all(np.array_equal(r, clean[0]) for r in results)
-    for i, o in enumerate(owns):
-        eager = own_payloads(vecs[i], i, world, cfg)
-        assert [bytes(o[j]) for j in range(len(o))] == [bytes(p) for p in eager]
-        assert digests[i] == tuple(frame_digest(p) for p in eager)
+    for i in range(world):
+        assert digests[i] == tuple(frame_digest(p) for p in own_payloads(vecs[i], i, world, cfg))
 
-    broken = OwnPayloads(np.zeros(n, np.float32), 0, world, cfg, 10.0)
-    broken.send = None  # production raises on its first frame
-    with pytest.raises(TypeError):
-        broken.produce()
-    with pytest.raises(RuntimeError, match="encoding our own frame 0 failed"):
-        broken[0]
+    over = OwnDigests(2, 10.0)
+    over(0, memoryview(b"x"))
+    over(-1, None)  # the round ended before frame 1 was encoded
+    with pytest.raises(NotEncoded, match="ended before"):
+        over.wait()
+    with pytest.raises(NotEncoded, match="in time"):
+        OwnDigests(1, 0.05).wait()

@@ -79,8 +79,13 @@ class FakeService:
     async def abort(self, run_id, round_id, reason):
         pass  # the fake's rounds end on their own
 
-    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None):
+    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, on_own=None):
         self.hub.calls.append((self.me, round_id, tuple(members)))
+        if on_own is not None:  # as the ring does: our own frames are encoded first, whatever follows
+            rcfg = ring.RingConfig(CFG.ring_mode, sub_chunk_bytes=CFG.sub_chunk_bytes)
+            for j, p in enumerate(ring.own_payloads(vec, members.index(self.me), len(members), rcfg)):
+                on_own(j, memoryview(p))
+            on_own(-1, None)
         if round_id in self.hub.fail:
             await trio.sleep(self.hub.slow_abort.get((round_id, self.me), 0.0))
             raise RoundFailed("fake abort", dict(self.hub.fail[round_id]),

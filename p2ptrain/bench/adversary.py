@@ -85,11 +85,12 @@ class WithholdingService(AllReduceService):
 
     withheld = 0
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, own, check, out) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras) -> _Plane:
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
+        own, check, out, on_own = extras
         result, sent, digest = ring.allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
-                                              out, self._arenas)
+                                              out, self._arenas, on_own)
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         if world == 1:  # alone: nobody to withhold from
             plane.sigs = [self.board.sign_vote(rnd, digest)]
@@ -130,11 +131,11 @@ class _DroppingRound(ring._RingRound):
         super().step(fid, c, j, buf)
 
 
-def dropping_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check, out, pool):
+def dropping_allreduce(vec, rank, world, send_ch, recv_ch, cfg, timeout, own, check, out, pool, on_own=None):
     """`ring.allreduce` with `_DroppingRound`: (result, sent, digest, the round)."""
     vec = np.ascontiguousarray(vec, dtype=np.float32).ravel()
     ring._set_kernel_threads(cfg.kernel_threads)
-    rr = _DroppingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool)
+    rr = _DroppingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool, on_own)
     return (*rr.run(timeout), rr)
 
 
@@ -160,13 +161,13 @@ class DroppingService(AllReduceService):
         self._last: dict | None = None
         self.quiet = False
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, own, check, out) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras) -> _Plane:
         world = len(rnd.ids)
         if world == 1:
-            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, own, check, out)
+            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
-        result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own,
-                                                      check, out, self._arenas)
+        result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout,
+                                                      *extras[:3], self._arenas, extras[3])
         self._last = drop_stats(np.ascontiguousarray(vec, np.float32).ravel(), result, rr)
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         publics = [public_from_peer_id_bytes(p) for p in rnd.ids]
@@ -177,9 +178,11 @@ class DroppingService(AllReduceService):
             plane.gather_error = str(exc)
         return plane
 
-    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, out=None):
+    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, out=None,
+                        on_own=None):
         self._last = None
-        res = await super().allreduce(vec, run_id, round_id, members, own=own, check=check, robust=robust, out=out)
+        res = await super().allreduce(vec, run_id, round_id, members, own=own, check=check, robust=robust, out=out,
+                                      on_own=on_own)
         if self._last is not None:  # committed with our drops in it
             self.stats.append({"round": round_id, **self._last})
             if not self.quiet:

@@ -2,9 +2,9 @@
 contribution header (its norm per chunk and the BLAKE3 of every frame it sends first),
 the members exchange headers (`AllReduceService.exchange`) and check them
 (`verify_headers`), and the data plane holds every frame to them (`FrameChecker`, passed as
-`check=`, with `own=` our payloads as they are encoded), as `p2ptrain.train.trainer` does; the header
-encoding, signing and exchange run beside the data plane, whose checks wait for them
-(`OwnPayloads`, `HeldChecker`).
+`check=`), as `p2ptrain.train.trainer` does; hashing our frames as the ring encodes them,
+signing and the header exchange run beside the data plane, whose checks wait for them
+(`OwnDigests`, `HeldChecker`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import trio
 
 from p2ptrain.reduce import ring
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
-from p2ptrain.run.contribution import Header, HeldChecker, OwnPayloads, chunk_norms, sign_header, verify_headers
+from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, sign_header,
+                                       verify_headers)
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
@@ -29,10 +30,11 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
     roster = hashlib.sha256("\n".join([run, rid, *members]).encode()).hexdigest()
     lay = ring.layout(vec.size, world, cfg)
 
-    own = OwnPayloads(vec, rank, world, cfg, timeout + 1.0)
+    own = OwnDigests(len(lay[rank]), timeout + 1.0)
 
-    def sign() -> bytes:  # encodes our frames as the ring reads them (off the trio loop)
-        digests, norms = own.produce(), chunk_norms(vec, lay)
+    def sign() -> bytes:  # the norms, then our frames' digests as the ring encodes them (off the trio loop)
+        norms = chunk_norms(vec, lay)
+        digests = own.wait()
         header = Header(run, 0, 0, roster, me, norms, digests, math.sqrt(math.fsum(n * n for n in norms)), 1, 0)
         return sign_header(header, svc.identity)
 
@@ -45,7 +47,10 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
 
     async def headers() -> None:
         try:
-            signed = await trio.to_thread.run_sync(sign)
+            try:
+                signed = await trio.to_thread.run_sync(sign)
+            except NotEncoded:  # our data plane failed first: it reports why
+                return
             got["signed"] = trio.current_time()
             raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
             got["ok"], got["bad"] = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
@@ -56,7 +61,7 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
     async with trio.open_nursery() as nursery:
         nursery.start_soon(headers)
         try:
-            res = await svc.allreduce(vec, run, rid, members, own=own, check=held, out=out)
+            res = await svc.allreduce(vec, run, rid, members, check=held, out=out, on_own=own)
         except RoundFailed:
             if got.get("bad"):
                 raise RoundFailed(f"contribution headers rejected: {got['bad']}", got["bad"]) from None

@@ -154,7 +154,7 @@ def _split(buf, m: int) -> tuple[np.ndarray, np.ndarray]:
 def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, recv_ch: Channel | None,
               cfg: RingConfig, timeout: float = 30.0, own: list[bytearray] | None = None,
               check=None, out: np.ndarray | None = None,
-              pool: ArenaPool | None = None) -> tuple[np.ndarray, int, str]:
+              pool: ArenaPool | None = None, on_own=None) -> tuple[np.ndarray, int, str]:
     """Mean of every member's `vec` as a new array (or in `out`, which then holds garbage
     if the round fails), the payload bytes this rank sent, and the result's digest.
 
@@ -167,7 +167,10 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     2.85 against 1.54 GB/s on one core here, ~6 % of a member's CPU per 64 MiB round.
 
     `own`: this rank's step-0 payloads (its own chunk, already encoded, e.g. so their digests
-    could be signed first). `check(step, chunk, sub, payload, values)`: called on every
+    could be signed first). Without it the round encodes them itself and hands each one to
+    `on_own(j, payload)` as soon as it is queued (then `on_own(-1, None)` when the round
+    ends, however), so they can be hashed and signed beside the data plane: the view stays
+    unchanged while the round runs. `check(step, chunk, sub, payload, values)`: called on every
     received frame with the fp32 values it decodes to, before anything is mixed in; an
     exception with a `peer` attribute aborts the round blaming that peer. It must not keep
     `payload` or `values` (both buffers are reused) nor write them (an all-gather frame's
@@ -186,16 +189,21 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
                             or np.shares_memory(out, vec)):
         raise ValueError("out must be a C-contiguous float32 array shaped like vec, not sharing its memory")
     if world == 1:
+        if on_own is not None:
+            on_own(-1, None)
         return vec.copy(), 0, hashlib.sha256(vec.data).hexdigest()
     _set_kernel_threads(cfg.kernel_threads)
-    return _RingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool or ArenaPool(0)).run(timeout)
+    return _RingRound(vec, rank, world, send_ch, recv_ch, cfg, own, check, out, pool or ArenaPool(0),
+                      on_own).run(timeout)
 
 
 class _RingRound:
     """One member's run of the schedule (`schedule.schedule`) in the calling thread."""
 
-    def __init__(self, vec, rank, world, send_ch, recv_ch, cfg: RingConfig, own, check, out, pool: ArenaPool) -> None:
+    def __init__(self, vec, rank, world, send_ch, recv_ch, cfg: RingConfig, own, check, out, pool: ArenaPool,
+                 on_own=None) -> None:
         self.vec, self.world, self.recv_ch, self.cfg, self.own, self.check = vec, world, recv_ch, cfg, own, check
+        self.on_own = on_own
         self.lay = layout(vec.size, world, cfg)
         self.sends, self.recvs = schedule(rank, world, self.lay)
         self.fp32 = cfg.mode == "fp32"
@@ -245,6 +253,8 @@ class _RingRound:
         except Exception as exc:
             raise RingError(f"{type(exc).__name__}: {exc}") from exc
         finally:
+            if self.on_own is not None:
+                self.on_own(-1, None)  # no more: a waiter for a frame never encoded stops waiting
             sender.error = sender.error or RingError("round over")  # drops anything still queued
             sender.q.put(None)
             if not sender.is_alive():  # else it may still read them: let them go
@@ -270,6 +280,8 @@ class _RingRound:
                     q, meta = rs.parts(c, j)
                     K.quantize(self.vec[lo:hi], cfg.block, q=q, meta=meta)
                     payload = rs.view(c, j)
+                if self.on_own is not None and self.own is None:
+                    self.on_own(j, payload)  # written once: it stays as sent until the round ends
             elif (c, j) in self.ready:
                 payload = self.ready.pop((c, j))
             else:

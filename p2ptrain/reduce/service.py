@@ -185,11 +185,11 @@ class AllReduceService:
     # -- rounds ----------------------------------------------------------------------
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own: list | None = None, check=None, robust=None,
-                        out: np.ndarray | None = None) -> RoundResult:
+                        out: np.ndarray | None = None, on_own=None) -> RoundResult:
         """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
 
-        `own`, `check` and `out` (a buffer for the result, reused across rounds saves page
-        faults) are passed to the data plane (see `p2ptrain.reduce.ring.allreduce`).
+        `own`, `check`, `out` (a buffer for the result, reused across rounds saves page
+        faults) and `on_own` are passed to the data plane (see `p2ptrain.reduce.ring.allreduce`).
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.reduce.butterfly.allreduce`; `own`, `check` as it defines)."""
         ids = [peer_id_from_str(m) for m in members]
@@ -206,7 +206,7 @@ class AllReduceService:
         try:
             path = await self._setup(rnd, mesh, run_id, round_id, robust, config)
             t_setup = trio.current_time()
-            plane = await self._data_plane(rnd, mesh, vec, own, check, out, robust, config)
+            plane = await self._data_plane(rnd, mesh, vec, (own, check, out, on_own), robust, config)
             await self._decide(rnd, plane, robust is not None, config)
             committed = True
             t_end = trio.current_time()
@@ -256,7 +256,8 @@ class AllReduceService:
             raise RoundFailed(f"{aborted[0]} aborted the round")
         return path
 
-    async def _data_plane(self, rnd: Round, mesh: Mesh, vec, own, check, out, robust, config) -> _Plane:
+    async def _data_plane(self, rnd: Round, mesh: Mesh, vec, extras: tuple, robust, config) -> _Plane:
+        """`extras`: the ring's (own, check, out, on_own); the butterfly takes own and check."""
         cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
         world = len(rnd.ids)
         async with trio.open_nursery() as nursery:
@@ -264,23 +265,24 @@ class AllReduceService:
             try:
                 if robust is None:
                     plane = await trio.to_thread.run_sync(self._ring_and_votes, vec, rnd, mesh, cfg,
-                                                          config.frame_timeout, own, check, out)
+                                                          config.frame_timeout, extras)
                 else:
                     result, sent, digest, scores = await trio.to_thread.run_sync(
                         butterfly.allreduce, vec, rnd.rank, world, mesh.sends, mesh.recvs, cfg, robust,
-                        config.frame_timeout, own, check)
+                        config.frame_timeout, *extras[:2])
                     plane = _Plane(result, sent, digest, scores=scores, t_data=trio.current_time())
             except RingError as exc:
                 plane = _Plane(error=exc, t_data=trio.current_time())
             nursery.cancel_scope.cancel()
         return plane
 
-    def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, own, check, out) -> _Plane:
+    def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple) -> _Plane:
         """The data plane, then the signed votes on the same channels (worker thread)."""
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
+        own, check, out, on_own = extras
         result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
-                                              out, self._arenas)
+                                              out, self._arenas, on_own)
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]

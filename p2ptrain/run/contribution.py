@@ -26,7 +26,6 @@ import numpy as np
 from blake3 import blake3
 
 from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
-from p2ptrain.reduce.schedule import RingConfig, encode_payload, layout
 
 MAX_HEADER_BYTES = 16 * 1024
 _DOMAIN = b"p2ptrain-contribution-v2"
@@ -279,41 +278,40 @@ def chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]]) -> tuple[fl
     return tuple(math.sqrt(sumsq64(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
 
 
-class OwnPayloads:
-    """Our ring step-0 frames (our own chunk, encoded), produced while the data plane already
-    sends them: the ring's `own=` reads frame j as soon as it is encoded, and the header's
-    digests, norms and signature follow beside the data (issue 17: signing everything before
-    the first byte held back a 1 Gbit/s round by 0.02-0.05 s). Nothing unsigned is mixed in
-    anywhere: every receiver's check waits for our verified header (`HeldChecker`).
+class NotEncoded(Exception):
+    """Our own frames were never (all) encoded: the round ended or stalled first."""
 
-    `produce` runs in a worker thread; the ring's reads block (bounded by `timeout`) until
-    their frame exists, and fail at once if production failed."""
 
-    def __init__(self, send: np.ndarray, rank: int, world: int, cfg: RingConfig, timeout: float) -> None:
-        self.send = np.ascontiguousarray(send, dtype=np.float32).ravel()
-        self.subs = layout(self.send.size, world, cfg)[rank]
-        self.cfg, self.timeout = cfg, timeout
-        self._bufs: list[bytearray | None] = [None] * len(self.subs)
-        self._ready = [threading.Event() for _ in self.subs]
+class OwnDigests:
+    """The digests of our ring step-0 frames (our own chunk, encoded), taken while the data
+    plane already sends them: the ring encodes each frame into its wire buffer as usual and
+    hands it over (`ring.allreduce(on_own=...)`), and the header's digests, norms and
+    signature follow beside the data (issue 17: signing everything before the first byte
+    held back a 1 Gbit/s round by 0.02-0.05 s). Nothing unsigned is mixed in anywhere:
+    every receiver's check waits for our verified header (`HeldChecker`)."""
 
-    def __len__(self) -> int:
-        return len(self.subs)
+    def __init__(self, count: int, timeout: float) -> None:
+        self.timeout = timeout
+        self._views: list[memoryview | None] = [None] * count
+        self._over = False
+        self._cond = threading.Condition()
 
-    def __getitem__(self, j: int) -> bytearray:
-        if not self._ready[j].wait(self.timeout):
-            raise TimeoutError(f"our own frame {j} was not encoded in time")
-        buf = self._bufs[j]
-        if buf is None:
-            raise RuntimeError(f"encoding our own frame {j} failed")
-        return buf
+    def __call__(self, j: int, payload: memoryview | None) -> None:
+        """The ring's `on_own`: frame j is encoded (j = -1: the round is over)."""
+        with self._cond:
+            if j < 0:
+                self._over = True
+            else:
+                self._views[j] = payload
+            self._cond.notify_all()
 
-    def produce(self) -> tuple[str, ...]:
-        """Encode every frame, publishing each at once, then their digests (blocking)."""
-        try:
-            for j, (lo, hi) in enumerate(self.subs):
-                self._bufs[j] = encode_payload(self.send[lo:hi], self.cfg)
-                self._ready[j].set()
-        finally:
-            for ev in self._ready:  # a failure must not leave the ring waiting out its timeout
-                ev.set()
-        return tuple(frame_digest(b) for b in self._bufs)
+    def wait(self) -> tuple[str, ...]:
+        """Every frame's digest once the ring encoded them all (blocking, bounded by
+        `timeout`); NotEncoded when the round ended or stalled first."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._over or all(v is not None for v in self._views), self.timeout):
+                raise NotEncoded("our own frames were not encoded in time")
+            views = list(self._views)
+        if any(v is None for v in views):
+            raise NotEncoded("the round ended before our own frames were encoded")
+        return tuple(frame_digest(v) for v in views)

@@ -39,8 +39,8 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import (Header, HeldChecker, OwnPayloads, chunk_norms, frame_digest, sign_header,
-                                       verify_headers)
+from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
+                                       sign_header, verify_headers)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -54,8 +54,10 @@ class ReduceService(Protocol):
                        timeout: float, unreachable_silent: bool = False) -> dict[str, bytes | None]: ...
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
-                        own=None, check=None, robust=None):
-        """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed."""
+                        own=None, check=None, robust=None, on_own=None):
+        """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed.
+        `on_own(j, payload)` is called with each of our step-0 frames as it is encoded, then
+        `on_own(-1, None)` (`p2ptrain.reduce.ring.allreduce`)."""
 
     async def abort(self, run_id: str, round_id: str, reason: str) -> None:
         """Abort our running round `round_id` (it cannot commit): its data plane stops now."""
@@ -256,7 +258,7 @@ class ContributionRound:
                        tokens: int, inner_steps: int) -> bool:
         """Headers, then the reduction; True once a round committed (filled into `out`).
         Ring rounds encode, sign and exchange headers while the data plane already runs
-        (`OwnPayloads`, `HeldChecker`)."""
+        (`OwnDigests`, `HeldChecker`)."""
         rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
         robust = self.config.robust is not None
         send = self.contributor.payload(delta)
@@ -268,16 +270,18 @@ class ContributionRound:
             header = Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens)
             return self.contributor.sign(header, self.identity)
 
-        def sign_streamed() -> bytes:  # blocking: encodes our frames as the ring reads them
-            return sign(own.produce(), chunk_norms(delta, lay))
+        def sign_streamed() -> bytes:  # blocking: the norms, then our frames' digests as the ring encodes them
+            norms = chunk_norms(delta, lay)
+            return sign(digests.wait(), norms)
 
         t0 = trio.current_time()
+        own = digests = signed = None
         if robust:  # the butterfly's Checker needs every header before any data moves
             prep = await trio.to_thread.run_sync(prepare, delta, send, rank, world, self.ring_cfg, robust)
             own, signed = prep.own, await trio.to_thread.run_sync(sign, prep.digests, prep.norms)
             t0 = out.took("prepare", t0)
         else:
-            own, signed = OwnPayloads(send, rank, world, self.ring_cfg, self.config.exchange_timeout + 1.0), None
+            digests = OwnDigests(len(lay[rank]), self.config.exchange_timeout + 1.0)
         held = None if robust else HeldChecker(self.config.exchange_timeout + 1.0)
         got: dict = {}
 
@@ -285,8 +289,12 @@ class ContributionRound:
             h0 = trio.current_time()
             try:
                 raw_signed = signed
-                if raw_signed is None:  # ring: beside the data plane, which reads `own` as it fills
-                    raw_signed = await trio.to_thread.run_sync(sign_streamed)
+                if raw_signed is None:  # ring: beside the data plane, which encodes our frames
+                    try:
+                        raw_signed = await trio.to_thread.run_sync(sign_streamed)
+                    except NotEncoded as exc:  # our data plane failed first: it reports why
+                        log.info("step %d attempt %d: no header sent: %s", t, attempt, exc)
+                        return
                     h0 = out.took("prepare", h0)
                 raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
                                               self.config.exchange_timeout)
@@ -309,7 +317,7 @@ class ContributionRound:
                 checker = held if held is not None else butterfly.Checker(roster, got["ok"], subs)
                 try:
                     res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker,
-                                                   robust=self.config.robust)
+                                                   robust=self.config.robust, on_own=digests)
                 except RoundFailed as exc:
                     failed = exc
                 finally:
