@@ -42,13 +42,15 @@ def run_members(member, world: int, timeout: float = 60) -> None:
         t.join(timeout)
 
 
-def run_ring(vecs, cfg, sends, recvs, timeout=10.0):
+def run_ring(vecs, cfg, sends, recvs, timeout=10.0, extra=None):
+    """Every member's round; `extra(i)`: member i's further `allreduce` keywords."""
     world = len(vecs)
     results, errors, digests = [None] * world, [None] * world, [None] * world
 
     def member(i):
         try:
-            results[i], _, digests[i] = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, timeout)
+            results[i], _, digests[i] = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, timeout,
+                                                  **(extra(i) if extra else {}))
         except Exception as exc:
             errors[i] = exc
             for ch in (sends[i], recvs[i]):
@@ -190,15 +192,7 @@ def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(
         ch.recv = lambda fid, out, recv=recv, ch=ch: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
     spies = [_HeldSpy(recvs[i]) for i in range(world)]
     threading.Timer(0.5, lambda: [s.ev.set() for s in spies]).start()
-    results, errors = [None] * world, [None] * world
-
-    def member(i):
-        try:
-            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, check=spies[i])
-        except Exception as exc:
-            errors[i] = exc
-
-    run_members(member, world)
+    results, errors = run_ring(vecs, cfg, sends, recvs, extra=lambda i: {"check": spies[i]})
     assert errors == [None] * world
     k = len(layout(n, world, cfg)[0])  # sub-chunks per chunk: the predecessor's step-0 frames
     assert k > 2
@@ -226,16 +220,7 @@ def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():
     signers = [threading.Thread(target=lambda i=i: digests.__setitem__(i, owns[i].wait())) for i in range(world)]
     for th in signers:
         th.start()
-    sends, recvs = make_ring(world)
-    results, errors = [None] * world, [None] * world
-
-    def member(i):
-        try:
-            results[i], _, _ = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0, on_own=owns[i])
-        except Exception as exc:
-            errors[i] = exc
-
-    run_members(member, world)
+    results, errors = run_ring(vecs, cfg, *make_ring(world), extra=lambda i: {"on_own": owns[i]})
     for th in signers:
         th.join(10)
     assert errors == [None] * world

@@ -39,8 +39,8 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
         return sign_header(header, svc.identity)
 
     # As training does (`ContributionRound._attempt`): the data plane starts at once, our
-    # header is encoded, signed and exchanged beside it, and each frame's check waits for
-    # the verified headers.
+    # frames are hashed as it encodes them, the header signed and exchanged beside it, and
+    # each frame's check waits for the verified headers.
     held = HeldChecker(timeout + 1.0)
     got: dict = {}
     t0 = trio.current_time()

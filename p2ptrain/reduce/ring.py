@@ -369,7 +369,7 @@ class _RingRound:
             if fid.step < 2 * world - 3:
                 self.ready[(c, j)] = buf
                 self.flush()
-            if not self.fp32 and self.check is None:  # checked frames were decoded by `receive`
+            if not self.fp32 and self.check is None:  # checked frames were decoded by `checked`
                 K.dequantize(*_split(buf, m), block, out=self.result[lo:hi])
             self.final[(c, j)] = blake3(buf).digest()
 

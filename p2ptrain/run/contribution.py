@@ -254,15 +254,14 @@ class HeldChecker:
         """Not settled yet: the ring reads frames ahead meanwhile (`ring._RingRound.read_ahead`)."""
         return not self._event.is_set()
 
-    def __call__(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
-        self.check(step, chunk, sub, payload, values)
-
     def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
         if not self._event.wait(self.timeout):
             raise TimeoutError("contribution headers did not arrive in time")
         if self._checker is None:
             raise ValueError(f"contribution headers rejected: {self._why}")
         self._checker.check(step, chunk, sub, payload, values)
+
+    __call__ = check  # the ring calls the checker itself, and asks it `pending()`
 
 
 def frame_digest(payload) -> str:
