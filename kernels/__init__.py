@@ -13,6 +13,8 @@ Public API (identical on both backends, bit for bit):
         # owner's result is bit-identical to every other peer's decoding of the forwarded bytes
     sumsq(x) -> float               # sum of float64(x_i)^2 in a fixed 8-lane order; non-finite
                                     # iff some x_i is (the verified path's norm checks)
+    sumsq_q8(q, meta, block=16) -> float  # sumsq(dequantize(q, meta)) up to summation order,
+                                    # from the int8 payload without decoding it
     quantized_nbytes(n, block=16)   # wire bytes: n (int8) + meta_nbytes(n, block)
     meta_nbytes(n, block=16)        # 2 per super-block of 16 sub-blocks + 1 per sub-block
     split_bounds(n, parts, block=16)  # ring chunk boundaries on super-block multiples
@@ -52,6 +54,7 @@ dequantize_add = _impl.dequantize_add
 ring_hop = _impl.ring_hop
 owner_hop = _impl.owner_hop
 sumsq = _impl.sumsq
+sumsq_q8 = _impl.sumsq_q8
 
 
 def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=False):
@@ -75,4 +78,5 @@ __all__ = [
     "simulate_ring_mean",
     "split_bounds",
     "sumsq",
+    "sumsq_q8",
 ]

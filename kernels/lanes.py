@@ -224,3 +224,33 @@ def _sqacc8(typingctx, x, nvec, lanes):
         return context.get_dummy_value()
 
     return types.none(x, nvec, lanes), codegen
+
+
+_I8x8 = ir.VectorType(ir.IntType(8), 8)
+_I32x8 = ir.VectorType(_I32, 8)
+
+
+@intrinsic
+def _sqq8(typingctx, q, qo, meta, mo, S, lanes):
+    """lanes[j] += (d_j * d_j) * sum(q[qo + 16j : qo + 16j + 16]^2) for j = 0..7, with
+    d_j = S * meta[mo + j] in fp32 as dequantize computes it, widened to float64: eight
+    sub-blocks of 16 values (`quant.sumsq_q8`), their terms in one <8 x double> register. The
+    integer sums are exact in any order (at most 16 * 127^2); no FMA contraction, as in
+    `_sqacc8`: the reference squares d first, then multiplies."""
+    def codegen(context, builder, sig, args):
+        isq = ir.Constant(_I32x8, ir.Undefined)
+        for j in range(8):
+            off = builder.add(args[1], ir.Constant(args[1].type, 16 * j))
+            v = builder.sext(_load(context, builder, sig, args, 0, off, _I8x), _I32x)
+            s = _vcall(builder, "llvm.vector.reduce.add.v16i32", _I32, builder.mul(v, v))
+            isq = builder.insert_element(isq, s, ir.Constant(_I32, j))
+        m = builder.load(_vptr(context, builder, sig.args[2], args[2], args[3], _I8x8), align=1)
+        sv = builder.insert_element(ir.Constant(_F32x8, ir.Undefined), args[4], ir.Constant(_I32, 0))
+        sv = builder.shuffle_vector(sv, sv, ir.Constant(_I32x8, [0] * 8))
+        d = builder.fpext(builder.fmul(sv, builder.uitofp(m, _F32x8)), _F64x8)
+        term = builder.fmul(builder.fmul(d, d), builder.sitofp(isq, _F64x8))
+        lp = _vptr(context, builder, sig.args[5], args[5], ir.Constant(_I64, 0), _F64x8)
+        builder.store(builder.fadd(builder.load(lp, align=1), term), lp, align=1)
+        return context.get_dummy_value()
+
+    return types.none(q, qo, meta, mo, S, lanes), codegen

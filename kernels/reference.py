@@ -287,23 +287,50 @@ def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=Fa
 SUMSQ_LANES = 8
 
 
-def sumsq(x) -> float:
-    """sum of float64(x[i])^2 over fp32 x, in one fixed order so both backends give the same
-    bits: lane j accumulates x[j], x[j+8], ... in sequence (np.add.accumulate is sequential by
-    definition), the tail x[n - n % 8 + j] goes into lane j, then lanes are added 0..7. A
-    non-finite x[i] makes the result non-finite (squares are >= 0: no inf - inf), so one
-    isfinite on the result replaces a pass over x. Used by the verified path's norm checks."""
-    x = _arr(x, np.float32, "x")
-    sq = x.astype(np.float64) ** 2
-    head = x.size - x.size % SUMSQ_LANES
+def _lane_sum(terms: np.ndarray) -> float:
+    """float64 terms summed in the kernels' fixed order: lane j accumulates terms j, j+8, ...
+    in sequence (np.add.accumulate is sequential by definition), the tail term n - n % 8 + j
+    goes into lane j, then lanes are added 0..7."""
+    head = terms.size - terms.size % SUMSQ_LANES
     lanes = np.zeros(SUMSQ_LANES)
     if head:
-        lanes = np.add.accumulate(sq[:head].reshape(-1, SUMSQ_LANES), axis=0)[-1].copy()
-    lanes[:x.size - head] += sq[head:]
+        lanes = np.add.accumulate(terms[:head].reshape(-1, SUMSQ_LANES), axis=0)[-1].copy()
+    lanes[:terms.size - head] += terms[head:]
     total = 0.0
     for v in lanes:
         total += float(v)
     return total
+
+
+def sumsq(x) -> float:
+    """sum of float64(x[i])^2 over fp32 x, in one fixed order so both backends give the same
+    bits (`_lane_sum` over the squares). A non-finite x[i] makes the result non-finite
+    (squares are >= 0: no inf - inf), so one isfinite on the result replaces a pass over x.
+    Used by the verified path's norm checks."""
+    x = _arr(x, np.float32, "x")
+    return _lane_sum(x.astype(np.float64) ** 2)
+
+
+def sumsq_q8(q, meta, block=DEFAULT_BLOCK) -> float:
+    """sumsq(dequantize(q, meta)) up to summation order, without decoding: sub-block k adds
+    (d_k * d_k) * sum(q_i^2 over its values), in float64, summed by `_lane_sum` over the
+    sub-blocks. Each term is exact at block <= 128 (d has at most 16 significant bits, the
+    integer sum at most 18 + log2(block / 16)), so the result differs from the decoded
+    values' sum of squares only by the rounding of the sums. Non-finite iff some step d is
+    (a NaN-marked or hostile inf scale; inf * 0 is NaN): exactly when a decoded value would
+    be, except that q * d may overflow fp32 where these float64 terms do not (a caller
+    bounding a norm caps it at fp32's range). Reads 1.07 bytes per value instead of decoding
+    4: the verified ring's checks of int8 frames."""
+    q, meta, block, n = check_packet(q, meta, block)
+    if n == 0:
+        return 0.0
+    n_sub = counts(n, block)[0]
+    d = _steps(meta, n, block).astype(np.float64)  # fp32 S * m, as dequantize computes it
+    qq = np.zeros(n_sub * block, np.int64)
+    qq[:n] = q
+    isq = (qq * qq).reshape(n_sub, block).sum(axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _lane_sum((d * d) * isq.astype(np.float64))
 
 
 def _this():

@@ -1,5 +1,5 @@
-"""The verified path's sums of squares (`contribution.sumsq64`, `kernels.sumsq`): float64
-without BLAS (whose spinning thread pool cost ~0.5 CPU s per member per 64 MiB round in the
+"""The verified path's sums of squares (`contribution.sumsq64`, `kernels.sumsq`, and
+`kernels.sumsq_q8` for int8 frames, from the payload): float64 without BLAS (whose spinning thread pool cost ~0.5 CPU s per member per 64 MiB round in the
 emulated internet), the numba kernel bit-identical to its numpy reference, non-finite iff a
 value is, and FrameChecker still holds a frame to its signed norm with them."""
 
@@ -54,10 +54,49 @@ def test_frame_checker_bounds_partial_sums_by_the_signed_norms():
     norm = float(np.sqrt(sumsq64(v)))
     headers = {m: _header(m, (norm, norm, norm)) for m in members}
     ok = FrameChecker(members, headers, 1, [1, 1, 1])
-    ok.check(1, 0, 0, b"", v * 2)  # a partial sum of two members: within 2 x norm
+    ok.check(1, 0, 0, b"", sumsq64(v * 2))  # a partial sum of two members: within 2 x norm
     nan = v.copy()
     nan[7] = np.nan
-    with pytest.raises(BadContribution, match="non-finite"):
-        FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", nan)
+    for sq in (sumsq64(nan), float("inf"), float(np.finfo(np.float32).max) ** 2 * 1.01):
+        # the last: finite in float64, but some value of the frame overflows fp32
+        with pytest.raises(BadContribution, match="non-finite"):
+            FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", sq)
     with pytest.raises(BadContribution, match="exceeds the signed bound"):
-        FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", v * 2.2)
+        FrameChecker(members, headers, 1, [1, 1, 1]).check(1, 0, 0, b"", sumsq64(v * 2.2))
+
+
+@pytest.mark.parametrize("block", [16, 8, 32, 7])
+@pytest.mark.parametrize("n", [0, 1, 15, 255, 256, 257, 4097, 1_000_003])
+def test_sumsq_q8_is_the_decoded_sum_of_squares_without_decoding(n, block):
+    """Bit-identical to its reference on both paths (the 16-lane one at block 16 on whole
+    super-blocks, the scalar one elsewhere), equal to the decoded values' sum of squares up
+    to rounding, over a 40-decade dynamic range, and unaligned (a ring frame's q and meta)."""
+    rng = np.random.default_rng(n + block)
+    x = (rng.standard_normal(n) * 10.0 ** rng.uniform(-20, 20, n)).astype(np.float32)
+    q, meta = NB.quantize(x, block)
+    a, b = NB.sumsq_q8(q, meta, block), NP.sumsq_q8(q, meta, block)
+    assert np.float64(a).tobytes() == np.float64(b).tobytes(), (n, block, a, b)
+    assert a == pytest.approx(NB.sumsq(NB.dequantize(q, meta, block)), rel=1e-12, abs=0.0)
+    wire = np.empty(q.size + meta.size + 3, np.uint8)[3:]  # odd offset, as a frame buffer may be
+    wire[:n] = q.view(np.uint8)
+    wire[n:] = meta
+    assert NB.sumsq_q8(wire[:n].view(np.int8), wire[n:], block) == a
+
+
+def test_sumsq_q8_is_non_finite_exactly_where_a_decoded_value_is():
+    x = np.random.default_rng(5).standard_normal(1 << 12).astype(np.float32)
+    for at in (0, 300, 4095):  # the first super-block, a middle one, the last
+        y = x.copy()
+        y[at] = np.nan  # the quantizer marks its super-block NaN
+        q, meta = NB.quantize(y)
+        for K in (NB, NP):
+            assert not np.isfinite(K.sumsq_q8(q, meta))
+    q, meta = NB.quantize(x)
+    hostile = meta.copy()
+    hostile[2:4] = [0x80, 0x7F]  # super-block 1's scale is +inf: inf * m, or inf * 0 = NaN
+    for K in (NB, NP):
+        assert not np.isfinite(K.sumsq_q8(q, hostile))
+        assert not np.isfinite(K.sumsq(K.dequantize(q, hostile)))
+    zero_q = np.zeros_like(q)
+    for K in (NB, NP):  # inf steps over zeros decode to NaN (0 * inf): still non-finite
+        assert not np.isfinite(K.sumsq_q8(zero_q, hostile))

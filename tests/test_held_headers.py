@@ -37,18 +37,18 @@ def test_held_check_waits_for_settle_then_passes_or_fails_without_blame():
     assert held.pending()  # the ring reads step-0 frames ahead meanwhile
     threading.Timer(0.2, held.settle, (spy,)).start()
     t0 = time.monotonic()
-    held.check(0, 0, 0, b"", np.zeros(1, np.float32))
+    held.check(0, 0, 0, b"", 0.0)
     assert spy.calls == 1 and time.monotonic() - t0 >= 0.15 and not held.pending()
     held.settle(None, "ignored: the first settle stands")
-    held.check(1, 0, 0, b"", np.zeros(1, np.float32))
+    held.check(1, 0, 0, b"", 0.0)
     assert spy.calls == 2
     bad = HeldChecker(5.0)
     bad.settle(None, "bad-signature")
     with pytest.raises(ValueError, match="bad-signature") as exc:
-        bad.check(0, 0, 0, b"", np.zeros(1, np.float32))
+        bad.check(0, 0, 0, b"", 0.0)
     assert not getattr(exc.value, "peer", None)  # the ring must not blame its predecessor
     with pytest.raises(TimeoutError):
-        HeldChecker(0.05).check(0, 0, 0, b"", np.zeros(1, np.float32))
+        HeldChecker(0.05).check(0, 0, 0, b"", 0.0)
 
 
 @pytest.mark.integration

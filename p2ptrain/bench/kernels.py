@@ -97,6 +97,8 @@ def run(args) -> int:
         (INPLACE, lambda: K.owner_hop(q, meta, local2, 0.5, block, q2, meta2, local2)),
         # The verified path's norms: every header and every received frame (float64 lanes).
         ("sumsq", lambda: K.sumsq(x)),
+        # ... of an int8 frame, from its payload (the ring's checks; no decode).
+        ("sumsq_q8", lambda: K.sumsq_q8(q, meta, block)),
     ]
     payload = 4 * n
     load_before = os.getloadavg()[0]

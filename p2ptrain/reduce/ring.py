@@ -170,11 +170,12 @@ def allreduce(vec: np.ndarray, rank: int, world: int, send_ch: Channel | None, r
     could be signed first). Without it the round encodes them itself and hands each one to
     `on_own(j, payload)` as soon as it is queued (then `on_own(-1, None)` when the round
     ends, however), so they can be hashed and signed beside the data plane: the view stays
-    unchanged while the round runs. `check(step, chunk, sub, payload, values)`: called on every
-    received frame with the fp32 values it decodes to, before anything is mixed in; an
-    exception with a `peer` attribute aborts the round blaming that peer. It must not keep
-    `payload` or `values` (both buffers are reused) nor write them (an all-gather frame's
-    values are already its part of the result: one decode per frame, not two). A check with
+    unchanged while the round runs. `check(step, chunk, sub, payload, sq)`: called on every
+    received frame, before anything is mixed in or decoded into the result, with `sq` the
+    float64 sum of squares of the values it decodes to (int8 frames: `kernels.sumsq_q8` of
+    the payload, no decode: a decode and a sum per frame cost more CPU than the hop itself);
+    an exception with a `peer` attribute aborts the round blaming that peer. It must not keep
+    or write `payload` (the buffer is reused). A check with
     a `pending()` method that returns True is waiting for something (`HeldChecker`): the
     round meanwhile reads its predecessor's step-0 frames ahead. `pool` lends the wire buffers (see ArenaPool).
 
@@ -216,9 +217,6 @@ class _RingRound:
         self.rs = pool.take(self.key, self.lay, cfg)
         self.fin = None if self.fp32 else pool.take(self.key, self.lay, cfg)
         self.scratch = np.empty(max(nb for _, nb, _ in self.rs.at.values()), np.uint8)
-        # What `check` sees of an int8 frame, decoded into one reused buffer: a fresh 4 MiB
-        # array per frame cost page faults on every frame of the verified path.
-        self.values = np.empty(max(m for _, _, m in self.rs.at.values()), np.float32) if check else None
         self.sender = _Sender(send_ch, recv_ch)
         # Frames received before their turn (`read_ahead`): recv index -> (buffer, spare).
         self.ahead: dict[int, tuple[memoryview, np.ndarray | None]] = {}
@@ -326,14 +324,12 @@ class _RingRound:
         """`buf`, held to the caller's check before anything is mixed in."""
         if self.check is not None:
             lo, hi = self.lay[c][j]
-            m = hi - lo
             if self.fp32:
-                values = np.frombuffer(buf, np.float32)
-            else:  # all-gather frames decode straight into the result, once (see `step`)
-                dst = self.result[lo:hi] if fid.step >= self.world - 1 else self.values[:m]
-                values = K.dequantize(*_split(buf, m), self.cfg.block, out=dst)
+                sq = K.sumsq(np.frombuffer(buf, np.float32))
+            else:
+                sq = K.sumsq_q8(*_split(buf, hi - lo), self.cfg.block)
             try:
-                self.check(fid.step, c, j, buf, values)
+                self.check(fid.step, c, j, buf, sq)
             except Exception as exc:
                 if getattr(exc, "peer", None):
                     raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
@@ -369,7 +365,7 @@ class _RingRound:
             if fid.step < 2 * world - 3:
                 self.ready[(c, j)] = buf
                 self.flush()
-            if not self.fp32 and self.check is None:  # checked frames were decoded by `checked`
+            if not self.fp32:
                 K.dequantize(*_split(buf, m), block, out=self.result[lo:hi])
             self.final[(c, j)] = blake3(buf).digest()
 

@@ -28,6 +28,7 @@ from blake3 import blake3
 from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
 
 MAX_HEADER_BYTES = 16 * 1024
+_F32_MAX_SQ = float(np.finfo(np.float32).max) ** 2
 _DOMAIN = b"p2ptrain-contribution-v2"
 """v2: ring frame digests are BLAKE3 (`frame_digest`), no longer SHA-256; a v1 header fails
 its signature check here instead of having its frames blamed for the other hash."""
@@ -187,7 +188,8 @@ def sumsq64(x: np.ndarray) -> float:
 class FrameChecker:
     """Holds each frame of a ring round to the members' signed headers.
 
-    Called with the values a frame decodes to (fp32), in the compute thread."""
+    Called with the float64 sum of squares of the values a frame decodes to (the ring's
+    `check` protocol), in the compute thread."""
 
     def __init__(self, members: list[str], headers: dict[str, Header], rank: int,
                  sub_counts: list[int], slack: float = 1.05) -> None:
@@ -202,10 +204,11 @@ class FrameChecker:
     def _bound(self, chunk: int, contributors: list[int]) -> float:
         return sum(self.headers[self.members[i]].chunk_norms[chunk] for i in contributors)
 
-    def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
+    def check(self, step: int, chunk: int, sub: int, payload: bytes, sq: float) -> None:
         prev = self.members[(self.rank - 1) % self.world]
-        sq = sumsq64(values)  # non-finite iff a value is: no separate isfinite pass
-        if not math.isfinite(sq):
+        # Non-finite iff a value is; beyond fp32's range squared, some value decodes to inf
+        # in fp32 (an int8 frame's sum is taken in float64 from its payload: sumsq_q8).
+        if not sq <= _F32_MAX_SQ:
             raise BadContribution(prev, "non-finite values")
         w = self.world
         if step == 0:  # the predecessor's own data, exactly as it signed it
@@ -254,12 +257,12 @@ class HeldChecker:
         """Not settled yet: the ring reads frames ahead meanwhile (`ring._RingRound.read_ahead`)."""
         return not self._event.is_set()
 
-    def check(self, step: int, chunk: int, sub: int, payload: bytes, values: np.ndarray) -> None:
+    def check(self, step: int, chunk: int, sub: int, payload: bytes, sq: float) -> None:
         if not self._event.wait(self.timeout):
             raise TimeoutError("contribution headers did not arrive in time")
         if self._checker is None:
             raise ValueError(f"contribution headers rejected: {self._why}")
-        self._checker.check(step, chunk, sub, payload, values)
+        self._checker.check(step, chunk, sub, payload, sq)
 
     __call__ = check  # the ring calls the checker itself, and asks it `pending()`
 
