@@ -57,6 +57,21 @@ sumsq = _impl.sumsq
 sumsq_q8 = _impl.sumsq_q8
 
 
+def warm() -> None:
+    """Compile (or load from the disk cache) every kernel a ring round runs, before a node
+    says it is ready: a first round that compiles for seconds would make the other members
+    time out waiting for its frames."""
+    import numpy as np
+
+    x = np.linspace(-1, 1, 4096, dtype=np.float32)
+    q, meta = quantize(x)
+    q2, m2 = ring_hop(q, meta, x)
+    owner_hop(q2, m2, x, 0.5)
+    dequantize(q, meta)
+    sumsq(x)  # the verified path's header norms (run/contribution.py) and fp32 frame checks
+    sumsq_q8(q, meta)  # its int8 frame checks (reduce/ring.py)
+
+
 def simulate_ring_mean(tensors, block=DEFAULT_BLOCK, kernels=None, return_all=False):
     """Ring all-reduce (mean) simulation; uses the selected backend unless `kernels` is given."""
     from .reference import simulate_ring_mean as _sim
@@ -79,4 +94,5 @@ __all__ = [
     "split_bounds",
     "sumsq",
     "sumsq_q8",
+    "warm",
 ]

@@ -1,6 +1,6 @@
-"""A libp2p host stand-in for the fast tier: one-message control streams between services in
-one process (what `AllReduceService` uses for votes and exchanges), with optional per-message
-delay and a drop rule. Bulk sessions are not served: tests on it run rounds of one member or
+"""A libp2p host stand-in for the fast tier: control messages between services in one process
+(what `AllReduceService` uses for votes and exchanges: one-message streams, and persistent
+control streams, each write a message), with optional per-message delay and a drop rule. Bulk sessions are not served: tests on it run rounds of one member or
 drive `p2ptrain.reduce.commit` directly. The real-libp2p tier is test_allreduce_integration.py."""
 
 from __future__ import annotations
@@ -42,20 +42,29 @@ class FakeHost:
         self.handlers[proto] = handler
 
     async def new_stream(self, peer: ID, protos) -> "_OutStream":
-        if peer.to_bytes() not in self.net.hosts:
+        dst = self.net.hosts.get(peer.to_bytes())
+        if dst is None:
             raise ConnectionError("no route")
+        if protos[0] not in dst.handlers:  # libp2p's negotiation fails the same way
+            raise ConnectionError(f"protocol not supported: {protos[0]}")
         return _OutStream(self, peer.to_bytes(), protos[0])
 
 
 class _OutStream:
+    """Each write arrives as a stream of its own holding that message: a control stream
+    (one message per write, read until EOF) and a one-message stream read the same."""
+
     def __init__(self, host: FakeHost, dst: bytes, proto) -> None:
-        self.host, self.dst, self.proto, self.buf = host, dst, proto, bytearray()
+        self.host, self.dst, self.proto = host, dst, proto
 
     async def write(self, data: bytes) -> None:
-        self.buf += data
+        self.host.net.deliver(self.host.peer_id, self.dst, self.proto, bytes(data))
 
     async def close(self) -> None:
-        self.host.net.deliver(self.host.peer_id, self.dst, self.proto, bytes(self.buf))
+        pass
+
+    async def reset(self) -> None:
+        pass
 
 
 class _Conn:
@@ -72,6 +81,9 @@ class _InStream:
         return out
 
     async def close(self) -> None:
+        pass
+
+    async def reset(self) -> None:
         pass
 
 

@@ -14,6 +14,7 @@ from p2ptrain.reduce.blame import BlameConfig, BlameLedger, may_blame
 from p2ptrain.reduce.bulk import session_tag
 from p2ptrain.reduce.commit import CommitBoard, CommitConfig
 from p2ptrain.reduce.control import pack
+from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL
 from p2ptrain.reduce.service import VOTE_PROTOCOL, AllReduceConfig, AllReduceService, RoundFailed
 
 TAG = session_tag("run", "7/0")
@@ -226,6 +227,7 @@ async def test_board_exposes_blame_under_the_rule_and_stops_trusting_a_suspect()
 def service(net: FakeNet, ident: Identity) -> AllReduceService:
     svc = AllReduceService(net.host(ident.peer_id), ident, AllReduceConfig(mode="fp32"))
     svc.host.set_stream_handler(VOTE_PROTOCOL, svc._handle_vote)
+    svc.host.set_stream_handler(CONTROL_PROTOCOL, svc.ctl.serve)
     return svc
 
 

@@ -17,6 +17,7 @@ BENCHES = {
     "throughput": "p2ptrain.bench.throughput",
     "ranks": "p2ptrain.bench.ranks",
     "utilization": "p2ptrain.bench.utilization",
+    "exchange": "p2ptrain.bench.exchange",
 }
 
 

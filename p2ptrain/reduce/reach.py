@@ -29,8 +29,10 @@ OPEN_RETRIES = (0.1, 0.3, 1.0)
 connection being replaced), and a member that misses our message counts us as silent."""
 
 
-async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TProtocol) -> set[bytes]:
-    """Send `msg` to every member but us, each on a stream of its own (opening it again a
+async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TProtocol,
+                   streams=None) -> set[bytes]:
+    """Send `msg` to every member but us: on its persistent control stream when `streams`
+    (a `ctlstreams.ControlStreams`) can, else on a stream of its own (opening it again a
     few times within SEND_TIMEOUT); returns those we could not even open a stream to
     (certainly not delivered, unlike a failure after it opened)."""
     undelivered: set[bytes] = set()
@@ -39,6 +41,8 @@ async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TPro
         opened = False
         try:
             with trio.fail_after(SEND_TIMEOUT):
+                if streams is not None and await streams.send(peer, msg):
+                    return
                 for pause in (*OPEN_RETRIES, None):
                     try:
                         stream = await host.new_stream(ID(peer), [protocol])

@@ -29,12 +29,14 @@ from libp2p.custom_types import TProtocol
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
+from p2ptrain import kernels as K
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce import butterfly, reach, ringvote
 from p2ptrain.reduce.blame import BlameLedger
 from p2ptrain.reduce.bulk import session_tag
 from p2ptrain.reduce.commit import CommitBoard, Round
 from p2ptrain.reduce.control import ControlError, pack as _pack
+from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
 from p2ptrain.reduce.exchange import Inbox
 from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
@@ -80,6 +82,9 @@ class AllReduceConfig:
     """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
     send_rate_mbps: float = 0.0
     """Cap on bulk send rate in MB/s (0 = none), e.g. to leave room on a home uplink."""
+    control_streams: bool = True
+    """Votes and exchanges on persistent control streams (`ctlstreams`); False: a libp2p
+    stream per message, ~6x the CPU (the baseline of `p2ptrain bench exchange`)."""
 
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
@@ -132,6 +137,7 @@ class AllReduceService:
         self._arenas = ArenaPool()
         self.board = CommitBoard(identity.peer_id, identity.sign, self._send_all, ledger=BlameLedger())
         self.inbox = Inbox(self.board.known)
+        self.ctl = ControlStreams(host, self._dispatch)
 
     @property
     def config(self) -> AllReduceConfig:
@@ -156,31 +162,35 @@ class AllReduceService:
 
     # -- service ---------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        # JIT-compile the kernels before announcing readiness: a first round that compiles
-        # for seconds would make the other members time out waiting for our frames.
-        await trio.to_thread.run_sync(_warm_kernels)
+        await trio.to_thread.run_sync(K.warm)  # before we say we are ready (see there)
         self.host.set_stream_handler(VOTE_PROTOCOL, self._handle_vote)
+        self.host.set_stream_handler(CONTROL_PROTOCOL, self.ctl.serve)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.sessions.run)
             task_status.started(self.port)
 
     async def _handle_vote(self, stream) -> None:
+        """A control message on a stream of its own (peers fall back to this when their
+        persistent control stream to us fails: `ControlStreams`)."""
         sender = stream.muxed_conn.peer_id.to_bytes()
         try:
             with trio.fail_after(5):
                 msg = await read_msg(stream)
-            if msg.get("kind") == "data":
-                tag, data = msg.get("tag"), msg.get("data")
-                if not isinstance(tag, bytes) or not isinstance(data, bytes):
-                    raise ValueError("malformed data message")
-                self.inbox.put(sender, tag, data)
-            else:
-                await self.board.handle(sender, msg)
+            await self._dispatch(sender, msg)
         except Exception as exc:
             log.warning("control message from %s dropped: %s", ID(sender), exc)
         finally:
             with trio.move_on_after(1):
                 await stream.close()
+
+    async def _dispatch(self, sender: bytes, msg: dict) -> None:
+        if msg.get("kind") == "data":
+            tag, data = msg.get("tag"), msg.get("data")
+            if not isinstance(tag, bytes) or not isinstance(data, bytes):
+                raise ValueError("malformed data message")
+            self.inbox.put(sender, tag, data)
+        else:
+            await self.board.handle(sender, msg)
 
     # -- rounds ----------------------------------------------------------------------
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
@@ -369,7 +379,8 @@ class AllReduceService:
         return {p for p in ids if peer_id_to_str(p) in gone}
 
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
-        return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL)
+        return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL,
+                                    self.ctl if self.config.control_streams else None)
 
 
 SETUP_ERRORS = (ControlError, EOFError, OSError, BaseLibp2pError, RingError, RoundFailed)
@@ -386,14 +397,3 @@ def _setup_failure(group: BaseExceptionGroup) -> BaseException:
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
     return first
-
-
-def _warm_kernels() -> None:
-    from p2ptrain import kernels as K
-
-    x = np.linspace(-1, 1, 4096, dtype=np.float32)
-    q, meta = K.quantize(x)
-    q2, m2 = K.ring_hop(q, meta, x)
-    K.owner_hop(q2, m2, x, 0.5)
-    K.sumsq(x)  # the verified path's frame checks (run/contribution.py)
-    K.dequantize(q, meta)
