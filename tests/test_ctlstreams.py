@@ -60,6 +60,27 @@ async def test_a_control_stream_reset_by_the_receiver_is_replaced_and_nothing_is
 
 
 @trio_test(autojump=False)
+async def test_a_stream_on_a_connection_the_swarm_dropped_is_replaced_before_a_write():
+    """A write on a kept stream can vanish into a connection already gone; the swarm's
+    list of live connections is checked first (here it is made to forget ours)."""
+    async with trio.open_nursery() as nursery:
+        _, svcs = await service_cluster(nursery, [AllReduceService] * 2)
+        await _exchange(svcs, "before")
+        peer = svcs[1].identity.peer_id
+        stale = svcs[0].ctl._out[peer].stream
+        network = svcs[0].host.get_network()
+        listed = network.get_connections
+
+        def without_ours(peer_id=None):
+            return [c for c in listed(peer_id) if c.muxed_conn is not stale.muxed_conn]
+
+        network.get_connections = without_ours
+        assert await svcs[0].ctl.send(peer, pack({"tag": b"t" * 8, "kind": "data", "data": b"x"}))
+        assert svcs[0].ctl.opened == 2 and svcs[0].ctl._out[peer].stream is not stale
+        nursery.cancel_scope.cancel()
+
+
+@trio_test(autojump=False)
 async def test_hostile_control_streams_are_dropped_with_a_reason_and_the_node_goes_on(caplog):
     """An oversize length (refused before a byte of its body is read) and msgpack garbage:
     each ends its stream with a logged reason; the honest exchange after them is whole."""

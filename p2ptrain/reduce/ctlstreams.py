@@ -81,7 +81,7 @@ class ControlStreams:
         async with lock:
             now = trio.current_time()
             out = self._out.get(peer)
-            if out is not None and now - out.last >= self.config.idle_reopen:
+            if out is not None and (now - out.last >= self.config.idle_reopen or not self._listed(peer, out.stream)):
                 await self._drop(peer)
                 out = None
             if out is not None and await self._write(peer, out, msg):
@@ -94,6 +94,17 @@ class ControlStreams:
             self.opened += 1
             out = self._out[peer] = _Out(stream, now)
             return await self._write(peer, out, msg)
+
+    def _listed(self, peer: bytes, stream) -> bool:
+        """Whether the swarm still lists the connection `stream` rides. A stream per message
+        proved its connection alive with its negotiation round trip; a write on a kept
+        stream can succeed into a connection already gone (its peer restarted, say), so a
+        stream on a connection the swarm dropped is replaced before we write."""
+        try:
+            conns = self.host.get_network().get_connections(ID(peer))
+        except Exception:  # a host that cannot tell (the in-memory one): keep the stream
+            return True
+        return any(getattr(c, "muxed_conn", None) is stream.muxed_conn for c in conns)
 
     async def _write(self, peer: bytes, out: _Out, msg: bytes) -> bool:
         done = False
