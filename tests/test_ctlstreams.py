@@ -147,6 +147,25 @@ async def test_an_idle_stream_is_replaced_before_the_receiver_would_stop_reading
             ControlStreamsConfig(idle_reopen=60.0, idle_close=60.0)
 
 
+@trio_test()
+async def test_outgoing_streams_are_bounded_least_recently_used_first():
+    async with trio.open_nursery() as nursery:
+        net = FakeNet(nursery)
+
+        async def handle(sender, msg):
+            pass
+
+        ids = [Identity.generate().peer_id for _ in range(5)]
+        hosts = [net.host(p) for p in ids]
+        for h in hosts[1:]:
+            h.set_stream_handler(CONTROL_PROTOCOL, ControlStreams(h, handle).serve)
+        ctl = ControlStreams(hosts[0], handle, ControlStreamsConfig(max_out=2))
+        for k, peer in enumerate(ids[1:]):
+            await trio.sleep(1)
+            assert await ctl.send(peer, pack({"n": k}))
+        assert set(ctl._out) == set(ids[3:]) and set(ctl._locks) == set(ids[3:])
+
+
 class _StuckStream:
     def __init__(self) -> None:
         self.was_reset = False

@@ -50,10 +50,15 @@ class ControlStreamsConfig:
     """Seconds after its last message an outgoing stream is replaced instead of written."""
     idle_close: float = 600.0
     """Seconds without a message after which an inbound stream stops being read."""
+    max_out: int = 256
+    """Outgoing streams kept at most; past it the least recently used one is closed (a long
+    run meets many peers, most of them gone)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.idle_reopen < self.idle_close:
             raise ValueError("need 0 < idle_reopen < idle_close: a sender must reopen before a receiver stops reading")
+        if self.max_out < 1:
+            raise ValueError("max_out must be >= 1")
 
 
 @dataclass
@@ -93,7 +98,17 @@ class ControlStreams:
                 return False
             self.opened += 1
             out = self._out[peer] = _Out(stream, now)
-            return await self._write(peer, out, msg)
+            ok = await self._write(peer, out, msg)
+        await self._evict()
+        return ok
+
+    async def _evict(self) -> None:
+        """Close the least recently used streams past `max_out` (none that is being written)."""
+        idle = sorted((o.last, p) for p, o in self._out.items() if not self._locks[p].locked())
+        for _, peer in idle[:max(0, len(self._out) - self.config.max_out)]:
+            await self._drop(peer)
+        for peer in [p for p, lock in self._locks.items() if p not in self._out and not lock.locked()]:
+            del self._locks[peer]  # peers we failed to reach, or evicted
 
     def _listed(self, peer: bytes, stream) -> bool:
         """Whether the swarm still lists the connection `stream` rides. A stream per message
