@@ -73,7 +73,7 @@ class Libp2pRpc:
                     return
                 n = protocol.check_length(header, self.max_frame)
                 if self.guard is not None and not self.guard.reserve_bytes(sender, n):
-                    await _reset(stream)
+                    await reset_quietly(stream)
                     return
                 try:
                     payload = header + await read_exactly(stream, n)
@@ -84,10 +84,10 @@ class Libp2pRpc:
                 await stream.write(reply)
         except protocol.FrameError as exc:
             log.warning("frame dropped: reason=%s from=%s", exc, ID(sender))
-            await _reset(stream)
+            await reset_quietly(stream)
         except Exception as exc:  # a broken peer must never take the node down
             log.debug("dht stream from %s ended: %r", ID(sender), exc)
-            await _reset(stream)
+            await reset_quietly(stream)
 
     # -- calling ---------------------------------------------------------------------
     async def call(self, peer: bytes, method: str, body: dict, timeout: float) -> dict:
@@ -116,7 +116,7 @@ class Libp2pRpc:
     async def _drop(self, peer: bytes, stream) -> None:
         self._streams.pop(peer, None)
         if stream is not None:
-            await _reset(stream)
+            await reset_quietly(stream)
 
     # -- addresses -------------------------------------------------------------------
     def learn_addrs(self, peer: bytes, addrs: list[str]) -> None:
@@ -148,7 +148,8 @@ class Libp2pRpc:
             await self.host.connect(info)
 
 
-async def _reset(stream) -> None:
+async def reset_quietly(stream) -> None:
+    """Reset a stream, ignoring failures, for at most a second (it may be dead already)."""
     with trio.move_on_after(1):
         try:
             await stream.reset()

@@ -69,28 +69,11 @@ async def each_member(n: int, call, timeout: float = 60.0) -> list:
 
 
 async def service_cluster(nursery, classes, **cfg) -> tuple[list, list]:
-    """Real libp2p nodes on 127.0.0.1, one all-reduce service of each class in `classes` (an
-    AllReduceService or a hostile subclass), started in `nursery`, each knowing the others'
-    addresses. `cfg`: AllReduceConfig fields."""
-    from p2ptrain.events import EventSink
-    from p2ptrain.identity import Identity
-    from p2ptrain.net.node import Node, NodeConfig
-    from p2ptrain.reduce.service import AllReduceConfig
+    """Real libp2p nodes on 127.0.0.1, one all-reduce service of each class in `classes`
+    (`p2ptrain.bench.loopback.service_cluster`, which the benches share)."""
+    from p2ptrain.bench.loopback import service_cluster as cluster
 
-    nodes, svcs = [], []
-    for cls in classes:
-        ident = Identity.generate()
-        node = Node(ident, NodeConfig(listen=[LOOPBACK]), EventSink(ident.peer_id_str, False))
-        await nursery.start(node.run)
-        svc = cls(node.host, ident, AllReduceConfig(**cfg))
-        await nursery.start(svc.run)
-        nodes.append(node)
-        svcs.append(svc)
-    for n in nodes:
-        for m in nodes:
-            if m is not n:
-                n.rpc.learn_addrs(m.identity.peer_id, [a.split("/p2p/")[0] for a in m.full_addrs()])
-    return nodes, svcs
+    return await cluster(nursery, classes, **cfg)
 
 
 def run_user_scripts(script, argvs: list[list[str]], cwd, timeout: float = 240) -> list[dict]:

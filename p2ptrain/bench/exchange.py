@@ -23,36 +23,17 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
 
 
-async def _cluster(nursery, w: int):
-    from p2ptrain.events import EventSink
-    from p2ptrain.identity import Identity
-    from p2ptrain.net.node import Node, NodeConfig
-    from p2ptrain.reduce.service import AllReduceConfig, AllReduceService
-
-    nodes, svcs = [], []
-    for _ in range(w):
-        ident = Identity.generate()
-        node = Node(ident, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"]), EventSink(ident.peer_id_str, False))
-        await nursery.start(node.run)
-        svc = AllReduceService(node.host, ident, AllReduceConfig())
-        await nursery.start(svc.run)
-        nodes.append(node)
-        svcs.append(svc)
-    for n in nodes:
-        for m in nodes:
-            if m is not n:
-                n.rpc.learn_addrs(m.identity.peer_id, [a.split("/p2p/")[0] for a in m.full_addrs()])
-    return nodes, svcs
-
-
 async def _measure(w: int, rounds: int) -> dict[str, list[float]]:
     import dataclasses
 
     import trio
 
+    from p2ptrain.bench.loopback import service_cluster
+    from p2ptrain.reduce.service import AllReduceService
+
     times: dict[str, list[float]] = {"per_message": [], "persistent": []}
     async with trio.open_nursery() as nursery:
-        nodes, svcs = await _cluster(nursery, w)
+        nodes, svcs = await service_cluster(nursery, [AllReduceService] * w)
         ids = [n.identity.peer_id_str for n in nodes]
         for r in range(2 * (rounds + 2)):  # two warm-up exchanges per path (connections, streams)
             path = "persistent" if r % 2 else "per_message"

@@ -35,6 +35,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.dht.libp2p_rpc import reset_quietly
 from p2ptrain.reduce.control import ControlError
 from p2ptrain.reduce.sessions import read_msg
 
@@ -136,7 +137,7 @@ class ControlStreams:
                 if self._out.get(peer) is out:
                     del self._out[peer]
                 with trio.CancelScope(shield=True):
-                    await _reset(out.stream)
+                    await reset_quietly(out.stream)
 
     async def _drop(self, peer: bytes) -> None:
         out = self._out.pop(peer, None)
@@ -145,7 +146,7 @@ class ControlStreams:
                 try:
                     await out.stream.close()
                 except Exception:
-                    await _reset(out.stream)
+                    await reset_quietly(out.stream)
 
     async def close(self) -> None:
         for peer in list(self._out):
@@ -158,7 +159,7 @@ class ControlStreams:
         old = self._in.get(sender)
         self._in[sender] = stream
         if old is not None:
-            await _reset(old)
+            await reset_quietly(old)
         try:
             while True:
                 with trio.move_on_after(self.config.idle_close) as idle:
@@ -178,12 +179,5 @@ class ControlStreams:
         finally:
             if self._in.get(sender) is stream:
                 del self._in[sender]
-            await _reset(stream)
+            await reset_quietly(stream)
 
-
-async def _reset(stream) -> None:
-    with trio.move_on_after(1):
-        try:
-            await stream.reset()
-        except Exception:
-            pass
