@@ -78,6 +78,25 @@ def test_sigkill_mid_round_aborts_everyone_then_survivors_commit(procs):
     assert len({r["digest"] for r in res}) == 1
 
 
+def test_a_member_dead_before_the_round_fails_setup_at_once_not_at_the_setup_timeout(procs):
+    """A member killed after it confirmed the roster never opens its bulk session to its
+    successor, and nobody else aborts the round to tell it (here its other neighbour never
+    came: it left the attempt at the confirmation, as in a kill mid-run). The successor finds
+    it gone (no connection, no dial) within ~1 s instead of waiting out the setup timeout
+    (15 s): the 6-12 s stalls after a peer was killed (issue 17)."""
+    ws, members = start_workers(procs, 3)
+    ws[2].kill(signal.SIGKILL)
+    ws[2].proc.wait(10)
+    ring = [members[0], members[2], members[1]]  # w1: predecessor w2 (dead), successor w0 (not in the round)
+    t0 = time.monotonic()
+    ws[1].send({"cmd": "round", "round": "g1", "members": ring, "seed": 101, "n": 100_003, "mode": "int8"})
+    res = ws[1].wait_event(lambda e: e.get("round") == "g1" and e["event"] in ("round_committed", "round_failed"), 60)
+    took = time.monotonic() - t0
+    assert res["event"] == "round_failed" and res["tensor_before"] == res["tensor_after"], res
+    assert "is gone" in res["reason"], res
+    assert took < 8, took
+
+
 async def _intrude(members, bulk_ports, tag: bytes, seconds: float) -> dict:
     """A non-member asks every member for the round's bulk session and pushes junk frames
     into every member's raw bulk port, for `seconds`."""

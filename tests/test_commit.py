@@ -157,6 +157,78 @@ async def test_ring_member_missing_votes_gets_the_certificate_from_one_still_run
     assert got["ok"] and 3 <= got["t"] < 4
 
 
+def _ring_signed(nursery, n: int):
+    """A ring round of n whose members all signed DIGEST (their gathers then failed)."""
+    ids_ = idents(n)
+    wire = Wire(nursery)
+    boards = [wire.board(x) for x in ids_]
+    ids = [x.peer_id for x in ids_]
+    rnds = [b.open(TAG, ids, ring=True) for b in boards]
+    return wire, boards, ids, rnds, [b.sign_vote(r, DIGEST) for b, r in zip(boards, rnds)]
+
+
+@trio_test()
+async def test_survivors_of_a_member_gone_during_the_votes_abort_after_the_grace_not_the_timeout():
+    """Member 2 died after signing: it answers nothing, and the survivors find it gone (no
+    connection, no dial). They abort gone_grace after that, not at the commit timeout."""
+    async with trio.open_nursery() as nursery:
+        wire, boards, ids, rnds, _ = _ring_signed(nursery, 3)
+        del wire.boards[ids[2]]
+
+        async def gone(peers):
+            return {p for p in peers if p == ids[2]}
+
+        got = {}
+
+        async def recover(i, probe):
+            got[i] = (await boards[i].recover(rnds[i], DIGEST, TIMEOUT, gone=probe), trio.current_time())
+
+        async with trio.open_nursery() as n:
+            for i in (0, 1):
+                n.start_soon(recover, i, gone)
+        assert {i: ok for i, (ok, _) in got.items()} == {0: False, 1: False}
+        grace = boards[0].config.gone_grace
+        assert all(grace <= t <= grace + 2 * boards[0].config.gone_probe + 0.1 for _, t in got.values())
+        # Without the probe: the whole timeout, as before.
+        wire, boards, ids, rnds, _ = _ring_signed(nursery, 3)
+        del wire.boards[ids[2]]
+        t0 = trio.current_time()
+        assert not await boards[0].recover(rnds[0], DIGEST, TIMEOUT)
+        assert trio.current_time() - t0 >= TIMEOUT
+
+
+@trio_test()
+async def test_a_certificate_found_after_answering_none_reaches_those_told_none():
+    """Member 2 committed (it held every signature) and died, its answer to member 0 still
+    on the way; member 1 cannot reach it and already heard "none" from 0. 0 commits when the
+    certificate arrives and passes it on, so 1 commits too instead of aborting after the grace."""
+    async with trio.open_nursery() as nursery:
+        wire, boards, ids, rnds, sigs = _ring_signed(nursery, 3)
+        await boards[2].commit(rnds[2], DIGEST, sigs)
+
+        async def slow_deliver(src, dst, msg, _orig=wire._deliver):
+            if src == ids[2]:
+                if dst == ids[1]:
+                    return
+                await trio.sleep(1.5)
+            await _orig(src, dst, msg)
+
+        wire._deliver = slow_deliver  # from 2: to 1 never, to 0 after 1.5 s (within the grace)
+
+        async def gone(peers):
+            return {p for p in peers if p == ids[2]}
+
+        got = {}
+
+        async def recover(i, probe):
+            got[i] = await boards[i].recover(rnds[i], DIGEST, TIMEOUT, gone=probe)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(recover, 0, None)  # 0 can still reach 2: no probe
+            n.start_soon(recover, 1, gone)
+        assert got == {0: True, 1: True}
+
+
 @trio_test()
 async def test_votes_only_from_members_and_bounded_early_grace():
     async with trio.open_nursery() as nursery:

@@ -89,3 +89,38 @@ def test_a_forged_header_aborts_the_pipelined_round_and_the_retry_commits_the_ho
     assert outs[0].result.tobytes() == outs[1].result.tobytes()  # one commit, identical bytes
     exact = (ds[0] + ds[1]) / 2
     assert np.abs(outs[0].result - exact).max() < 0.05 * np.abs(exact).max()
+
+
+@pytest.mark.integration
+def test_a_round_that_fails_before_its_data_plane_releases_the_signer_at_once():
+    """A member that never shows up fails our round in setup: the ring never ran, so nothing
+    told the signer (waiting for our own frames, `OwnDigests`) that none will come, and it
+    waited out its own timeout: 6-8 s of "headers" per attempt after a peer was killed
+    (issue 17). The service now ends it with the round."""
+    from p2ptrain.reduce.service import RoundFailed
+    from p2ptrain.run.contribution import NotEncoded, OwnDigests
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            _, svcs = await service_cluster(nursery, [AllReduceService] * 2, setup_timeout=1.0)
+            members = [s.identity.peer_id_str for s in svcs]
+            own, got = OwnDigests(4, timeout=30.0), {}
+
+            async def signer():
+                t0 = trio.current_time()
+                try:
+                    await trio.to_thread.run_sync(own.wait)
+                except NotEncoded:
+                    got["released_after"] = trio.current_time() - t0
+
+            nursery.start_soon(signer)
+            with pytest.raises(RoundFailed):  # member 1 never joins the round
+                await svcs[0].allreduce(np.ones(1 << 12, np.float32), "run", "r1", members, on_own=own)
+            with trio.fail_after(5):
+                while "released_after" not in got:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        return got
+
+    got = trio.run(main)
+    assert got["released_after"] < 5, got

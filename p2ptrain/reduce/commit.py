@@ -15,9 +15,11 @@ while the rest abort. A member that is missing votes therefore never aborts at o
 asks every member for the certificate (`recover`). A member that committed answers with it
 (and keeps it for late askers); one that aborted, or is itself recovering, answers "none";
 one still running answers when it decides. The asker commits on a valid certificate and
-aborts only when every other member said "none", or at the timeout. So no honest member
-aborts while another commits unless the certificate takes longer than `timeout` to reach it
-(a member crashing right after it committed, or a network slower than the timeout).
+aborts only when every other member said "none" or has been certainly gone (no connection,
+no dial) for `gone_grace` seconds, or at the timeout. A member that finds the certificate
+after it answered "none" passes it on to those it told. So no honest member aborts while
+another commits unless the certificate takes longer than `gone_grace` to come from a member
+that died right after it committed, or longer than `timeout` over a slow network.
 
 Membership: a vote counts only from a member of the round it names. Before a round opens
 here, votes are kept only from members of a roster this node announced (`expect`: the
@@ -27,6 +29,7 @@ roster of an exchange it ran), a few per sender. Blame in abort votes passes `bl
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -41,6 +44,7 @@ from p2ptrain.reduce.ringvote import SIGNATURE, vote_message
 log = logging.getLogger("p2ptrain.reduce.commit")
 
 Send = Callable[[list[bytes], bytes], Awaitable[None]]
+Gone = Callable[[set[bytes]], Awaitable[set[bytes]]]
 
 
 @dataclass
@@ -51,10 +55,17 @@ class CommitConfig:
     """Votes kept per sender for rounds not opened yet (bounded grace)."""
     certs: int = 64
     """Certificates of closed rounds kept for members that ask late."""
+    gone_grace: float = 2.0
+    """Seconds a member must stay certainly gone before a recovering member counts it as
+    holding no certificate (`recover`): what one it sent before it died needs to arrive."""
+    gone_probe: float = 0.5
+    """Seconds between checks of which silent members are gone, while recovering."""
 
     def __post_init__(self) -> None:
         if min(self.rosters, self.early_per_sender, self.certs) < 1:
             raise ValueError("rosters, early_per_sender and certs must be >= 1")
+        if not (self.gone_grace >= 0 and self.gone_probe > 0):
+            raise ValueError("gone_grace must be >= 0 and gone_probe > 0")
 
 
 @dataclass
@@ -70,6 +81,7 @@ class Round:
     recovering: bool = False
     nocert: set = field(default_factory=set)
     askers: set = field(default_factory=set)
+    told_none: set = field(default_factory=set)  # askers we answered "none" while recovering
 
     def wake(self) -> None:
         self.event.set()
@@ -180,6 +192,8 @@ class CommitBoard:
         if cert is not None:
             await self.send([sender], pack({"kind": "cert", "tag": tag, "digest": cert[0], "sigs": cert[1]}))
         elif rnd is None or rnd.decided == "abort" or rnd.recovering:
+            if rnd is not None and rnd.recovering and not rnd.decided:
+                rnd.told_none.add(sender)  # should we find the certificate after all: `recover`
             await self.send([sender], pack({"kind": "none", "tag": tag}))
         elif sender in rnd.ids:
             rnd.askers.add(sender)  # still running: answered when we decide
@@ -219,18 +233,38 @@ class CommitBoard:
                 await rnd.event.wait()
         return await self.recover(rnd, digest, timeout)
 
-    async def recover(self, rnd: Round, digest: str, timeout: float) -> bool:
-        """We signed `digest` but lack some votes: commit if any member holds the certificate."""
+    async def recover(self, rnd: Round, digest: str, timeout: float, gone: Gone | None = None) -> bool:
+        """We signed `digest` but lack some votes: commit if any member holds the certificate.
+
+        With `gone(members)` (those certainly gone: no connection, no dial), a member that
+        has been gone for `gone_grace` seconds counts as having answered "none" (issue 17: every
+        survivor of a member killed during the votes waited out `timeout`). A certificate it
+        sent before it died arrives within that grace, and whoever gets one passes it on to
+        every member it had told "none", so nobody aborts what another commits."""
         rnd.recovering = True
         askers, rnd.askers = list(rnd.askers), set()
         if askers:  # they wait on us; we hold no certificate
+            rnd.told_none.update(askers)
             await self.send(askers, pack({"kind": "none", "tag": rnd.tag}))
         await self.send(rnd.others(), pack({"kind": "certq", "tag": rnd.tag}))
+        since: dict[bytes, float] = {}  # member -> when we first found it gone
+        settled: set[bytes] = set()
         with trio.move_on_after(timeout):
-            while rnd.cert is None and not set(rnd.others()) <= rnd.nocert:
-                await rnd.event.wait()
+            while rnd.cert is None and not set(rnd.others()) <= rnd.nocert | settled:
+                with trio.move_on_after(self.config.gone_probe if gone is not None else math.inf):
+                    await rnd.event.wait()
+                if gone is not None and rnd.cert is None:
+                    silent = set(rnd.others()) - rnd.nocert
+                    now_gone = set(await gone(silent)) & silent if silent else set()
+                    now = trio.current_time()
+                    since = {p: since.get(p, now) for p in now_gone}  # one that came back starts over
+                    settled = {p for p, t in since.items() if now - t >= self.config.gone_grace}
         if rnd.cert is not None and rnd.cert[0] == digest:
             rnd.decided = "commit"
+            told, rnd.told_none = list(rnd.told_none), set()
+            if told:
+                await self.send(told, pack({"kind": "cert", "tag": rnd.tag, "digest": rnd.cert[0],
+                                            "sigs": rnd.cert[1]}))
             return True
         return False
 

@@ -21,7 +21,7 @@ corroborated), `expect_roster(members)` (members that may vote or send before we
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import trio
@@ -39,6 +39,7 @@ from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
 from p2ptrain.reduce.exchange import Inbox
 from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
+from p2ptrain.reduce.outcome import RoundFailed, RoundResult, setup_failure
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
 from p2ptrain.reduce.ring import allreduce as ring_allreduce
 from p2ptrain.reduce.sessions import BULK_PROTOCOL, BulkSessions, read_msg
@@ -48,20 +49,6 @@ log = logging.getLogger("p2ptrain.reduce.service")
 # 1.1: ok votes are signed (commit certificates), certificate requests and answers.
 VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.1.0")
 __all__ = ["AllReduceConfig", "AllReduceService", "BULK_PROTOCOL", "RoundFailed", "RoundResult", "VOTE_PROTOCOL"]
-
-
-class RoundFailed(Exception):
-    """The round aborted on this member; no tensor was changed.
-
-    `blamed`: members caught sending bad data (peer id -> reason), by our own data plane or
-    by a member that received their bytes (`p2ptrain.reduce.blame`). `suspects`: blamers whose
-    accusations nobody corroborated (peer id -> count); their blame is not in `blamed`."""
-
-    def __init__(self, message: str, blamed: dict[str, str] | None = None,
-                 suspects: dict[str, int] | None = None) -> None:
-        super().__init__(message)
-        self.blamed = blamed or {}
-        self.suspects = suspects or {}
 
 
 @dataclass
@@ -93,22 +80,6 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.send_rate_mbps < 0:
             raise ValueError("send_rate_mbps must be >= 0")
-
-
-@dataclass
-class RoundResult:
-    result: np.ndarray
-    digest: str
-    sent_bytes: int
-    seconds: float
-    path: str
-    """'direct' or 'libp2p' for our outgoing bulk session."""
-    phases: dict = field(default_factory=dict)
-    """Seconds spent in setup, data plane and commit votes (for benches)."""
-    scores: list | None = None
-    """Robust rounds: each owner's per-member scores (identical on every member)."""
-    reused: bool = False
-    """Both ring channels ran on persistent links (no libp2p session this round)."""
 
 
 @dataclass
@@ -198,8 +169,8 @@ class AllReduceService:
                         out: np.ndarray | None = None, on_own=None) -> RoundResult:
         """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
 
-        `own`, `check`, `out` (a buffer for the result, reused across rounds saves page
-        faults) and `on_own` are passed to the data plane (see `p2ptrain.reduce.ring.allreduce`).
+        `own`, `check`, `out` (a result buffer: reusing one saves page faults) and `on_own`
+        go to the data plane (`p2ptrain.reduce.ring.allreduce`); `on_own(-1, None)` at the end.
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.reduce.butterfly.allreduce`; `own`, `check` as it defines)."""
         ids = [peer_id_from_str(m) for m in members]
@@ -238,19 +209,23 @@ class AllReduceService:
             exc.suspects = self.suspects()
             raise
         finally:
+            if on_own is not None:  # a round that failed before its data plane encoded nothing
+                on_own(-1, None)
             await mesh.close(self.sessions, committed)
             self.board.close(rnd)
 
     async def _setup(self, rnd: Round, mesh: Mesh, run_id: str, round_id: str, robust, config) -> str:
         if len(rnd.ids) == 1:
             return "none"
-        path = "none"
+        path, gone = "none", []
         try:
             with trio.fail_after(config.setup_timeout):
                 async with trio.open_nursery() as nursery:
                     # A member that failed before we are connected (its link was gone, say)
-                    # ends our setup too, instead of leaving us waiting for setup_timeout.
+                    # ends our setup too, instead of leaving us waiting for setup_timeout;
+                    # so does one found gone (killed after it confirmed the roster).
                     nursery.start_soon(self._cancel_on_abort, rnd, nursery.cancel_scope)
+                    nursery.start_soon(self._cancel_on_gone, rnd, nursery.cancel_scope, gone)
                     if robust is None:
                         path = await open_ring(self.sessions, mesh, rnd.ids, rnd.rank, rnd.tag)
                     else:
@@ -260,10 +235,12 @@ class AllReduceService:
             # The sessions are opened in nurseries, so a successor that refused or reset its
             # session arrives wrapped (trio's strict groups): `allreduce` then saw no
             # StreamEOF and the group ended the node (issue 17: a peer killed mid-run).
-            raise _setup_failure(group) from None
+            raise setup_failure(group) from None
         aborted = self.board.aborted(rnd)
         if aborted:
             raise RoundFailed(f"{aborted[0]} aborted the round")
+        if gone:  # `allreduce` votes abort: the others stop waiting too
+            raise RoundFailed(f"member {peer_id_to_str(gone[0])} is gone (no connection, no dial)")
         return path
 
     async def _data_plane(self, rnd: Round, mesh: Mesh, vec, extras: tuple, robust, config) -> _Plane:
@@ -323,17 +300,16 @@ class AllReduceService:
             await self.board.commit(rnd, plane.digest, plane.sigs)
             ok = True
         else:
-            ok = await self.board.recover(rnd, plane.digest, config.commit_timeout)
+            ok = await self.board.recover(rnd, plane.digest, config.commit_timeout, gone=self._gone)
         if not ok:
             aborted = self.board.aborted(rnd)
             raise RoundFailed(f"{aborted[0]} aborted the round" if aborted
                               else f"no commit certificate ({plane.gather_error or 'votes missing'})")
 
     async def abort(self, run_id: str, round_id: str, reason: str) -> None:
-        """Abort our round `round_id` now if it is still undecided: the caller knows it
-        cannot commit (a member's contribution header is missing or bad, so no frame passes
-        its check and we never sign). Our data plane stops at once, as on an abort vote,
-        instead of waiting out setup_timeout for a member that is not there."""
+        """Abort our round `round_id` now if it is undecided: the caller knows it cannot
+        commit (a member's header is missing or bad: no frame passes its check). Our data
+        plane stops at once, as on an abort vote, not after setup_timeout."""
         rnd = self.board.rounds.get(session_tag(run_id, round_id))
         if rnd is None or rnd.decided:
             return
@@ -344,6 +320,16 @@ class AllReduceService:
     async def _cancel_on_abort(self, rnd: Round, scope: trio.CancelScope) -> None:
         await self.board.wait_abort(rnd)
         scope.cancel()
+
+    async def _cancel_on_gone(self, rnd: Round, scope: trio.CancelScope, found: list, probe: float = 1.0) -> None:
+        """Setup waits for members that may have died since they confirmed the roster: the
+        first found certainly gone (no connection, no dial) goes into `found`, and setup ends."""
+        while True:
+            await trio.sleep(probe)
+            found.extend(await self._gone(set(rnd.others())))
+            if found:
+                scope.cancel()
+                return
 
     async def _abort_on_vote(self, rnd: Round, channels: list) -> None:
         """An abort vote from a member closes our channels, so our data plane fails now
@@ -381,19 +367,3 @@ class AllReduceService:
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
         return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL,
                                     self.ctl if self.config.control_streams else None)
-
-
-SETUP_ERRORS = (ControlError, EOFError, OSError, BaseLibp2pError, RingError, RoundFailed)
-"""What a member that died, refused or answered garbage during setup raises: the round fails."""
-
-
-def _setup_failure(group: BaseExceptionGroup) -> BaseException:
-    """The first of a nursery group's exceptions when every one is a setup failure (the
-    round fails); anything else (a bug, a KeyboardInterrupt) is re-raised as it came."""
-    failures, rest = group.split(SETUP_ERRORS)
-    if rest is not None or failures is None:
-        raise group
-    first: BaseException = failures
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first

@@ -296,8 +296,10 @@ class ContributionRound:
                         log.info("step %d attempt %d: no header sent: %s", t, attempt, exc)
                         return
                     h0 = out.took("prepare", h0)
+                # A member found gone (killed mid-round) is silent at once: its missing header
+                # aborts the round in ~1 s instead of holding every frame check for the timeout.
                 raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
-                                              self.config.exchange_timeout)
+                                              self.config.exchange_timeout, unreachable_silent=True)
                 got["ok"], got["bad"] = self._verify(raw, t, attempt, rh, roster)
             finally:
                 out.took("headers", h0)
