@@ -65,17 +65,20 @@ class AllReduceConfig:
     commit_timeout: float = 10.0
     """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
     missing votes) after our own data plane finished."""
+    gone_probe: float = 1.0
+    """Seconds between checks, while setup waits, for a member certainly gone (no connection,
+    no dial: killed after it confirmed the roster), which fails the round at once."""
     direct: bool = True
     """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
     send_rate_mbps: float = 0.0
     """Cap on bulk send rate in MB/s (0 = none), e.g. to leave room on a home uplink."""
     control_streams: bool = True
     """Votes and exchanges on persistent control streams (`ctlstreams`); False: a libp2p
-    stream per message, ~6x the CPU (the baseline of `p2ptrain bench exchange`)."""
+    stream per message, 3.6-5x the CPU (the baseline of `p2ptrain bench exchange`)."""
 
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
-        for name in ("setup_timeout", "frame_timeout", "commit_timeout"):
+        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.send_rate_mbps < 0:
@@ -225,7 +228,7 @@ class AllReduceService:
                     # ends our setup too, instead of leaving us waiting for setup_timeout;
                     # so does one found gone (killed after it confirmed the roster).
                     nursery.start_soon(self._cancel_on_abort, rnd, nursery.cancel_scope)
-                    nursery.start_soon(self._cancel_on_gone, rnd, nursery.cancel_scope, gone)
+                    nursery.start_soon(self._cancel_on_gone, rnd, nursery.cancel_scope, gone, config.gone_probe)
                     if robust is None:
                         path = await open_ring(self.sessions, mesh, rnd.ids, rnd.rank, rnd.tag)
                     else:
@@ -321,7 +324,7 @@ class AllReduceService:
         await self.board.wait_abort(rnd)
         scope.cancel()
 
-    async def _cancel_on_gone(self, rnd: Round, scope: trio.CancelScope, found: list, probe: float = 1.0) -> None:
+    async def _cancel_on_gone(self, rnd: Round, scope: trio.CancelScope, found: list, probe: float) -> None:
         """Setup waits for members that may have died since they confirmed the roster: the
         first found certainly gone (no connection, no dial) goes into `found`, and setup ends."""
         while True:
