@@ -150,9 +150,10 @@ async def garbage(bootstrap: str, count: int, seconds: float) -> dict:
     from p2ptrain.identity import Identity
     from p2ptrain.net.natprobe import PROTOCOL as NAT
     from p2ptrain.net.node import Node, NodeConfig
+    from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL
     from p2ptrain.reduce.service import BULK_PROTOCOL, VOTE_PROTOCOL
 
-    protocols = [DHT, VOTE_PROTOCOL, BULK_PROTOCOL, FETCH, NAT]
+    protocols = [DHT, VOTE_PROTOCOL, CONTROL_PROTOCOL, BULK_PROTOCOL, FETCH, NAT]
     me = Identity.generate()
     node = Node(me, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[bootstrap]), EventSink("x", False))
     rng = np.random.default_rng()
