@@ -166,6 +166,43 @@ async def test_outgoing_streams_are_bounded_least_recently_used_first():
         assert set(ctl._out) == set(ids[3:]) and set(ctl._locks) == set(ids[3:])
 
 
+class _Inbound:
+    """An inbound control stream holding `msgs`, then EOF."""
+
+    def __init__(self, sender: bytes, msgs: list[dict]) -> None:
+        from types import SimpleNamespace
+
+        self.muxed_conn = SimpleNamespace(peer_id=ID(sender))
+        self.data = b"".join(pack(m) for m in msgs)
+
+    async def read(self, n: int) -> bytes:
+        out, self.data = self.data[:n], self.data[n:]
+        return out
+
+    async def reset(self) -> None:
+        pass
+
+
+@trio_test()
+async def test_a_message_slow_to_handle_does_not_hold_up_the_next_one():
+    """Answering a certificate request sends to its asker; a slow send must not delay that
+    peer's next message (an abort vote, say), as it did not with a stream per message."""
+    second_done = trio.Event()
+    order = []
+
+    async def handle(sender, msg):
+        if msg["n"] == 1:
+            with trio.fail_after(5):
+                await second_done.wait()  # would never come if messages ran one after another
+        else:
+            second_done.set()
+        order.append(msg["n"])
+
+    ctl = ControlStreams(None, handle)
+    await ctl.serve(_Inbound(Identity.generate().peer_id, [{"n": 1}, {"n": 2}]))
+    assert order == [2, 1]
+
+
 class _StuckStream:
     def __init__(self) -> None:
         self.was_reset = False

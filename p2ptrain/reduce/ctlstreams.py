@@ -14,10 +14,12 @@ and `send` reports False, so the caller falls back to a stream of its own for th
 (`reach.send_all`), as does a peer that does not speak this protocol.
 
 Receiver (`serve`): reads messages in order, the length checked before the body
-(`sessions.read_msg`), and hands each to `handle(sender, msg)` (a message it rejects is
-logged and dropped). It stops on EOF, a reset, a message that does not decode (logged: the
-framing can no longer be trusted) or `idle_close` seconds without a message. One inbound stream per peer: a newer one replaces the older (its sender
-reopened, so the old one is dead to it), so a peer holds at most one reader task here.
+(`sessions.read_msg`), and hands each to `handle(sender, msg)` in a task of its own, at most
+`handlers` at once (a message it rejects is logged and dropped). It stops on EOF, a reset,
+a message that does not decode (logged: the framing can no longer be trusted) or
+`idle_close` seconds without a message. One inbound stream per peer: a newer one replaces
+the older (its sender reopened, so the old one is dead to it), so a peer holds at most one
+reader and `handlers` message tasks here.
 
 A sender never writes to a stream idle for `idle_reopen` seconds or more, and that is less
 than `idle_close`: a receiver that stopped reading for idleness would drop a message with
@@ -54,12 +56,15 @@ class ControlStreamsConfig:
     max_out: int = 256
     """Outgoing streams kept at most; past it the least recently used one is closed (a long
     run meets many peers, most of them gone)."""
+    handlers: int = 8
+    """Messages of one inbound stream handled at once (as with a stream per message, one
+    slow to handle does not hold up the next); past it the reader waits."""
 
     def __post_init__(self) -> None:
         if not 0 < self.idle_reopen < self.idle_close:
             raise ValueError("need 0 < idle_reopen < idle_close: a sender must reopen before a receiver stops reading")
-        if self.max_out < 1:
-            raise ValueError("max_out must be >= 1")
+        if self.max_out < 1 or self.handlers < 1:
+            raise ValueError("max_out and handlers must be >= 1")
 
 
 @dataclass
@@ -161,23 +166,33 @@ class ControlStreams:
         if old is not None:
             await reset_quietly(old)
         try:
-            while True:
-                with trio.move_on_after(self.config.idle_close) as idle:
-                    try:
-                        msg = await read_msg(stream)
-                    except ControlError as exc:
-                        log.warning("control stream from %s dropped: %s", ID(sender), exc)
+            async with trio.open_nursery() as nursery:
+                slots = trio.Semaphore(self.config.handlers)
+                while True:
+                    with trio.move_on_after(self.config.idle_close) as idle:
+                        try:
+                            msg = await read_msg(stream)
+                        except ControlError as exc:
+                            log.warning("control stream from %s dropped: %s", ID(sender), exc)
+                            return
+                        except Exception:  # EOF or a reset: the sender is done with it
+                            return
+                    if idle.cancelled_caught:
                         return
-                    except Exception:  # EOF or a reset: the sender is done with it
-                        return
-                if idle.cancelled_caught:
-                    return
-                try:
-                    await self.handle(sender, msg)
-                except Exception as exc:  # one bad message; the framing still holds
-                    log.warning("control message from %s dropped: %s", ID(sender), exc)
+                    await slots.acquire()  # a flood waits here, not in ever more tasks
+                    nursery.start_soon(self._handle_one, sender, msg, slots)
         finally:
             if self._in.get(sender) is stream:
                 del self._in[sender]
             await reset_quietly(stream)
+
+    async def _handle_one(self, sender: bytes, msg: dict, slots: trio.Semaphore) -> None:
+        """One message, beside the next ones: answering a certificate request sends to its
+        asker, and a slow send must not hold up that peer's later messages (an abort vote)."""
+        try:
+            await self.handle(sender, msg)
+        except Exception as exc:  # one bad message; the framing still holds
+            log.warning("control message from %s dropped: %s", ID(sender), exc)
+        finally:
+            slots.release()
 
