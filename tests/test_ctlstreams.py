@@ -12,7 +12,7 @@ import trio
 from libp2p.peer.id import ID
 
 from conftest import service_cluster, trio_test
-from fakehost import FakeNet
+from fakehost import FakeNet, _InStream
 from p2ptrain.identity import Identity
 from p2ptrain.reduce.control import pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams, ControlStreamsConfig
@@ -166,23 +166,6 @@ async def test_outgoing_streams_are_bounded_least_recently_used_first():
         assert set(ctl._out) == set(ids[3:]) and set(ctl._locks) == set(ids[3:])
 
 
-class _Inbound:
-    """An inbound control stream holding `msgs`, then EOF."""
-
-    def __init__(self, sender: bytes, msgs: list[dict]) -> None:
-        from types import SimpleNamespace
-
-        self.muxed_conn = SimpleNamespace(peer_id=ID(sender))
-        self.data = b"".join(pack(m) for m in msgs)
-
-    async def read(self, n: int) -> bytes:
-        out, self.data = self.data[:n], self.data[n:]
-        return out
-
-    async def reset(self) -> None:
-        pass
-
-
 @trio_test()
 async def test_a_message_slow_to_handle_does_not_hold_up_the_next_one():
     """Answering a certificate request sends to its asker; a slow send must not delay that
@@ -199,7 +182,7 @@ async def test_a_message_slow_to_handle_does_not_hold_up_the_next_one():
         order.append(msg["n"])
 
     ctl = ControlStreams(None, handle)
-    await ctl.serve(_Inbound(Identity.generate().peer_id, [{"n": 1}, {"n": 2}]))
+    await ctl.serve(_InStream(Identity.generate().peer_id, pack({"n": 1}) + pack({"n": 2})))
     assert order == [2, 1]
 
 

@@ -249,14 +249,17 @@ class CommitBoard:
         await self.send(rnd.others(), pack({"kind": "certq", "tag": rnd.tag}))
         since: dict[bytes, float] = {}  # member -> when we first found it gone
         settled: set[bytes] = set()
+        probe_at = trio.current_time() + self.config.gone_probe
         with trio.move_on_after(timeout):
             while rnd.cert is None and not set(rnd.others()) <= rnd.nocert | settled:
-                with trio.move_on_after(self.config.gone_probe if gone is not None else math.inf):
+                with trio.move_on_at(probe_at if gone is not None else math.inf):
                     await rnd.event.wait()
-                if gone is not None and rnd.cert is None:
+                # On the probe's clock, not at every answer that wakes us: each probe may dial.
+                if gone is not None and rnd.cert is None and trio.current_time() >= probe_at:
                     silent = set(rnd.others()) - rnd.nocert
                     now_gone = set(await gone(silent)) & silent if silent else set()
                     now = trio.current_time()
+                    probe_at = now + self.config.gone_probe
                     since = {p: since.get(p, now) for p in now_gone}  # one that came back starts over
                     settled = {p for p, t in since.items() if now - t >= self.config.gone_grace}
         if rnd.cert is not None and rnd.cert[0] == digest:
