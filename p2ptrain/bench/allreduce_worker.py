@@ -33,6 +33,20 @@ from p2ptrain.events import EventSink, setup_logging
 from p2ptrain.identity import Identity
 from p2ptrain.net.node import Node, NodeConfig
 
+SPIN_S = 0.003  # the last stretch before a round's start instant is spun, not slept (see there)
+
+
+async def _barrier(start_at: float) -> None:
+    """A barrier, as the raw-socket ceiling's: every member starts at the same CLOCK_MONOTONIC
+    instant (shared by all processes on Linux), after its reset copy and command parsing, so
+    start skew is not counted as round time. trio's sleep wakes 1-2 ms late (epoll's
+    millisecond timeouts, then the loop's turn), by a different amount in each member, and
+    that skew was counted as round time: we sleep to SPIN_S before the instant, then spin
+    (bounded by SPIN_S; this process has nothing else to do meanwhile)."""
+    await trio.sleep(max(0.0, start_at - SPIN_S - time.monotonic()))
+    while time.monotonic() < start_at:
+        pass
+
 
 def make_tensor(seed: int, n: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
@@ -120,10 +134,7 @@ async def main(args) -> None:
             # Hashing 64 MiB costs CPU the other members need: only when a test asks.
             before = _sha(tensor) if cmd.get("verify") else ""
             if cmd.get("start_at"):
-                # A barrier, as the raw-socket ceiling's: every member starts at the same
-                # CLOCK_MONOTONIC instant (shared by all processes on Linux), after its reset
-                # copy and command parsing, so start skew is not counted as round time.
-                await trio.sleep(max(0.0, float(cmd["start_at"]) - time.monotonic()))
+                await _barrier(float(cmd["start_at"]))
             events.emit("round_started", round=cmd["round"])
             cpu0 = _cpu()
             try:
