@@ -100,3 +100,45 @@ def test_sumsq_q8_is_non_finite_exactly_where_a_decoded_value_is():
     zero_q = np.zeros_like(q)
     for K in (NB, NP):  # inf steps over zeros decode to NaN (0 * inf): still non-finite
         assert not np.isfinite(K.sumsq_q8(zero_q, hostile))
+
+
+@pytest.mark.parametrize("world,threads", [(1, 4), (3, 1), (4, 2), (4, 8)])
+def test_chunk_norms_on_helper_threads_are_bit_identical(world, threads):
+    """The signer starts the chunk norms on helper threads and hashes its frames meanwhile
+    (`start_chunk_norms`): the header must sign the very numbers `chunk_norms` gives."""
+    from p2ptrain.reduce import ring
+    from p2ptrain.run.contribution import chunk_norms, start_chunk_norms
+
+    x = np.random.default_rng(world).standard_normal(3_000_017, dtype=np.float32)
+    lay = ring.layout(x.size, world, ring.RingConfig("int8", sub_chunk_bytes=1 << 20))
+    assert start_chunk_norms(x, lay, threads)() == chunk_norms(x, lay)
+
+
+def test_own_digests_hash_each_frame_as_it_is_encoded_and_stop_when_the_round_ends():
+    """`OwnDigests.wait` returns every frame's digest in order, hashing each as soon as the
+    ring hands it over; NotEncoded (not a hang) once the round ends short, or at its timeout."""
+    import threading
+    import time
+
+    from p2ptrain.run.contribution import NotEncoded, OwnDigests, frame_digest
+
+    frames = [bytes([j]) * (1000 + j) for j in range(3)]
+    own = OwnDigests(3, timeout=10.0)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(d=own.wait()))
+    waiter.start()
+    for j, f in enumerate(frames):
+        time.sleep(0.01)
+        own(j, memoryview(f))
+    waiter.join(5)
+    assert got["d"] == tuple(frame_digest(f) for f in frames)
+
+    short = OwnDigests(3, timeout=10.0)
+    short(0, memoryview(frames[0]))
+    short(-1, None)  # the round ended before frames 1 and 2
+    with pytest.raises(NotEncoded):
+        short.wait()
+    t0 = time.monotonic()
+    with pytest.raises(NotEncoded):
+        OwnDigests(2, timeout=0.2).wait()
+    assert time.monotonic() - t0 < 2

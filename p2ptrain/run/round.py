@@ -40,7 +40,7 @@ from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
-                                       sign_header, verify_headers)
+                                       sign_header, start_chunk_norms, verify_headers)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -270,9 +270,9 @@ class ContributionRound:
             header = Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens)
             return self.contributor.sign(header, self.identity)
 
-        def sign_streamed() -> bytes:  # blocking: the norms, then our frames' digests as the ring encodes them
-            norms = chunk_norms(delta, lay)
-            return sign(digests.wait(), norms)
+        def sign_streamed() -> bytes:  # blocking: our frames' digests as the ring encodes them, beside the norms
+            norms = start_chunk_norms(delta, lay)
+            return sign(digests.wait(), norms())
 
         t0 = trio.current_time()
         own = digests = signed = None
