@@ -21,7 +21,6 @@ corroborated), `expect_roster(members)` (members that may vote or send before we
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +95,6 @@ class _Plane:
     sigs: list | None = None  # every member's signature: a certificate (ring rounds)
     scores: list | None = None
     t_data: float = 0.0
-    mono_data: float = 0.0  # time.monotonic() then, in the worker thread: no hop to the loop for it
     error: RingError | None = None  # the data plane failed: we signed nothing
     gather_error: str = ""  # the ring votes failed after we signed
 
@@ -258,7 +256,6 @@ class AllReduceService:
                 if robust is None:
                     plane = await trio.to_thread.run_sync(self._ring_and_votes, vec, rnd, mesh, cfg,
                                                           config.frame_timeout, extras)
-                    plane.t_data = trio.current_time() - (time.monotonic() - plane.mono_data)
                 else:
                     result, sent, digest, scores = await trio.to_thread.run_sync(
                         butterfly.allreduce, vec, rnd.rank, world, mesh.sends, mesh.recvs, cfg, robust,
@@ -276,7 +273,7 @@ class AllReduceService:
         own, check, out, on_own = extras
         result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
-        plane = _Plane(result, sent, digest, mono_data=time.monotonic())
+        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]
             return plane
