@@ -61,3 +61,50 @@ def test_a_member_that_died_after_our_message_is_dropped_at_the_next_probe():
 def test_without_unreachable_silent_the_exchange_waits_out_its_timeout():
     (got, took), calls = _collect(undelivered={B}, gone_after=1, silent=False)
     assert got == {A: b"from a"} and took >= 20.0 and calls == []
+
+
+def test_an_exchange_that_answers_strangers_answers_each_once_before_during_and_after():
+    """Roster confirmation answers strangers (`collect(answer=...)`): a newcomer N lists us
+    while our roster lacks it; without our answer it takes us for silent and misses the step.
+    N wrote before we started (answered when we start), S during, L after we finished (one of
+    the last RECENT_ANSWERS exchanges): each gets our payload once; members never do, and an
+    exchange that does not answer strangers answers nobody."""
+    from p2ptrain.reduce.exchange import RECENT_ANSWERS, InboxConfig
+
+    inbox = Inbox(known=lambda p: p in (A, B), config=InboxConfig(strangers=3))
+    N, S, L, X = b"n", b"s", b"l", b"x"
+    replied: list[bytes] = []
+
+    async def reply(strangers):
+        replied.extend(strangers)
+
+    async def main():
+        assert inbox.put(N, b"tag", b"from n") is None  # before: kept as an early message
+        assert inbox.put(N, b"other", b"n elsewhere") is None
+
+        async def send():
+            assert inbox.put(A, b"tag", b"from a") is None
+            assert inbox.put(S, b"tag", b"from s") == b"mine"  # during: the caller sends it
+            assert inbox.put(S, b"tag", b"again") is None  # once
+            assert inbox.put(B, b"tag", b"from b") is None
+            return set()
+
+        got = await inbox.collect(b"tag", [ME, A, B], ME, 5.0, send, answer=(b"mine", reply))
+        assert got == {A: b"from a", B: b"from b"} and replied == [N]
+        assert inbox.put(L, b"tag", b"late") == b"mine"  # after: still answered, not kept
+        assert inbox.put(A, b"tag", b"a again") is None  # a member: it had ours from send()
+        assert inbox.put(X, b"tag", b"fourth") is None  # strangers bounded (InboxConfig.strangers)
+        assert inbox._early.get(N) == {b"other": b"n elsewhere"}  # only that tag's message went
+
+        async def send_plain():
+            inbox.put(A, b"plain", b"from a")
+            inbox.put(B, b"plain", b"from b")
+            return set()
+
+        await inbox.collect(b"plain", [ME, A, B], ME, 5.0, send_plain)
+        assert inbox.put(L, b"plain", b"stranger") is None  # kept early, never answered
+        for k in range(RECENT_ANSWERS):
+            await inbox.collect(b"t%d" % k, [ME], ME, 1.0, send_plain, answer=(b"x", reply))
+        assert inbox.put(b"z", b"tag", b"too late") is None  # "tag" fell out of the recent ones
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -10,15 +10,22 @@ The old inbox was one map of at most 256 tags with the oldest evicted: anyone co
   sender, at most `per_sender` tags each (a flood pushes out only the flooder's own);
 - senders in a roster this node announced (`known`) are kept as long as they send; other
   senders ("strangers": a newcomer's first exchange) share `strangers` slots, the oldest
-  stranger going first, so a Sybil flood can delay newcomers but never a known member.
+  stranger going first, so a Sybil flood can delay newcomers but never a known member;
+- an exchange may answer strangers (`collect(answer=...)`): a peer outside our member list
+  that sent us its message for the tag gets ours back, once, whether its message came
+  before, during or (for the last `RECENT_ANSWERS` such exchanges) after ours. A newcomer
+  lists a member whose own roster lacks it; without the answer that member is silent to the
+  newcomer, which then confirms a roster without it while everyone else merges theirs, and
+  it misses the step (issue 17, seen in CI).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Awaitable, Callable
 
 import trio
 
@@ -40,6 +47,17 @@ class InboxConfig:
             raise ValueError("per_sender must be >= 1 and strangers >= 0")
 
 
+RECENT_ANSWERS = 32
+"""Finished exchanges whose late strangers are still answered."""
+
+
+@dataclass
+class _Answer:
+    payload: bytes
+    members: frozenset  # they got it from `send`: never answered again
+    sent: set = field(default_factory=set)
+
+
 @dataclass
 class _Waiting:
     ids: frozenset
@@ -53,16 +71,21 @@ class Inbox:
         self.config = config or InboxConfig()
         self._waiting: dict[bytes, _Waiting] = {}
         self._early: dict[bytes, dict[bytes, bytes]] = {}  # sender -> tag -> payload, oldest first
+        self._answers: OrderedDict[bytes, _Answer] = OrderedDict()  # tag -> our payload for strangers
 
-    def put(self, sender: bytes, tag: bytes, data: bytes) -> None:
+    def put(self, sender: bytes, tag: bytes, data: bytes) -> bytes | None:
+        """File a message; returns our payload when the sender is a stranger to an exchange
+        that answers them (the caller sends it back), else None."""
         w = self._waiting.get(tag)
         if w is not None:
             if sender not in w.ids:
                 log.info("exchange message from %s dropped: not a member", peer_id_to_str(sender))
-                return
+                return self._answer(tag, sender)
             w.box.setdefault(sender, data)
             w.event.set()
-            return
+            return None
+        if tag in self._answers:  # a late stranger of a finished exchange: answered, not kept
+            return self._answer(tag, sender)
         early = self._early.pop(sender, None)
         if early is None and not self.known(sender):
             strangers = [s for s in self._early if not self.known(s)]
@@ -76,9 +99,18 @@ class Inbox:
         while len(early) > self.config.per_sender:
             early.pop(next(iter(early)))
         self._early[sender] = early  # re-inserted: the most recent sender last
+        return None
+
+    def _answer(self, tag: bytes, sender: bytes) -> bytes | None:
+        a = self._answers.get(tag)
+        if a is None or sender in a.members or sender in a.sent or len(a.sent) >= self.config.strangers:
+            return None
+        a.sent.add(sender)
+        return a.payload
 
     async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send,
-                      unreachable_silent: bool = False, gone=None, probe: float = 1.0) -> dict[bytes, bytes]:
+                      unreachable_silent: bool = False, gone=None, probe: float = 1.0,
+                      answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
         With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
@@ -88,7 +120,8 @@ class Inbox:
         else (issue 17: a peer killed mid-run, including one that died after our message
         reached it). A stream that failed to open is not enough: "no valid connections" is
         often transient, and counting such a live member silent at once left it out of its
-        group (seen in CI)."""
+        group (seen in CI). `answer`: (our payload, `reply(strangers)`) to answer strangers
+        with (module doc); those that wrote before we started are answered here."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -97,8 +130,18 @@ class Inbox:
             data = self._early.get(p, {}).pop(tag, None)
             if data is not None:
                 w.box[p] = data
+        early_strangers = []
+        if answer is not None:
+            self._answers[tag] = _Answer(answer[0], others | {me})
+            while len(self._answers) > RECENT_ANSWERS:
+                self._answers.popitem(last=False)
+            for p in list(self._early):
+                if p != me and self._early[p].pop(tag, None) is not None and self._answer(tag, p) is not None:
+                    early_strangers.append(p)
         try:
             undelivered = set(await send() or ()) & others
+            if early_strangers:
+                await answer[1](early_strangers)
             probing = unreachable_silent and gone is not None
             unreachable: set[bytes] = set()
 

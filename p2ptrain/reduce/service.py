@@ -162,7 +162,9 @@ class AllReduceService:
             tag, data = msg.get("tag"), msg.get("data")
             if not isinstance(tag, bytes) or not isinstance(data, bytes):
                 raise ValueError("malformed data message")
-            self.inbox.put(sender, tag, data)
+            reply = self.inbox.put(sender, tag, data)
+            if reply is not None:  # a stranger to an exchange that answers them (`Inbox`)
+                await self._send_all([sender], _pack({"tag": tag, "kind": "data", "data": reply}))
         else:
             await self.board.handle(sender, msg)
 
@@ -344,17 +346,21 @@ class AllReduceService:
 
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
-                       timeout: float, unreachable_silent: bool = False) -> dict[str, bytes | None]:
+                       timeout: float, unreachable_silent: bool = False,
+                       answer_strangers: bool = False) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
         arrive within `timeout`). Used for roster confirmation and contribution headers.
-        `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`)."""
+        `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
+        `answer_strangers`: a non-member that sends us its payload for this exchange gets
+        ours, once (roster confirmation: `p2ptrain.reduce.exchange`)."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
+        answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone)
+                                       gone=self._gone, answer=answer)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out

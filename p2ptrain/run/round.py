@@ -51,7 +51,8 @@ class ReduceService(Protocol):
     """The slice of `p2ptrain.reduce.service.AllReduceService` a round uses."""
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
-                       timeout: float, unreachable_silent: bool = False) -> dict[str, bytes | None]: ...
+                       timeout: float, unreachable_silent: bool = False,
+                       answer_strangers: bool = False) -> dict[str, bytes | None]: ...
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own=None, check=None, robust=None, on_own=None):
@@ -240,8 +241,10 @@ class ContributionRound:
         cuts the tensor differently (another version) is left out instead of failing every
         round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
         mine = rosters.Confirm(rh, base, self.config.sub_chunk_bytes, tuple(roster))
+        # Answering strangers: a newcomer whose roster lists us while ours lacks it hears our
+        # view, and merges as we do, instead of taking us for silent (`reduce.exchange`).
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
-                                      unreachable_silent=True)
+                                      unreachable_silent=True, answer_strangers=True)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         return rosters.reconcile(mine, replies)
 
