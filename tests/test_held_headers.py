@@ -124,3 +124,54 @@ def test_a_round_that_fails_before_its_data_plane_releases_the_signer_at_once():
 
     got = trio.run(main)
     assert got["released_after"] < 5, got
+
+
+@pytest.mark.parametrize("stranger_first", [True, False])
+def test_a_roster_confirmation_answers_a_stranger_over_real_nodes(stranger_first):
+    """Real libp2p nodes: newcomer N confirms [A, N] while A's roster is [A, B] (it never
+    elected N). A answers N's confirmation with its own whether N wrote first (A answers when
+    it starts) or last (A had finished: answered from its recent exchanges), so N hears A's
+    view instead of waiting out the timeout for a member it took for silent. A's result never
+    holds N's message."""
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            _, (a, b, n) = await service_cluster(nursery, [AllReduceService] * 3)
+            ia, ib, in_ = (s.identity.peer_id_str for s in (a, b, n))
+            got = {}
+
+            async def newcomer():
+                got["n"] = await n.exchange("run", "5/0/roster", [ia, in_], b"n's view", 10.0,
+                                            answer_strangers=True)
+
+            async def members():
+                got["a"], got["b"] = None, None
+
+                async def one(svc, key, payload):
+                    got[key] = await svc.exchange("run", "5/0/roster", [ia, ib], payload, 10.0,
+                                                  answer_strangers=True)
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(one, a, "a", b"a's view")
+                    inner.start_soon(one, b, "b", b"b's view")
+
+            t0 = trio.current_time()
+            if stranger_first:
+                nursery.start_soon(newcomer)
+                await trio.sleep(0.5)
+                await members()
+            else:
+                await members()
+                await newcomer()
+            with trio.fail_after(8):
+                while "n" not in got:
+                    await trio.sleep(0.05)
+            took = trio.current_time() - t0
+            plain = await n.exchange("run", "5/0/hdr", [ia, in_], b"header", 1.0)
+            nursery.cancel_scope.cancel()
+        return got, took, plain, ia
+
+    got, took, plain, ia = trio.run(main)
+    assert got["n"][ia] == b"a's view" and took < 6, (got, took)
+    assert set(got["a"]) == set(got["b"]) and all(v is not None for v in got["a"].values())
+    assert b"n's view" not in got["a"].values()
+    assert plain[ia] is None  # an exchange A never ran: nothing answers for it
