@@ -302,6 +302,30 @@ def test_members_that_saw_different_rosters_reconcile_instead_of_forking():
     assert n.result is not None and np.allclose(a.result, np.mean(ds, axis=0), atol=1e-6)
 
 
+def test_a_newcomer_that_missed_a_members_record_still_commits_with_everyone():
+    """The CI trace (test_checkpoint_join): the newcomer's election missed member a's ready
+    record, so its roster lacked a while everyone else's held both. It never wrote to a, which
+    took it for silent and went on without it while b and c merged its view: the views crossed
+    and the newcomer missed its first step. Now the newcomer answers a's confirmation (a is a
+    stranger to its exchange) and all four merge on the union at the next attempt."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(4)]
+    a, b, c, n = (r.me for r in rounds)
+
+    async def vouch(t, peers):
+        return set(peers)  # every record is in the DHT by now
+
+    for r in rounds:
+        r.vouch = vouch
+    ds = deltas(3) + [np.zeros(N, np.float32)]
+    views = [[a, b, c, n], [a, b, c, n], [a, b, c, n], [b, c, n]]
+    outs = run_rounds(rounds, ds, views=views, joining=[False, False, False, True])
+    assert all(o.result is not None for o in outs)
+    assert len({o.result.tobytes() for o in outs}) == 1
+    assert all(set(o.members) == {a, b, c, n} for o in outs)
+    assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)
+
+
 def test_an_unreconcilable_split_commits_on_one_side_only():
     # b and c cannot vouch for n (its record never reached them): the union cannot agree, and
     # only the side holding a majority of the members that answered may go on.
