@@ -33,7 +33,7 @@ def payload_bytes(mb: int, peers: int, mode: str) -> int:
     return sum(wire_bytes(hi - lo, cfg) for subs in layout(n, peers, cfg) for lo, hi in subs)
 
 
-def _row(label: str, r: dict, mbit: float, peers: int) -> dict:
+def _row(label: str, r: dict, mbit: float, peers: int, tcp: dict | None = None) -> dict:
     from p2ptrain.bench.inetlab import bandwidth_bound_s
 
     mode = r["mode"]
@@ -49,12 +49,15 @@ def _row(label: str, r: dict, mbit: float, peers: int) -> dict:
             # Rounds 10 % or more over the row's fastest: a stall (on the 16-core machine, one
             # link's tail-loss probe after the shaper's queue filled cost 20-50 ms a round)
             # shows here instead of only moving the median.
-            "slow_rounds": sum(x >= 1.1 * min(r["round_s"]["all"]) for x in r["round_s"]["all"])}
+            "slow_rounds": sum(x >= 1.1 * min(r["round_s"]["all"]) for x in r["round_s"]["all"]),
+            # The lab's TCP retransmissions during the row (warm-up round included), summed over
+            # its namespaces (`inetlab.tcp_counters`): what a slow round's stall was.
+            "tcp": tcp or {}}
 
 
 def measure_rate(args, mbit: float, work: Path) -> dict:
     from p2ptrain.bench.allreduce import measure_ours
-    from p2ptrain.bench.inetlab import internet_lab, tcp_goodput
+    from p2ptrain.bench.inetlab import internet_lab, tcp_counters, tcp_goodput
 
     rows = []
     with internet_lab([mbit] * args.peers, boot=False) as lab:
@@ -65,8 +68,10 @@ def measure_rate(args, mbit: float, work: Path) -> dict:
         if args.lab_fp32:
             plan.append(("p2ptrain fp32 verified", "fp32", True))
         for label, mode, verified in plan:
+            before = tcp_counters(lab)
             r = measure_ours(args.peers, args.mb, args.rounds, mode, True, work / f"lab{mbit:g}", verified, lab=lab)
-            rows.append(_row(label, r, mbit, args.peers))
+            after = tcp_counters(lab)
+            rows.append(_row(label, r, mbit, args.peers, {k.split(":")[1]: after[k] - before[k] for k in after}))
     for r in rows:  # the same bound at what one TCP stream really carried over this link
         r["vs_tcp_bound"] = round(r["vs_bound"] * mbit / tcp["mbit"], 3)
     return {"link_mbit": mbit, "tcp_goodput_mbit": tcp["mbit"], "tcp_vs_rate": round(tcp["mbit"] / mbit, 3),

@@ -258,3 +258,24 @@ def tcp_goodput(lab: InternetLab, src: int, dst: int, nbytes: int, timeout: floa
         raise RuntimeError(f"tcp_goodput: received {got} of {nbytes} bytes")
     secs = float(secs)
     return {"bytes": nbytes, "seconds": round(secs, 4), "mbit": round(nbytes * 8 / secs / 1e6, 1)}
+
+
+TCP_COUNTERS = ("Tcp:RetransSegs", "TcpExt:TCPLossProbes", "TcpExt:TCPTimeouts", "TcpExt:TCPFastRetrans")
+"""What `tcp_counters` reads: retransmissions, and which recovery sent them (a tail-loss
+probe waits ~2 smoothed RTTs, an RTO at least 200 ms)."""
+
+
+def tcp_counters(lab: InternetLab) -> dict[str, int]:
+    """`TCP_COUNTERS` summed over the lab's peer namespaces (each has its own TCP stack): take
+    one before and one after a measurement and subtract."""
+    total = dict.fromkeys(TCP_COUNTERS, 0)
+    for i in range(lab.size):
+        out = subprocess.run([*lab.prefix(i), "cat", "/proc/net/snmp", "/proc/net/netstat"],
+                             capture_output=True, text=True, timeout=10).stdout.splitlines()
+        for head, values in zip(out[::2], out[1::2]):  # "Prefix: names..." then "Prefix: values..."
+            prefix = head.split(":", 1)[0]
+            for name, value in zip(head.split()[1:], values.split()[1:]):
+                key = f"{prefix}:{name}"
+                if key in total and value.lstrip("-").isdigit():
+                    total[key] += int(value)
+    return total
