@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.bench import inetlab
-from p2ptrain.bench.inetlab import internet_lab, tcp_goodput
+from p2ptrain.bench.inetlab import TCP_COUNTERS, internet_lab, tcp_counters, tcp_goodput
 from p2ptrain.net import netns
 from p2ptrain.procs import ProcessGroup
 
@@ -59,10 +59,14 @@ def test_lab_builds_shapes_and_tears_down_even_on_failure():
 def test_shaping_limits_throughput_both_ways():
     nbytes = 12_000_000  # ~2 s at 50 Mbit/s
     with internet_lab([(50, None), (None, 50), None, None], boot=False) as lab:
+        before = tcp_counters(lab)  # the bench's per-row retransmission counters parse here
         up = tcp_goodput(lab, 0, 2, nbytes)    # limited by peer 0's uplink
         down = tcp_goodput(lab, 2, 1, nbytes)  # limited by peer 1's downlink
         free = tcp_goodput(lab, 2, 3, nbytes)  # unshaped both ends
         stats0, stats1 = lab.link_stats(0), lab.link_stats(1)
+        after = tcp_counters(lab)
+    assert set(before) == set(after) == set(TCP_COUNTERS)
+    assert all(after[k] >= before[k] >= 0 for k in TCP_COUNTERS), (before, after)
     print(f"goodput at 50 Mbit/s: up {up['mbit']} ({up['mbit'] / 50:.3f}x), down {down['mbit']} "
           f"({down['mbit'] / 50:.3f}x); unshaped {free['mbit']} Mbit/s")
     assert 0.85 <= up["mbit"] / 50 <= 1.02, up

@@ -268,7 +268,7 @@ probe waits ~2 smoothed RTTs, an RTO at least 200 ms)."""
 def tcp_counters(lab: InternetLab) -> dict[str, int]:
     """`TCP_COUNTERS` summed over the lab's peer namespaces (each has its own TCP stack): take
     one before and one after a measurement and subtract."""
-    total = dict.fromkeys(TCP_COUNTERS, 0)
+    total, seen = dict.fromkeys(TCP_COUNTERS, 0), set()
     for i in range(lab.size):
         out = subprocess.run([*lab.prefix(i), "cat", "/proc/net/snmp", "/proc/net/netstat"],
                              capture_output=True, text=True, timeout=10).stdout.splitlines()
@@ -278,4 +278,7 @@ def tcp_counters(lab: InternetLab) -> dict[str, int]:
                 key = f"{prefix}:{name}"
                 if key in total and value.lstrip("-").isdigit():
                     total[key] += int(value)
+                    seen.add(key)
+    if seen != set(TCP_COUNTERS):
+        raise RuntimeError(f"tcp_counters: the lab's namespaces report no {sorted(set(TCP_COUNTERS) - seen)}")
     return total
