@@ -18,7 +18,7 @@ import trio
 from p2ptrain.reduce import ring
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, sign_header,
-                                       start_chunk_norms, verify_headers)
+                                       streamed_material, verify_headers)
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],
@@ -33,9 +33,7 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
     own = OwnDigests(len(lay[rank]), timeout + 1.0)
 
     def sign() -> bytes:  # our frames' digests as the ring encodes them, the norms beside (off the trio loop)
-        pending_norms = start_chunk_norms(vec, lay)
-        digests = own.wait()
-        norms = pending_norms()
+        norms, digests = streamed_material(vec, lay, own)
         header = Header(run, 0, 0, roster, me, norms, digests, math.sqrt(math.fsum(n * n for n in norms)), 1, 0)
         return sign_header(header, svc.identity)
 

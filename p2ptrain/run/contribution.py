@@ -279,9 +279,13 @@ def frame_digest(payload) -> str:
     return blake3(payload).hexdigest()
 
 
+def _chunk_spans(lay: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    return [(subs[0][0], subs[-1][1]) for subs in lay]
+
+
 def chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]]) -> tuple[float, ...]:
     """The norm of `delta` over each ring chunk of `lay` (what a header signs)."""
-    return tuple(math.sqrt(sumsq64(delta[subs[0][0]:subs[-1][1]])) for subs in lay)
+    return tuple(math.sqrt(sumsq64(delta[lo:hi])) for lo, hi in _chunk_spans(lay))
 
 
 # Half the cores, at most 8: the ring's own threads need the rest (on 2 cores: one thread).
@@ -294,11 +298,21 @@ def start_chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]],
     result to wait for them. The same numbers as `chunk_norms`, bit for bit. A signer starts
     these, then hashes its frames meanwhile (issue 17: norms then digests, one after the
     other, were ~12 ms before the header could leave in a 1 Gbit/s round)."""
-    spans = [(subs[0][0], subs[-1][1]) for subs in lay]
+    spans = _chunk_spans(lay)
     pool = ThreadPoolExecutor(max(1, min(threads, len(spans))), thread_name_prefix="norms")
     futures = [pool.submit(sumsq64, delta[lo:hi]) for lo, hi in spans]
     pool.shutdown(wait=False)  # the threads end with their tasks
     return lambda: tuple(math.sqrt(f.result()) for f in futures)
+
+
+def streamed_material(delta: np.ndarray, lay: list[list[tuple[int, int]]],
+                      own: "OwnDigests") -> tuple[tuple[float, ...], tuple[str, ...]]:
+    """(chunk norms, our frames' digests) for a header signed beside the data plane: the
+    norms on helper threads while this thread hashes each frame as the ring encodes it
+    (blocking; NotEncoded as `OwnDigests.wait`)."""
+    norms = start_chunk_norms(delta, lay)
+    digests = own.wait()
+    return norms(), digests
 
 
 class NotEncoded(Exception):

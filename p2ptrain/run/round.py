@@ -40,7 +40,7 @@ from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
-                                       sign_header, start_chunk_norms, verify_headers)
+                                       sign_header, streamed_material, verify_headers)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -274,8 +274,8 @@ class ContributionRound:
             return self.contributor.sign(header, self.identity)
 
         def sign_streamed() -> bytes:  # blocking: our frames' digests as the ring encodes them, beside the norms
-            norms = start_chunk_norms(delta, lay)
-            return sign(digests.wait(), norms())
+            norms, own_digests = streamed_material(delta, lay, digests)
+            return sign(own_digests, norms)
 
         t0 = trio.current_time()
         own = digests = signed = None
