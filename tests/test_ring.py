@@ -237,3 +237,28 @@ def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():
         over.wait()
     with pytest.raises(NotEncoded, match="in time"):
         OwnDigests(1, 0.05).wait()
+
+
+@pytest.mark.parametrize("n", [(16 << 20) // 4 * 4, (16 << 20) + 777, 5_000_003, 300_000, 1000])
+def test_layout_puts_a_small_frame_at_each_end_of_a_chunk_on_super_block_bounds(n):
+    """The first frame a member sends and the last one it receives are small (pipeline fill
+    and drain), every cut stays on a super-block multiple, and the bytes on the wire are
+    those of the whole tensor encoded at once (the bandwidth bound counts them)."""
+    from p2ptrain import kernels as K
+    from p2ptrain.reduce.schedule import EDGE_DIVISOR
+
+    cfg = RingConfig(sub_chunk_bytes=4 << 20)
+    sup = K.SUBS_PER_SUPER * cfg.block
+    edge = cfg.sub_chunk_bytes // 4 // EDGE_DIVISOR
+    lay = layout(n, 4, cfg)
+    flat = [r for subs in lay for r in subs]
+    assert flat[0][0] == 0 and flat[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(flat, flat[1:])) and all(hi > lo for lo, hi in flat)
+    assert all(hi % sup == 0 for _, hi in flat[:-1])
+    for subs in lay:
+        if len(subs) > 1:
+            sizes = [hi - lo for lo, hi in subs]
+            assert sizes[0] == edge and edge - sup < sizes[-1] <= edge + sup
+            assert min(sizes[1:-1]) > 2 * edge
+    assert sum(wire_bytes(hi - lo, cfg) for lo, hi in flat) == wire_bytes(n, cfg)
+    assert layout(n, 4, cfg) == lay  # a pure function: every member cuts the same frames

@@ -165,10 +165,12 @@ def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     assert isinstance(errors[1], RingError) and errors[1].blame == "m2", errors
     assert all(isinstance(e, RingError) for e in errors), errors  # nobody commits a partial result
     fresh = butterfly.Checker(members, headers, subs)
-    assert subs[1] == 2
-    fresh.check(2, 1, 0, bytes(own[2][1][0]), np.zeros(3, np.float32))  # verdict once the chunk is complete
+    assert subs[1] >= 2
+    last = subs[1] - 1
+    for j in range(last):  # the verdict comes once the chunk is complete
+        fresh.check(2, 1, j, bytes(own[2][1][j]), np.zeros(3, np.float32))
     with pytest.raises(BadContribution, match="signed digest"):
-        fresh.check(2, 1, 1, bytes(own[2][1][1]), np.zeros(3, np.float32))
+        fresh.check(2, 1, last, bytes(own[2][1][last]), np.zeros(3, np.float32))
     with pytest.raises(BadContribution, match="non-finite"):
         fresh.check(0, 1, 0, bytes(own[0][1][0]), np.array([np.nan], np.float32))
 

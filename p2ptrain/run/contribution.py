@@ -288,18 +288,26 @@ def chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]]) -> tuple[fl
     return tuple(math.sqrt(sumsq64(delta[lo:hi])) for lo, hi in _chunk_spans(lay))
 
 
-# Half the cores, at most 8: the ring's own threads need the rest (on 2 cores: one thread).
-NORM_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+def norm_threads() -> int:
+    """Half the cores this process may run on, at most 8: the ring's own threads need the
+    rest (on 2 cores: one thread). The affinity mask, not os.cpu_count(): a peer confined to
+    some cores (a container's cpuset, taskset) must not start more threads than it has
+    cores."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores // 2))
 
 
 def start_chunk_norms(delta: np.ndarray, lay: list[list[tuple[int, int]]],
-                      threads: int = NORM_THREADS) -> Callable[[], tuple[float, ...]]:
+                      threads: int | None = None) -> Callable[[], tuple[float, ...]]:
     """`chunk_norms` on helper threads, a chunk per task (the kernel is nogil); call the
     result to wait for them. The same numbers as `chunk_norms`, bit for bit. A signer starts
     these, then hashes its frames meanwhile (issue 17: norms then digests, one after the
     other, were ~12 ms before the header could leave in a 1 Gbit/s round)."""
     spans = _chunk_spans(lay)
-    pool = ThreadPoolExecutor(max(1, min(threads, len(spans))), thread_name_prefix="norms")
+    pool = ThreadPoolExecutor(max(1, min(threads or norm_threads(), len(spans))), thread_name_prefix="norms")
     futures = [pool.submit(sumsq64, delta[lo:hi]) for lo, hi in spans]
     pool.shutdown(wait=False)  # the threads end with their tasks
     return lambda: tuple(math.sqrt(f.result()) for f in futures)
