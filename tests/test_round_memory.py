@@ -353,6 +353,24 @@ def test_confirmation_messages_are_checked_before_they_count():
     assert v.agreeing == [ids[0]] and v.responders == {ids[0]} and v.majority() and not v.views_differ
 
 
+def test_a_peer_that_cuts_frames_the_old_way_is_left_out_at_confirmation():
+    # Layout 2 (small edge frames) cuts the same sub-chunk size differently from layout 1: a
+    # peer of the old version would send frames matching no digest and be blamed (or blame
+    # us). Its confirmation carried the bare size, which no layout-2 tag equals.
+    from p2ptrain.run import roster
+
+    cfg = ring.RingConfig("int8", sub_chunk_bytes=4 << 20)
+    assert ring.frame_tag(cfg) != cfg.sub_chunk_bytes
+    assert ring.frame_tag(cfg) != ring.frame_tag(ring.RingConfig("int8", sub_chunk_bytes=1 << 20))
+    ids = [Identity.from_seed(bytes([i]) * 32).peer_id_str for i in (1, 2, 3)]
+    rh = election.roster_hash(RUN, 1, 0, ids)
+    mine = roster.Confirm(rh, "base", ring.frame_tag(cfg), tuple(ids))
+    old = roster.Confirm(rh, "base", cfg.sub_chunk_bytes, tuple(ids))
+    v = roster.reconcile(mine, {ids[0]: mine, ids[1]: mine, ids[2]: roster.decode(old.encode(), RUN, 1, 0)})
+    assert v.agreeing == ids[:2] and ids[2] not in v.responders and not v.silent
+    assert roster.RosterPlan().after(ids, v) == ("retry", ids[:2])
+
+
 def test_a_member_that_withholds_its_vote_is_left_out_then_rejected():
     # Before: every attempt with the withholder aborted with nobody blamed, all 4 attempts of
     # every step failed and no honest member ever committed (red team: 0 of 9 commits).

@@ -35,6 +35,7 @@ from p2ptrain.reduce.schedule import (  # noqa: F401  (re-exported: the ring's p
     RingConfig,
     RingError,
     encode_payload,
+    frame_tag,
     layout,
     own_payloads,
     payload_views,

@@ -71,6 +71,17 @@ class RingConfig:
 
 EDGE_DIVISOR = 8
 """A chunk's first and last frames carry 1/EDGE_DIVISOR of a sub-chunk (see `layout`)."""
+LAYOUT_VERSION = 2
+"""How `layout` cuts a tensor: 1 = equal sub-chunks, 2 = plus a small frame at each end."""
+
+
+def frame_tag(cfg: RingConfig) -> int:
+    """What members confirm of their frame cut before a round (`p2ptrain.run.roster.Confirm`):
+    the sub-chunk size and the layout version. Members that cut differently would exchange
+    frames that match no digest (blaming each other for a version skew); with unequal tags
+    they are left out at confirmation instead. A version-1 peer confirmed the bare size,
+    which equals no tag of the same size."""
+    return cfg.sub_chunk_bytes * 16 + LAYOUT_VERSION
 
 
 def layout(n: int, world: int, cfg: RingConfig) -> list[list[tuple[int, int]]]:

@@ -38,7 +38,7 @@ class Confirm:
     base: str
     """SHA-256 of the params the sender starts from."""
     chunk: int
-    """The sender's data-plane frame size."""
+    """The sender's frame cut: size and layout version (`p2ptrain.reduce.schedule.frame_tag`)."""
     view: tuple[str, ...]
     """The roster the sender confirms, in ring order."""
 

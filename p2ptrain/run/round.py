@@ -240,7 +240,7 @@ class ContributionRound:
         caught up to another fork's state) is left out rather than averaged with, one that
         cuts the tensor differently (another version) is left out instead of failing every
         round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
-        mine = rosters.Confirm(rh, base, self.config.sub_chunk_bytes, tuple(roster))
+        mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster))
         # Answering strangers: a newcomer whose roster lists us while ours lacks it hears our
         # view, and merges as we do, instead of taking us for silent (`reduce.exchange`).
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
