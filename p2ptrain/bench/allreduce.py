@@ -27,6 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
+from p2ptrain.reduce import roundtrace
+
 
 def add_arguments(p) -> None:
     p.add_argument("--peers", type=int, default=4)
@@ -38,13 +40,18 @@ def add_arguments(p) -> None:
                    help="run the peers in the emulated internet (p2ptrain.bench.inetlab) on links of this rate, "
                         "against the bandwidth bound; repeatable (e.g. --lab-mbit 100 --lab-mbit 1000)")
     p.add_argument("--lab-fp32", action="store_true", help="with --lab-mbit: also a verified fp32 row")
+    p.add_argument("--trace", action="store_true",
+                   help="each row also gets every member's timeline (ms after the start, median over rounds: "
+                        "first frame sent, each step's last frame in, headers, data plane done, votes; "
+                        "p2ptrain.reduce.roundtrace)")
     p.add_argument("--json", action="store_true")
 
 
 def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work: Path,
-                 verified: bool = False, lab=None) -> dict:
+                 verified: bool = False, lab=None, trace: bool = False) -> dict:
     """`lab`: an `inetlab.InternetLab` with >= `peers` peers; member i then runs in its
-    namespace on its shaped link, else all members run on 127.0.0.1."""
+    namespace on its shaped link, else all members run on 127.0.0.1. `trace`: the members
+    mark their rounds (`roundtrace`) and the result carries `timeline_ms`."""
     from p2ptrain.bench.allreduce_worker import make_tensor
     from p2ptrain.procs import ProcessGroup
 
@@ -52,14 +59,15 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
     extra = [] if direct else ["--no-direct"]
     name = f"{mode}-{'direct' if direct else 'libp2p'}{'-verified' if verified else ''}"
     with ProcessGroup(work / name) as group:
-        ws = [group.start(extra + _where(lab, i), f"w{i}", module="p2ptrain.bench.allreduce_worker", stdin=True,
-                          prefix=lab.prefix(i) if lab else None) for i in range(peers)]
+        env = {"P2PTRAIN_ROUND_TRACE": "1"} if trace else None
+        ws = [group.start(extra + _where(lab, i), f"w{i}", env=env, module="p2ptrain.bench.allreduce_worker",
+                          stdin=True, prefix=lab.prefix(i) if lab else None) for i in range(peers)]
         ready = [w.wait_event(lambda e: e["event"] == "worker_ready", 120) for w in ws]
         members = [[r["peer"], r["addrs"][0]] for r in ready]
         for i, w in enumerate(ws):
             w.send({"cmd": "prepare", "seed": 1000 + i, "n": n})
         prepared = [w.wait_event(lambda e: e["event"] == "prepared", 120)["rss_mib"] for w in ws]
-        secs, own, digests, rss, cpu, reused, phases = [], [], set(), [], [], [], {}
+        secs, own, digests, rss, cpu, reused, phases, timelines = [], [], set(), [], [], [], {}, []
         for k in range(rounds + 1):
             rid = f"{mode}-{k}"
             # A barrier like the ceiling's: all members start at one CLOCK_MONOTONIC instant
@@ -80,6 +88,8 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
                 for key in res[0]["phases"]:  # the slowest member's seconds in each phase
                     phases.setdefault(key, []).append(max(r["phases"].get(key, 0.0) for r in res))
                 digests |= {r["digest"] for r in res}
+                if trace:
+                    timelines.append([roundtrace.milestones(r.get("trace", [])) for r in res])
                 rss = [max(a, r["rss_mib"]) for a, r in zip(rss or [0] * peers, res)]
         dump = work / f"{name}.npy"
         ws[0].send({"cmd": "dump", "path": str(dump)})
@@ -105,10 +115,20 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
             "phases_s_max": {k: round(statistics.median(v), 4) for k, v in phases.items()},
             "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
+            **({"timeline_ms": _median_timelines(timelines, peers)} if trace else {}),
             # What the all-reduce itself adds on top of a process holding its input tensor
             # (the harness also keeps a pristine copy to reset rounds: that copy is excluded).
             "allreduce_rss_x_tensor": round(max(r - p for r, p in zip(rss, prepared)) / mb, 2),
             "rss_over_idle_x_tensor": round(max(r - i for r, i in zip(rss, idle)) / mb, 2)}
+
+
+def _median_timelines(timelines: list[list[dict]], peers: int) -> list[dict]:
+    """Per member, each milestone's median over the measured rounds."""
+    out = []
+    for i in range(peers):
+        keys = sorted({k for rnd in timelines for k in rnd[i]})
+        out.append({k: round(statistics.median(rnd[i][k] for rnd in timelines if k in rnd[i]), 2) for k in keys})
+    return out
 
 
 def _where(lab, i: int) -> list[str]:
@@ -133,11 +153,12 @@ def run(args) -> int:
     work = Path(tempfile.mkdtemp(prefix="p2ptrain-bench-allreduce-"))
     common = ["--peers", str(args.peers), "--mb", str(args.mb), "--rounds", str(args.rounds)]
     rows: list[tuple[str, dict | None]] = []
-    rows.append(("p2ptrain int8 (direct)", measure_ours(args.peers, args.mb, args.rounds, "int8", True, work, True)))
+    rows.append(("p2ptrain int8 (direct)", measure_ours(args.peers, args.mb, args.rounds, "int8", True, work, True,
+                                                                  trace=args.trace)))
     rows.append(("p2ptrain int8 unverified (direct)",
-                 measure_ours(args.peers, args.mb, args.rounds, "int8", True, work)))
+                 measure_ours(args.peers, args.mb, args.rounds, "int8", True, work, trace=args.trace)))
     rows.append(("p2ptrain fp32 unverified (direct)",
-                 measure_ours(args.peers, args.mb, args.rounds, "fp32", True, work)))
+                 measure_ours(args.peers, args.mb, args.rounds, "fp32", True, work, trace=args.trace)))
     if args.fallback:
         rows.append(("p2ptrain int8 (libp2p stream)",
                      measure_ours(args.peers, args.mb, args.rounds, "int8", False, work)))

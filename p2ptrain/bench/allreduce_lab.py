@@ -52,7 +52,8 @@ def _row(label: str, r: dict, mbit: float, peers: int, tcp: dict | None = None) 
             "slow_rounds": sum(x >= 1.1 * min(r["round_s"]["all"]) for x in r["round_s"]["all"]),
             # The lab's TCP retransmissions during the row (warm-up round included), summed over
             # its namespaces (`inetlab.tcp_counters`): what a slow round's stall was.
-            "tcp": tcp or {}}
+            "tcp": tcp or {},
+            **({"timeline_ms": r["timeline_ms"]} if "timeline_ms" in r else {})}
 
 
 def measure_rate(args, mbit: float, work: Path) -> dict:
@@ -69,7 +70,8 @@ def measure_rate(args, mbit: float, work: Path) -> dict:
             plan.append(("p2ptrain fp32 verified", "fp32", True))
         for label, mode, verified in plan:
             before = tcp_counters(lab)
-            r = measure_ours(args.peers, args.mb, args.rounds, mode, True, work / f"lab{mbit:g}", verified, lab=lab)
+            r = measure_ours(args.peers, args.mb, args.rounds, mode, True, work / f"lab{mbit:g}", verified, lab=lab,
+                             trace=args.trace)
             after = tcp_counters(lab)
             rows.append(_row(label, r, mbit, args.peers, {k.split(":")[1]: after[k] - before[k] for k in after}))
     for r in rows:  # the same bound at what one TCP stream really carried over this link
@@ -109,5 +111,7 @@ def run_lab(args) -> int:
             print(f"{r['label']:<28}{r['payload_bytes'] / (1 << 20):>12.2f}{r['round_s']:>9.3f}{r['bound_s']:>9.3f}"
                   f"{r['vs_bound']:>10.3f}{r['vs_tcp_bound']:>8.3f}{r['cpu_floor_s']:>13.3f}{str(r['identical']):>10}"
                   f"{r['slow_rounds']:>6}")
+            for i, tl in enumerate(r.get("timeline_ms", [])):
+                print(f"    member {i}: " + " ".join(f"{k}={v:g}" for k, v in tl.items()))
     print(f"\ngoal: int8 verified >= 0.9x the bound; vs bound by link rate: {json.dumps(ratios)}")
     return 0

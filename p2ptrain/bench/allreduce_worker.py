@@ -29,6 +29,7 @@ import trio
 from p2ptrain.bench.signed_round import verified_allreduce
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
+from p2ptrain.reduce import roundtrace
 from p2ptrain.events import EventSink, setup_logging
 from p2ptrain.identity import Identity
 from p2ptrain.net.node import Node, NodeConfig
@@ -147,7 +148,8 @@ async def main(args) -> None:
             spare, tensor = tensor, res.result
             events.emit("round_committed", round=cmd["round"], digest=res.digest, seconds=round(res.seconds, 4),
                         path=res.path, sent_bytes=res.sent_bytes, rss_mib=round(_rss_mib(), 1), phases=res.phases,
-                        ended=time.monotonic(), cpu_s=round(_cpu() - cpu0, 4), reused=res.reused)
+                        ended=time.monotonic(), cpu_s=round(_cpu() - cpu0, 4), reused=res.reused,
+                        **({"trace": roundtrace.take(float(cmd["start_at"]))} if roundtrace.ON and cmd.get("start_at") else {}))
         nursery.cancel_scope.cancel()
 
 

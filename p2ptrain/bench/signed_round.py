@@ -15,7 +15,7 @@ import math
 import numpy as np
 import trio
 
-from p2ptrain.reduce import ring
+from p2ptrain.reduce import ring, roundtrace
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, sign_header,
                                        streamed_material, verify_headers)
@@ -51,11 +51,13 @@ async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, r
             except NotEncoded:  # our data plane failed first: it reports why
                 return
             got["signed"] = trio.current_time()
+            roundtrace.mark("signed")
             raw = await svc.exchange(run, rid + "/hdr", members, signed, timeout)
             got["ok"], got["bad"] = verify_headers(raw, run, 0, 0, roster, members, {}, norm_factor=10.0)
         finally:
             got["t"] = trio.current_time()
             held.settle_verified(got.get("ok"), got.get("bad"), members, rank, [len(s) for s in lay])
+            roundtrace.mark("headers")
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(headers)

@@ -29,6 +29,7 @@ import numpy as np
 from blake3 import blake3
 
 from p2ptrain import kernels as K
+from p2ptrain.reduce import roundtrace
 from p2ptrain.reduce.schedule import (  # noqa: F401  (re-exported: the ring's public names)
     Channel,
     FrameId,
@@ -79,7 +80,9 @@ class _Sender(threading.Thread):
             if self.error is not None:
                 continue
             try:
+                t0 = roundtrace.now()
                 self.ch.send(*item)
+                roundtrace.mark("send", t0=t0, step=item[0].step)
             except BaseException as exc:  # reported to the compute thread
                 self.error = exc
                 self.recv_ch.close()
@@ -303,6 +306,7 @@ class _RingRound:
         else:
             buf = self.fin.view(c, j)
         got = self.recv_ch.recv(fid, buf)
+        roundtrace.mark("recv", step=fid.step)
         if got != len(buf):
             raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
         return buf, spare
@@ -335,6 +339,8 @@ class _RingRound:
                 if getattr(exc, "peer", None):
                     raise RingError(f"bad frame: {exc}", blame=exc.peer, reason=getattr(exc, "reason", "")) from exc
                 raise
+            if fid.step == 0:
+                roundtrace.mark("check")
         return buf
 
     def step(self, fid: FrameId, c: int, j: int, buf: memoryview) -> None:

@@ -31,7 +31,7 @@ from libp2p.peer.id import ID
 
 from p2ptrain import kernels as K
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer_id_bytes, verify
-from p2ptrain.reduce import butterfly, reach, ringvote
+from p2ptrain.reduce import butterfly, reach, ringvote, roundtrace
 from p2ptrain.reduce.blame import BlameLedger
 from p2ptrain.reduce.bulk import session_tag
 from p2ptrain.reduce.commit import CommitBoard, Round
@@ -192,10 +192,12 @@ class AllReduceService:
         try:
             path = await self._setup(rnd, mesh, run_id, round_id, robust, config)
             t_setup = trio.current_time()
+            roundtrace.mark("setup")
             plane = await self._data_plane(rnd, mesh, vec, (own, check, out, on_own), robust, config)
             await self._decide(rnd, plane, robust is not None, config)
             committed = True
             t_end = trio.current_time()
+            roundtrace.mark("end")
             return RoundResult(plane.result, plane.digest, plane.sent, t_end - t0, path,
                                {"setup": round(t_setup - t0, 4), "data": round(plane.t_data - t_setup, 4),
                                 "commit": round(t_end - plane.t_data, 4)}, plane.scores,
@@ -275,6 +277,7 @@ class AllReduceService:
         own, check, out, on_own = extras
         result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
+        roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]
@@ -283,6 +286,7 @@ class AllReduceService:
         try:
             plane.sigs = ringvote.gather(send_ch, recv_ch, rnd.rank, world, rnd.tag, bytes.fromhex(digest),
                                          self.identity.sign, lambda i, sig, msg: verify(publics[i], sig, msg))
+            roundtrace.mark("votes")
         except RingError as exc:  # we signed: the others may hold a certificate (commit.recover)
             plane.gather_error = str(exc)
         return plane
