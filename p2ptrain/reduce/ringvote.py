@@ -21,6 +21,7 @@ from __future__ import annotations
 import struct
 from typing import Callable
 
+from p2ptrain.reduce import roundtrace
 from p2ptrain.reduce.ring import Channel, FrameId, RingError
 
 VOTE_CHUNK = 0xFFFFFFFF  # data frames use chunk * 1000 + sub, far below
@@ -50,7 +51,9 @@ def gather(send_ch: Channel, recv_ch: Channel, rank: int, world: int, tag: bytes
     for s in range(world - 1):
         fid = FrameId(base + s, VOTE_CHUNK)
         send_ch.send(fid, memoryview(out))
+        roundtrace.mark(f"vote{s}_sent")
         got = recv_ch.recv(fid, memoryview(buf))
+        roundtrace.mark(f"vote{s}_in")
         if got != VOTE_LEN:
             raise RingError(f"vote frame has {got} bytes")
         voter = (rank - 1 - s) % world

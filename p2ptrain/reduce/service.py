@@ -279,6 +279,7 @@ class AllReduceService:
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        roundtrace.mark("t_data")
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]
             return plane
