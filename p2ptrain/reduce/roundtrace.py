@@ -10,8 +10,7 @@ barrier), and the bench turns each member's marks into milestones (`milestones`)
 Marks: "setup" (channels open), "send" (a frame handed to the kernel: `t0` when its sealing
 began, `t` when sendmsg returned; `step`), "recv" (a frame fully received; `step`), "check"
 (the first frame let through by the check: held until the headers are in on the verified
-path), "data" (the data plane is done), "t_data" (the event loop has taken note of it: the
-round's thread waits for that hop before it votes), "vote<s>_sent" and "vote<s>_in" (hop s
+path), "data" (the data plane is done), "vote<s>_sent" and "vote<s>_in" (hop s
 of the vote gather), "votes" (all commit votes in), "end" (committed), "signed" and
 "headers" (verified path: our header signed, everyone's verified). One round at a time per
 process: `take` returns the marks since the last `take`.
