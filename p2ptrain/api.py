@@ -243,7 +243,8 @@ class DiLoCo:
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(node.run)
-            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self.spec.train.allreduce),
+            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self.spec.train.allreduce,
+                                                                             early_ttl=self.spec.timeouts.early_ttl),
                                    listen_ip=self._listen.split("/")[2])
             await nursery.start(svc.run)
             trainer = Trainer(node, svc, BlobServer(node.host), make_writer(self.workdir, self.run_id, events), self.spec, self.run_id,

@@ -255,6 +255,26 @@ async def test_votes_only_from_members_and_bounded_early_grace():
         assert ids[1] not in rnd.votes
 
 
+@trio_test()
+async def test_an_early_vote_older_than_early_ttl_does_not_touch_a_round_opened_later():
+    # A step trained again after everyone skipped it reuses the first try's round ids: an
+    # abort vote of the first try, still waiting here, aborted the retry's round at once.
+    async with trio.open_nursery() as nursery:
+        wire = Wire(nursery)
+        ids_ = idents(3)
+        board = wire.board(ids_[0], early_ttl=60.0)
+        ids = [x.peer_id for x in ids_]
+        board.expect(ids)
+        abort = {"kind": "vote", "ok": False, "digest": "", "blame": "", "reason": "first try"}
+        retried, fresh = session_tag("run", "9/0"), session_tag("run", "9/1")
+        await board.handle(ids[1], {**abort, "tag": retried})
+        await trio.sleep(61.0)
+        await board.handle(ids[2], {**abort, "tag": fresh})
+        assert board.open(retried, ids, ring=True).votes == {}
+        assert board.aborted(board.rounds[retried]) == []
+        assert list(board.open(fresh, ids, ring=True).votes) == [ids[2]]
+
+
 def test_blame_only_of_own_ring_predecessor_and_suspects():
     a, b, c, d = (x.peer_id for x in idents(4))
     ids = [a, b, c, d]

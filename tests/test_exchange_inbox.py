@@ -6,7 +6,7 @@ from __future__ import annotations
 import trio
 import trio.testing
 
-from p2ptrain.reduce.exchange import Inbox
+from p2ptrain.reduce.exchange import Inbox, InboxConfig
 
 ME, A, B = b"me", b"a", b"b"
 
@@ -94,7 +94,7 @@ def test_an_exchange_that_answers_strangers_answers_each_once_before_during_and_
         assert inbox.put(L, b"tag", b"late") == b"mine"  # after: still answered, not kept
         assert inbox.put(A, b"tag", b"a again") is None  # a member: it had ours from send()
         assert inbox.put(X, b"tag", b"fourth") is None  # strangers bounded (InboxConfig.strangers)
-        assert inbox._early.get(N) == {b"other": b"n elsewhere"}  # only that tag's message went
+        assert {t: d for t, (d, _) in inbox._early[N].items()} == {b"other": b"n elsewhere"}  # only that tag's went
 
         async def send_plain():
             inbox.put(A, b"plain", b"from a")
@@ -108,3 +108,26 @@ def test_an_exchange_that_answers_strangers_answers_each_once_before_during_and_
         assert inbox.put(b"z", b"tag", b"too late") is None  # "tag" fell out of the recent ones
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_early_message_older_than_early_ttl_is_not_taken():
+    # When everyone skipped a step and trains it again, the retry reuses the first try's
+    # exchange ids: a first-try header still waiting here would be held against the retry's
+    # frames (and its honest sender blamed). Older than early_ttl, its exchange is over.
+    inbox = Inbox(known=lambda p: True, config=InboxConfig(early_ttl=60.0))
+
+    async def main():
+        inbox.put(A, b"retried", b"first try")
+        await trio.sleep(61.0)
+        inbox.put(A, b"fresh", b"a in time")
+
+        async def send():
+            return set()
+
+        stale = await inbox.collect(b"retried", [ME, A], ME, 5.0, send)
+        await trio.sleep(50.0)  # A's message for "fresh" is 55 s old now (the first collect waited 5 s)
+        kept = await inbox.collect(b"fresh", [ME, A], ME, 5.0, send)
+        return stale, kept
+
+    stale, kept = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert stale == {} and kept == {A: b"a in time"}

@@ -141,3 +141,13 @@ def test_status_and_dashboard_decode_records_without_the_trainer(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_skipped_step_is_retried_only_after_every_kept_message_of_its_first_try_expired():
+    from p2ptrain.run.spec import TimeoutsSpec
+
+    assert TimeoutsSpec().early_ttl == 60.0 and TimeoutsSpec().retry_wait == 120.0  # the defaults
+    for join_window in (1.0, 30.0, 45.0, 100.0, 600.0):
+        t = TimeoutsSpec(join_window=join_window, exchange=5.0)
+        # kept at least as long as a member waits at an exchange, gone before a retry
+        assert join_window < t.early_ttl < t.retry_wait

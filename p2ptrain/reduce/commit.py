@@ -53,6 +53,10 @@ class CommitConfig:
     """Announced rosters whose members may vote before their round opens here."""
     early_per_sender: int = 4
     """Votes kept per sender for rounds not opened yet (bounded grace)."""
+    early_ttl: float = 60.0
+    """Seconds such a vote is kept. Round ids repeat when a step is trained again after
+    everyone skipped it (`TimeoutsSpec.early_ttl`): a vote of the first try, still waiting
+    here, would abort the retry's round the moment it opens."""
     certs: int = 64
     """Certificates of closed rounds kept for members that ask late."""
     gone_grace: float = 2.0
@@ -64,6 +68,8 @@ class CommitConfig:
     def __post_init__(self) -> None:
         if min(self.rosters, self.early_per_sender, self.certs) < 1:
             raise ValueError("rosters, early_per_sender and certs must be >= 1")
+        if not self.early_ttl > 0:
+            raise ValueError("early_ttl must be > 0")
         if not (self.gone_grace >= 0 and self.gone_probe > 0):
             raise ValueError("gone_grace must be >= 0 and gone_probe > 0")
 
@@ -108,7 +114,7 @@ class CommitBoard:
         self.ledger = ledger or BlameLedger()
         self.rounds: dict[bytes, Round] = {}
         self._rosters: deque[frozenset] = deque(maxlen=self.config.rosters)
-        self._early: dict[bytes, deque] = {}  # sender -> (tag, vote), oldest first
+        self._early: dict[bytes, deque] = {}  # sender -> (tag, vote, when), oldest first
         self._certs: dict[bytes, tuple[str, bytes]] = {}
 
     # -- rounds ------------------------------------------------------------------------
@@ -123,12 +129,14 @@ class CommitBoard:
 
     def open(self, tag: bytes, ids: list[bytes], ring: bool) -> Round:
         rnd = Round(tag, ids, ids.index(self.me), ring)
+        stale = trio.current_time() - self.config.early_ttl
         for sender in ids:
             q = self._early.get(sender)
-            for t, vote in list(q or ()):
-                if t == tag:
-                    q.remove((t, vote))
-                    self._store(rnd, sender, vote)
+            for item in list(q or ()):
+                if item[0] == tag:
+                    q.remove(item)
+                    if item[2] >= stale:
+                        self._store(rnd, sender, item[1])
         self.rounds[tag] = rnd
         self.expect(ids)
         return rnd
@@ -154,7 +162,7 @@ class CommitBoard:
                 self._store(rnd, sender, vote)
             elif self.known(sender):
                 q = self._early.setdefault(sender, deque(maxlen=self.config.early_per_sender))
-                q.append((tag, vote))
+                q.append((tag, vote, trio.current_time()))
             else:
                 log.info("vote from %s dropped: no round or roster of ours names it", peer_id_to_str(sender))
         elif kind == "certq":

@@ -41,10 +41,16 @@ class InboxConfig:
     sender at 256 KiB; 64 covers the sparse collective's 32 exchanges in flight
     (p2ptrain.reduce.sparse.LANES) when a member runs a lane ahead of us."""
     strangers: int = 64
+    early_ttl: float = 60.0
+    """Seconds a message for an exchange not started here is kept. Older, its sender has
+    given up on that exchange (its wait is shorter: `TimeoutsSpec.early_ttl`), and when
+    everyone skipped a step and trains it again, the retry reuses the first try's exchange
+    ids: a header of the first try, still waiting here, would be held against the retry's
+    frames and get an honest member blamed."""
 
     def __post_init__(self) -> None:
-        if self.per_sender < 1 or self.strangers < 0:
-            raise ValueError("per_sender must be >= 1 and strangers >= 0")
+        if self.per_sender < 1 or self.strangers < 0 or not self.early_ttl > 0:
+            raise ValueError("per_sender must be >= 1, strangers >= 0 and early_ttl > 0")
 
 
 RECENT_ANSWERS = 32
@@ -70,7 +76,7 @@ class Inbox:
         self.known = known
         self.config = config or InboxConfig()
         self._waiting: dict[bytes, _Waiting] = {}
-        self._early: dict[bytes, dict[bytes, bytes]] = {}  # sender -> tag -> payload, oldest first
+        self._early: dict[bytes, dict[bytes, tuple[bytes, float]]] = {}  # sender -> tag -> (payload, when)
         self._answers: OrderedDict[bytes, _Answer] = OrderedDict()  # tag -> our payload for strangers
 
     def put(self, sender: bytes, tag: bytes, data: bytes) -> bytes | None:
@@ -95,11 +101,22 @@ class Inbox:
                 del self._early[strangers[0]]
         early = early or {}
         early.pop(tag, None)
-        early[tag] = data
+        early[tag] = (data, trio.current_time())
         while len(early) > self.config.per_sender:
             early.pop(next(iter(early)))
         self._early[sender] = early  # re-inserted: the most recent sender last
         return None
+
+    def _take_early(self, sender: bytes, tag: bytes) -> bytes | None:
+        """`sender`'s early message for `tag`, unless it is older than `early_ttl` (dropped)."""
+        item = self._early.get(sender, {}).pop(tag, None)
+        if item is None:
+            return None
+        if trio.current_time() - item[1] > self.config.early_ttl:
+            log.info("exchange message from %s dropped: %.0f s old, its exchange is over",
+                     peer_id_to_str(sender), trio.current_time() - item[1])
+            return None
+        return item[0]
 
     def _answer(self, tag: bytes, sender: bytes) -> bytes | None:
         a = self._answers.get(tag)
@@ -127,7 +144,7 @@ class Inbox:
             raise ValueError("exchange already running")
         w = self._waiting[tag] = _Waiting(others)
         for p in others:
-            data = self._early.get(p, {}).pop(tag, None)
+            data = self._take_early(p, tag)
             if data is not None:
                 w.box[p] = data
         early_strangers = []
@@ -136,7 +153,7 @@ class Inbox:
             while len(self._answers) > RECENT_ANSWERS:
                 self._answers.popitem(last=False)
             for p in list(self._early):
-                if p != me and self._early[p].pop(tag, None) is not None and self._answer(tag, p) is not None:
+                if p != me and self._take_early(p, tag) is not None and self._answer(tag, p) is not None:
                     early_strangers.append(p)
         try:
             undelivered = set(await send() or ()) & others

@@ -35,10 +35,10 @@ from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer
 from p2ptrain.reduce import butterfly, reach, ringvote, roundtrace
 from p2ptrain.reduce.blame import BlameLedger
 from p2ptrain.reduce.bulk import session_tag
-from p2ptrain.reduce.commit import CommitBoard, Round
+from p2ptrain.reduce.commit import CommitBoard, CommitConfig, Round
 from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
-from p2ptrain.reduce.exchange import Inbox
+from p2ptrain.reduce.exchange import Inbox, InboxConfig
 from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
 from p2ptrain.reduce.outcome import RoundFailed, RoundResult, setup_failure
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
@@ -76,6 +76,9 @@ class AllReduceConfig:
     control_streams: bool = True
     """Votes and exchanges on persistent control streams (`ctlstreams`); False: a libp2p
     stream per message, 3.6-5x the CPU (the baseline of `p2ptrain bench exchange`)."""
+    early_ttl: float = 60.0
+    """Seconds a member's vote or exchange message for a round not started here is kept
+    (`run.spec.TimeoutsSpec.early_ttl`). Read when the service starts."""
 
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
@@ -84,6 +87,8 @@ class AllReduceConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.send_rate_mbps < 0:
             raise ValueError("send_rate_mbps must be >= 0")
+        if not self.early_ttl > 0:
+            raise ValueError("early_ttl must be > 0")
 
 
 @dataclass
@@ -110,8 +115,10 @@ class AllReduceService:
         self.identity = identity
         self.sessions = BulkSessions(host, identity, config or AllReduceConfig(), listen_ip)
         self._arenas = ArenaPool()
-        self.board = CommitBoard(identity.peer_id, identity.sign, self._send_all, ledger=BlameLedger())
-        self.inbox = Inbox(self.board.known)
+        ttl = (config or AllReduceConfig()).early_ttl
+        self.board = CommitBoard(identity.peer_id, identity.sign, self._send_all, CommitConfig(early_ttl=ttl),
+                                 ledger=BlameLedger())
+        self.inbox = Inbox(self.board.known, InboxConfig(early_ttl=ttl))
         self.ctl = ControlStreams(host, self._dispatch)
 
     @property

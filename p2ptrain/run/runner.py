@@ -147,7 +147,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
     svc = parts.service(node.host, node.identity, AllReduceConfig(
         # sparse runs use the service for its exchanges only: its ring mode is unused
         mode="int8" if spec.train.allreduce == "sparse" else spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
-        commit_timeout=exchange * 2), listen_ip=_listen_ip(node))
+        commit_timeout=exchange * 2, early_ttl=spec.timeouts.early_ttl), listen_ip=_listen_ip(node))
     async with trio.open_nursery() as nursery:
         await nursery.start(svc.run)
         trainer = Trainer(node, svc, blobs, parts.writer(workdir, run_id, events), spec, run_id, local, events,

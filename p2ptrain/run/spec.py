@@ -211,6 +211,20 @@ class TimeoutsSpec(_Section):
         _num(self.join_window, "timeouts.join_window")
         _num(self.exchange, "timeouts.exchange")
 
+    @property
+    def early_ttl(self) -> float:
+        """How long a node keeps a peer's message (exchange, vote) for a round it has not
+        started: twice the longest a member waits at an exchange (rounds elected ahead wait
+        the join window). Older, its sender has given up on that exchange."""
+        return 2.0 * max(self.exchange, self.join_window)
+
+    @property
+    def retry_wait(self) -> float:
+        """How long a node that skipped a step waits for a newer state before it trains the
+        step again. A retry reuses the first try's round ids, so this must outlast
+        `early_ttl`: no message of the first try is still kept anywhere."""
+        return max(120.0, self.early_ttl + 30.0)
+
 
 @dataclass(frozen=True)
 class GenesisSpec(_Section):

@@ -296,7 +296,9 @@ class Trainer:
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
         await self._wait_reported()  # a catch-up replaces the state the last report reads
-        await self.catch_up(t + 1)
+        # Long enough that, if we train step t again after all, no message of this try is
+        # still kept by anyone (the retry reuses its round ids: `TimeoutsSpec.retry_wait`).
+        await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
         return True
 
     async def _others_ready(self, t: int) -> bool:
