@@ -85,7 +85,7 @@ class WithholdingService(AllReduceService):
 
     withheld = 0
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None) -> _Plane:
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
         own, check, out, on_own = extras
@@ -161,10 +161,10 @@ class DroppingService(AllReduceService):
         self._last: dict | None = None
         self.quiet = False
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None) -> _Plane:
         world = len(rnd.ids)
         if world == 1:
-            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras)
+            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras, since)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
         result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout,
                                                       *extras[:3], self._arenas, extras[3])
