@@ -204,6 +204,32 @@ def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(
     assert all(np.array_equal(r, clean[0]) for r in results)
 
 
+def test_a_held_check_is_released_without_waiting_for_a_frame_still_on_the_wire():
+    """Read-ahead takes a frame only once the kernel holds all of it: a read begun just
+    before the headers came kept their checks (and the next step's frames) waiting for that
+    frame to finish arriving, up to its time on the wire. Here the predecessor's next frames
+    never count as buffered (as if each were still arriving): the check of the first frame
+    runs as soon as it is released, without reading another, the frames are then read in
+    turn, and the result is the plain round's."""
+    world, n = 2, 300_007
+    cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
+    vecs = [np.random.default_rng(20 + i).standard_normal(n).astype(np.float32) for i in range(world)]
+    clean, _ = run_ring(vecs, cfg, *make_ring(world))
+    sends, recvs = make_ring(world)
+    spies = [_HeldSpy(recvs[i]) for i in range(world)]
+    for ch in recvs:
+        ch.seen_steps = []
+        recv = ch.recv
+        ch.recv = lambda fid, out, recv=recv, ch=ch: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
+        ch.buffered = lambda nbytes: False
+    threading.Timer(0.3, lambda: [s.ev.set() for s in spies]).start()
+    results, errors = run_ring(vecs, cfg, sends, recvs, extra=lambda i: {"check": spies[i]})
+    assert errors == [None] * world
+    assert len(layout(n, world, cfg)[0]) > 2
+    assert [s.received_at_first_check for s in spies] == [1] * world  # only the frame in hand
+    assert all(np.array_equal(r, clean[0]) for r in results)
+
+
 def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():
     """`OwnDigests` (the training path: our step-0 frames hashed beside the data plane): the
     ring hands over each own frame as it encodes it, a signer waiting from before the round

@@ -21,11 +21,13 @@ whose tag fails is dropped with a logged reason; after `max_bad_frames` the chan
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import socket
 import struct
+import termios
 import time
 from dataclasses import dataclass
 
@@ -106,6 +108,14 @@ class SocketIO:
         except OSError as exc:
             raise RingError(f"send: {exc or type(exc).__name__}") from None
 
+    def available(self) -> int:
+        """Bytes the kernel holds for us to read (FIONREAD); a broken socket says "plenty",
+        so the caller's read runs and reports the error."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+        except (OSError, ValueError):
+            return 1 << 62
+
     def recv_into(self, view: memoryview) -> None:
         got = 0
         try:
@@ -159,6 +169,12 @@ class FrameChannel:
         self.io.sendall([hdr, sealed])
         self.stats.frames += 1
         self.stats.bytes += len(hdr) + len(sealed)
+
+    def buffered(self, nbytes: int) -> bool:
+        """Whether a whole frame of `nbytes` payload is already in the kernel (a recv of it
+        would not block); True where the transport cannot tell."""
+        available = getattr(self.io, "available", None)
+        return available is None or available() >= HEADER.size + nbytes + TAG
 
     def recv(self, fid: FrameId, out: memoryview) -> int:
         expected = self.header(fid, len(out))
@@ -220,6 +236,9 @@ class RateLimitedIO:
 
     def recv_into(self, view: memoryview) -> None:
         self.io.recv_into(view)
+
+    def available(self) -> int:
+        return self.io.available()
 
     def close(self, graceful: bool = False) -> None:
         self.io.close(graceful)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 
 import numpy as np
 from blake3 import blake3
@@ -317,11 +318,20 @@ class _RingRound:
         Without this our predecessor stalls once the socket buffers fill (~2 MiB) and the
         header wait (signing and exchanging beside the data plane) lands on the round.
         Step-0 frames only: our predecessor sends its own chunk unconditionally, while any
-        later frame may depend on our own progress, and waiting for it here would deadlock."""
+        later frame may depend on our own progress, and waiting for it here would deadlock.
+        Where the channel can tell (`buffered`), a frame is read only once the kernel holds
+        all of it: a read begun just before the headers came held their checks back by up to
+        a frame's time on the wire (9 ms at 1 Gbit/s), the next step's frames with them."""
         pending = getattr(self.check, "pending", None)
+        buffered = getattr(self.recv_ch, "buffered", None)
         while (pending is not None and pending() and i + len(self.ahead) < len(self.recvs)
                and self.recvs[i + len(self.ahead)][0].step == 0 and self.ahead_bytes < READ_AHEAD_BYTES):
             k = i + len(self.ahead)
+            lo, hi = self.lay[self.recvs[k][1]][self.recvs[k][2]]
+            while buffered is not None and not buffered(wire_bytes(hi - lo, self.cfg)):
+                if not pending():
+                    return  # the headers came first: check what we hold, read the rest in turn
+                getattr(self.check, "wait", time.sleep)(0.001)
             self.ahead[k] = self.receive(*self.recvs[k], ahead=True)
             self.ahead_bytes += len(self.ahead[k][0])
 

@@ -261,6 +261,10 @@ class HeldChecker:
         """Not settled yet: the ring reads frames ahead meanwhile (`ring._RingRound.read_ahead`)."""
         return not self._event.is_set()
 
+    def wait(self, timeout: float) -> bool:
+        """Until settled or `timeout` seconds (the ring's read-ahead waits here for a frame)."""
+        return self._event.wait(timeout)
+
     def check(self, step: int, chunk: int, sub: int, payload: bytes, sq: float) -> None:
         if not self._event.wait(self.timeout):
             raise TimeoutError("contribution headers did not arrive in time")
