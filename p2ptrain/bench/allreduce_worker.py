@@ -141,6 +141,7 @@ async def main(args) -> None:
             try:
                 res = await _round(svc, cmd, tensor, spare if spare is not None and spare.shape == tensor.shape else None)
             except RoundFailed as exc:
+                roundtrace.take(0.0)  # a failed round's marks must not run into the next one's
                 events.emit("round_failed", round=cmd["round"], reason=str(exc), tensor_before=before,
                             tensor_after=_sha(tensor) if cmd.get("verify") else "")
                 continue
