@@ -123,3 +123,25 @@ def test_namespaces_of_a_dead_run_are_removed_on_entry():
             assert stale not in netns.list_namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True, timeout=20)
+
+
+@skip_without_lab
+def test_a_traced_bench_row_has_every_members_timeline_in_order(tmp_path):
+    """`bench allreduce --trace` on the verified path: each member's milestones are there and
+    in the order a round runs them (`p2ptrain.reduce.roundtrace`), medians and the slowest
+    round's own."""
+    from p2ptrain.bench.allreduce import measure_ours
+
+    world = 3
+    with internet_lab([200] * world, boot=False) as lab:
+        r = measure_ours(world, 4, 2, "int8", True, tmp_path, verified=True, lab=lab, trace=True)
+    assert r["identical"]
+    slowest = r["timeline_slowest_ms"]
+    assert slowest["round_s"] == max(r["round_s"]["all"]) and len(slowest["members"]) == world
+    for tl in r["timeline_ms"] + slowest["members"]:
+        steps = [tl[f"step{s}"] for s in range(2 * world - 2)]
+        assert steps == sorted(steps)
+        assert tl["first_seal"] <= tl["first_send"] <= tl["last_send"] <= tl["data"]
+        assert tl["signed"] <= tl["headers"] <= tl["check"] and steps[-1] <= tl["data"]
+        assert tl["data"] <= tl["vote0_sent"] <= tl["votes"] <= tl["end"]
+        assert 0 < tl["first_send"] < tl["end"] < 1000 * max(r["round_s"]["all"]) + 1

@@ -115,7 +115,10 @@ def measure_ours(peers: int, mb: int, rounds: int, mode: str, direct: bool, work
             "phases_s_max": {k: round(statistics.median(v), 4) for k, v in phases.items()},
             "cpu_s_per_member": round(statistics.median(cpu), 4), "links_reused": sum(reused), "peak_rss_mib": rss, "idle_rss_mib": idle,
             "inputs_rss_mib": prepared,
-            **({"timeline_ms": _median_timelines(timelines, peers)} if trace else {}),
+            **({"timeline_ms": _median_timelines(timelines, peers),
+                # a stall hides in the medians: the slowest round's own timeline
+                "timeline_slowest_ms": {"round_s": round(max(secs), 4), "members": timelines[secs.index(max(secs))]}}
+               if trace and timelines else {}),
             # What the all-reduce itself adds on top of a process holding its input tensor
             # (the harness also keeps a pristine copy to reset rounds: that copy is excluded).
             "allreduce_rss_x_tensor": round(max(r - p for r, p in zip(rss, prepared)) / mb, 2),

@@ -53,7 +53,7 @@ def _row(label: str, r: dict, mbit: float, peers: int, tcp: dict | None = None) 
             # The lab's TCP retransmissions during the row (warm-up round included), summed over
             # its namespaces (`inetlab.tcp_counters`): what a slow round's stall was.
             "tcp": tcp or {},
-            **({"timeline_ms": r["timeline_ms"]} if "timeline_ms" in r else {})}
+            **{k: r[k] for k in ("timeline_ms", "timeline_slowest_ms") if k in r}}
 
 
 def measure_rate(args, mbit: float, work: Path) -> dict:
