@@ -288,3 +288,27 @@ def test_layout_puts_a_small_frame_at_each_end_of_a_chunk_on_super_block_bounds(
             assert min(sizes[1:-1]) > 2 * edge
     assert sum(wire_bytes(hi - lo, cfg) for lo, hi in flat) == wire_bytes(n, cfg)
     assert layout(n, 4, cfg) == lay  # a pure function: every member cuts the same frames
+
+
+@pytest.mark.parametrize("world", [2, 4, 16, 64])
+def test_a_ring_members_signed_header_fits_one_control_message_however_large_the_model(world):
+    """A header lists the digest of every frame of the member's own chunk and travels as one
+    control message (4 KiB). With 4 MiB sub-chunks a model past ~110M parameters (2 members)
+    needed 56+ digests: every header was dropped as oversize and no verified round could
+    commit. Chunks that large now get larger frames, at most MAX_FRAMES_PER_CHUNK."""
+    from p2ptrain.identity import Identity
+    from p2ptrain.reduce.bulk import session_tag
+    from p2ptrain.reduce.control import MAX_CONTROL_MSG, pack
+    from p2ptrain.reduce.schedule import MAX_FRAMES_PER_CHUNK
+    from p2ptrain.run.contribution import Header, frame_digest, sign_header
+
+    ident = Identity.from_seed(b"h" * 32)
+    for n in (125_000_000, 2_000_000_000):  # GPT-2 small; an 8 GB fp32 model
+        lay = layout(n, world, RingConfig())
+        k = max(len(subs) for subs in lay)
+        assert k <= MAX_FRAMES_PER_CHUNK
+        assert sum(hi - lo for subs in lay for lo, hi in subs) == n
+        h = Header("r" * 64, 10**6, 3, "a" * 64, ident.peer_id_str, tuple([1e30] * world),
+                   tuple(frame_digest(bytes([i % 256, i // 256])) for i in range(k)), 1e31, 10**6, 10**12)
+        msg = pack({"tag": session_tag("r" * 64, f"{10**6}/3/hdr"), "kind": "data", "data": sign_header(h, ident)})
+        assert len(msg) - 4 <= MAX_CONTROL_MSG, (n, world, k, len(msg))

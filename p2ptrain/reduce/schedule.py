@@ -56,7 +56,8 @@ class RingConfig:
     block: int = K.DEFAULT_BLOCK
     """Quantization sub-block size (see p2ptrain.kernels)."""
     sub_chunk_bytes: int = 4 << 20
-    """Target fp32 bytes per pipelined sub-chunk (one frame). Every member must use the same."""
+    """Target fp32 bytes per pipelined sub-chunk (one frame); larger where a chunk would
+    need more than MAX_FRAMES_PER_CHUNK frames. Every member must use the same."""
     kernel_threads: int = 1
     """numba threads per kernel call. One is right: the ring already overlaps compute with
     two I/O threads, a serial kernel outruns any internet link, and parallel regions stall
@@ -71,8 +72,15 @@ class RingConfig:
 
 EDGE_DIVISOR = 8
 """A chunk's first and last frames carry 1/EDGE_DIVISOR of a sub-chunk (see `layout`)."""
+MAX_FRAMES_PER_CHUNK = 40
+"""A ring member's signed contribution header lists the digest of every frame of its own
+chunk, and a header travels as one control message of at most 4 KiB
+(`reduce.control.MAX_CONTROL_MSG`): ~55 digests. A chunk that would need more frames gets
+larger ones instead. Before, a header of a model past ~110M parameters (2 members; ~220M
+with 4) was dropped as oversize at every receiver, and no verified round could commit."""
 LAYOUT_VERSION = 2
-"""How `layout` cuts a tensor: 1 = equal sub-chunks, 2 = plus a small frame at each end."""
+"""How `layout` cuts a tensor: 1 = equal sub-chunks, 2 = plus a small frame at each end, and
+at most MAX_FRAMES_PER_CHUNK frames a chunk."""
 
 
 def frame_tag(cfg: RingConfig) -> int:
@@ -103,6 +111,7 @@ def layout(n: int, world: int, cfg: RingConfig) -> list[list[tuple[int, int]]]:
         if k < 2:
             out.append([(lo, hi)])
             continue
+        k = min(k, MAX_FRAMES_PER_CHUNK - 2)
         tail = (hi - edge) // sup * sup  # where the last small frame starts
         inner = K.split_bounds(tail - lo - edge, k, cfg.block)
         cuts = [lo] + [lo + edge + x for x in inner] + [hi]
