@@ -285,7 +285,7 @@ class AllReduceService:
         """The data plane, then the signed votes on the same channels (worker thread).
         `since`: (trio's clock, perf_counter) when it was called: the data plane's end in
         trio's clock without a hop to the event loop, which held every member's vote back
-        by 0.2-0.4 ms (`bench allreduce --trace`: "data" -> "t_data")."""
+        by 0.2-0.4 ms (measured with `bench allreduce --trace` while the hop was marked)."""
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
         own, check, out, on_own = extras
