@@ -7,6 +7,7 @@ import hashlib
 import logging
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -157,6 +158,20 @@ def test_check_sees_each_frames_sum_of_squares_and_can_blame():
     assert seen[2] > 1 and all(s > 0 for s in seen) and wrong == [0] * world
 
 
+def _record_steps(ch) -> None:
+    """ch.seen_steps: the step of every frame the channel delivered, by `recv` or `pull`."""
+    ch.seen_steps = []
+    recv, pull = ch.recv, ch.pull
+    ch.recv = lambda fid, out: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
+
+    def pulled(fid, out):
+        got = pull(fid, out)
+        if got is not None:
+            ch.seen_steps.append(fid.step)
+        return got
+    ch.pull = pulled
+
+
 class _HeldSpy:
     """A check that is pending until `settle` (like `contribution.HeldChecker`) and records,
     at its first call, how many frames its member had already received."""
@@ -188,10 +203,8 @@ def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(
     vecs = [np.random.default_rng(10 + i).standard_normal(n).astype(np.float32) for i in range(world)]
     clean, _ = run_ring(vecs, cfg, *make_ring(world))
     sends, recvs = make_ring(world)
-    for ch in recvs:  # which steps a channel has delivered so far
-        ch.seen_steps = []
-        recv = ch.recv
-        ch.recv = lambda fid, out, recv=recv, ch=ch: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
+    for ch in recvs:  # which steps a channel has delivered so far, blocking or not
+        _record_steps(ch)
     spies = [_HeldSpy(recvs[i]) for i in range(world)]
     threading.Timer(0.5, lambda: [s.ev.set() for s in spies]).start()
     results, errors = run_ring(vecs, cfg, sends, recvs, extra=lambda i: {"check": spies[i]})
@@ -204,30 +217,75 @@ def test_a_held_check_reads_the_predecessors_own_chunk_ahead_and_changes_no_bit(
     assert all(np.array_equal(r, clean[0]) for r in results)
 
 
-def test_a_held_check_is_released_without_waiting_for_a_frame_still_on_the_wire():
-    """Read-ahead takes a frame only once the kernel holds all of it: a read begun just
-    before the headers came kept their checks (and the next step's frames) waiting for that
-    frame to finish arriving, up to its time on the wire. Here the predecessor's next frames
-    never count as buffered (as if each were still arriving): the check of the first frame
-    runs as soon as it is released, without reading another, the frames are then read in
-    turn, and the result is the plain round's."""
+def test_a_held_check_is_released_at_once_with_a_frame_half_in_and_the_rest_read_in_turn():
+    """Read-ahead takes bytes as they come (`FrameChannel.pull`), never waiting inside a
+    frame: a blocking read begun just before the headers came kept their checks (and the
+    next step's frames) waiting for that frame's last byte. Here each member's transport
+    hands read-ahead only half of the predecessor's second frame while the check is held
+    (the rest "still on the wire"): the first check runs with one frame in hand as soon as
+    it is released, the half-read frame is finished by the blocking read where the pull
+    stopped, and the result is the plain round's, bit for bit."""
     world, n = 2, 300_007
     cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
     vecs = [np.random.default_rng(20 + i).standard_normal(n).astype(np.float32) for i in range(world)]
     clean, _ = run_ring(vecs, cfg, *make_ring(world))
     sends, recvs = make_ring(world)
     spies = [_HeldSpy(recvs[i]) for i in range(world)]
-    for ch in recvs:
-        ch.seen_steps = []
-        recv = ch.recv
-        ch.recv = lambda fid, out, recv=recv, ch=ch: (ch.seen_steps.append(fid.step), recv(fid, out))[1]
-        ch.buffered = lambda nbytes: False
+    lay = layout(n, world, cfg)
+    assert len(lay[0]) > 2
+    budgets = []
+    for i, ch in enumerate(recvs):
+        lo, hi = lay[(i - 1) % world][1]
+        budget = [(wire_bytes(hi - lo, cfg) + 48) // 2]  # half the predecessor's second frame
+        budgets.append(budget)
+        some = ch.io.recv_some
+
+        def half(view, some=some, budget=budget):
+            got = some(view[:budget[0]])
+            budget[0] -= got
+            return got
+        ch.io.recv_some = half
+        _record_steps(ch)
     threading.Timer(0.3, lambda: [s.ev.set() for s in spies]).start()
     results, errors = run_ring(vecs, cfg, sends, recvs, extra=lambda i: {"check": spies[i]})
     assert errors == [None] * world
-    assert len(layout(n, world, cfg)[0]) > 2
     assert [s.received_at_first_check for s in spies] == [1] * world  # only the frame in hand
+    assert budgets == [[0]] * world  # read-ahead did take the half it was given
     assert all(np.array_equal(r, clean[0]) for r in results)
+
+
+def test_a_frame_pulled_in_pieces_opens_once_whole_and_bad_frames_are_dropped_on_the_way():
+    """`FrameChannel.pull` never blocks: None until the frame's last byte is in, then its
+    length, the payload opened into `out`; a frame for another session ahead of it is
+    dropped (logged) without failing the pull, and a broken header fails the channel."""
+    a, b = tcp_pair()
+    key, tag = derive_key(b"s" * 32, b"\0", b"\1", b"t" * 8), b"t" * 8
+    tx, rx = FrameChannel(SocketIO(a, 5.0), key, tag, "tx"), FrameChannel(SocketIO(b, 5.0), key, tag, "rx")
+    payload = np.random.default_rng(3).integers(0, 256, 50_000, dtype=np.uint8).tobytes()
+    FrameChannel(SocketIO(a, 5.0), key, b"other-rd", "x").send(FrameId(0, 0), memoryview(payload))
+    sealed = bytearray(len(payload) + 16)
+    tx.aead.encrypt_into(tx._nonce(FrameId(0, 0)), payload, tx.header(FrameId(0, 0), len(payload)), sealed)
+    wire = tx.header(FrameId(0, 0), len(payload)) + bytes(sealed)
+    out = bytearray(len(payload))
+    assert rx.pull(FrameId(0, 0), memoryview(out)) is None  # the stranger's frame may be in, ours is not
+    for lo, hi in ((0, 10), (10, 20_000), (20_000, len(wire) - 1)):
+        a.sendall(wire[lo:hi])
+        deadline = time.monotonic() + 5
+        while rx.io.available() < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert rx.pull(FrameId(0, 0), memoryview(out)) is None
+    a.sendall(wire[-1:])
+    got, deadline = None, time.monotonic() + 5
+    while got is None and time.monotonic() < deadline:
+        got = rx.pull(FrameId(0, 0), memoryview(out))
+    assert got == len(payload) and bytes(out) == payload
+    assert rx.stats.dropped == {"wrong-session": 1} and rx.stats.frames == 1
+    a.sendall(b"XX" + bytes(30))
+    with pytest.raises(RingError, match="malformed header"):
+        while rx.pull(FrameId(0, 1), memoryview(out)) is None and time.monotonic() < deadline + 5:
+            time.sleep(0.001)
+    a.close()
+    b.close()
 
 
 def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():

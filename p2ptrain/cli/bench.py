@@ -18,6 +18,7 @@ BENCHES = {
     "ranks": "p2ptrain.bench.ranks",
     "utilization": "p2ptrain.bench.utilization",
     "exchange": "p2ptrain.bench.exchange",
+    "readpause": "p2ptrain.bench.readpause",
 }
 
 

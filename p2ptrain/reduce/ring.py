@@ -149,6 +149,7 @@ READ_AHEAD_BYTES = 64 << 20
 """At most this many received bytes wait for their turn in one round (a 1 Gbit/s link
 carries ~6 MiB in the 0.05 s a header may take; a predecessor's own chunk is 1/W of the
 payload)."""
+PULL_WAIT_S = 0.0005  # how often read-ahead takes what has come (~60 KiB at 1 Gbit/s)
 
 
 def _split(buf, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -232,7 +233,7 @@ class _RingRound:
         self.si = self.sent = 0
 
     def run(self, timeout: float) -> tuple[np.ndarray, int, str]:
-        sender = self.sender
+        sender, self.timeout = self.sender, timeout
         try:
             sender.start()
             self.flush()
@@ -293,9 +294,11 @@ class _RingRound:
             self.sent += len(payload)
             self.si += 1
 
-    def receive(self, fid: FrameId, c: int, j: int, ahead: bool = False) -> tuple[memoryview, np.ndarray | None]:
+    def receive(self, fid: FrameId, c: int, j: int, ahead: bool = False,
+                pull=None) -> tuple[memoryview, np.ndarray | None] | None:
         """The frame, straight into its buffer, and the spare buffer it took if any: a
-        reduce-scatter frame read `ahead` cannot use the one shared scratch buffer."""
+        reduce-scatter frame read `ahead` cannot use the one shared scratch buffer. With
+        `pull` (the channel's read without blocking): None while the frame is not all in."""
         lo, hi = self.lay[c][j]
         m, spare = hi - lo, None
         if fid.step < self.world - 1:
@@ -306,7 +309,10 @@ class _RingRound:
             buf = memoryview(self.result[lo:hi]).cast("B")
         else:
             buf = self.fin.view(c, j)
-        got = self.recv_ch.recv(fid, buf)
+        got = (pull or self.recv_ch.recv)(fid, buf)
+        if got is None:
+            self.spares.append(spare)
+            return None
         roundtrace.mark("recv", step=fid.step)
         if got != len(buf):
             raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
@@ -314,26 +320,25 @@ class _RingRound:
 
     def read_ahead(self, i: int) -> None:
         """While the frame check is held (the members' signed headers are not in yet), keep
-        the link moving: receive the next frames into spare buffers, up to READ_AHEAD_BYTES.
-        Without this our predecessor stalls once the socket buffers fill (~2 MiB) and the
-        header wait (signing and exchanging beside the data plane) lands on the round.
-        Step-0 frames only: our predecessor sends its own chunk unconditionally, while any
-        later frame may depend on our own progress, and waiting for it here would deadlock.
-        Where the channel can tell (`buffered`), a frame is read only once the kernel holds
-        all of it: a read begun just before the headers came held their checks back by up to
-        a frame's time on the wire (9 ms at 1 Gbit/s), the next step's frames with them."""
+        the link moving: take the next frames into spare buffers as their bytes come
+        (`pull`), up to READ_AHEAD_BYTES. A receiver that stops reading slows its sender
+        (TCP's receive window: in the 1 Gbit/s lab a 30 ms pause cost ~8 ms of link time),
+        and a blocking read begun just before the headers came held the checks back by up
+        to a frame's time on the wire. Step-0 frames only: our predecessor sends its own
+        chunk unconditionally, while any later frame may depend on our own progress."""
         pending = getattr(self.check, "pending", None)
-        buffered = getattr(self.recv_ch, "buffered", None)
+        pull, until = getattr(self.recv_ch, "pull", None), time.monotonic() + self.timeout
         while (pending is not None and pending() and i + len(self.ahead) < len(self.recvs)
                and self.recvs[i + len(self.ahead)][0].step == 0 and self.ahead_bytes < READ_AHEAD_BYTES):
             k = i + len(self.ahead)
-            lo, hi = self.lay[self.recvs[k][1]][self.recvs[k][2]]
-            while buffered is not None and not buffered(wire_bytes(hi - lo, self.cfg)):
-                if not pending():
-                    return  # the headers came first: check what we hold, read the rest in turn
-                getattr(self.check, "wait", time.sleep)(0.001)
-            self.ahead[k] = self.receive(*self.recvs[k], ahead=True)
-            self.ahead_bytes += len(self.ahead[k][0])
+            got = self.receive(*self.recvs[k], ahead=True, pull=pull)
+            if got is None:  # not all in: wait a little, or less if the headers come
+                if time.monotonic() > until:
+                    return  # the check's own timeout (or the blocking read's) ends the round
+                getattr(self.check, "wait", time.sleep)(PULL_WAIT_S)
+                continue
+            self.ahead[k], until = got, time.monotonic() + self.timeout
+            self.ahead_bytes += len(got[0])
 
     def checked(self, fid: FrameId, c: int, j: int, buf: memoryview) -> memoryview:
         """`buf`, held to the caller's check before anything is mixed in."""
