@@ -145,3 +145,25 @@ def test_a_traced_bench_row_has_every_members_timeline_in_order(tmp_path):
         assert tl["signed"] <= tl["headers"] <= tl["check"] and steps[-1] <= tl["data"]
         assert tl["data"] <= tl["vote0_sent"] <= tl["votes"] <= tl["end"]
         assert 0 < tl["first_send"] < tl["end"] < 1000 * max(r["round_s"]["all"]) + 1
+
+
+@skip_without_lab
+def test_readpause_bench_times_every_mode_on_a_shaped_link():
+    """`bench readpause`: every mode's rounds come back, none faster than the link can carry
+    its frames (so the shaper, not loopback, carried them), and the CLI prints its summary."""
+    import json
+    import subprocess
+    import sys
+
+    from p2ptrain.bench import readpause
+
+    mbit, frames = 200.0, 3
+    times = readpause.measure(mbit, 30.0, frames, 2)
+    assert sorted(times) == sorted(readpause.MODES) and all(len(v) == 2 for v in times.values())
+    wire = frames * readpause._frame_bytes() * 8 / (mbit * 1e6)
+    assert all(wire * 0.95 < t < 30 for v in times.values() for t in v)
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "readpause", "--mbit", "200", "--frames", "3",
+                          "--rounds", "1", "--json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["event"] == "bench_readpause_summary" and summary["frames"] == 3
