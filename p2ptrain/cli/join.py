@@ -105,6 +105,10 @@ def run(args) -> int:
             events.emit("left")
 
     run_service(main)
+    if node_ranks:  # rank 0 of a torchrun node: the others stopped; close the group with them
+        from p2ptrain.train import ranks
+
+        ranks.leave(0)
     return 0
 
 
@@ -137,9 +141,12 @@ def _ranks(args, toml) -> dict | int:
         return {"parts": Parts(local=leader.factory(env, cfg))}
     ranks.tag_logs(env.rank)
     try:
-        return ranks.follow(env, device)
-    finally:
+        code = ranks.follow(env, device)
+    except BaseException:
         ranks.close()
+        raise
+    ranks.leave(code)  # the group closed with rank 0's; no interpreter teardown (see there)
+    return code  # not reached
 
 
 async def _stop_ranks(node_ranks: dict) -> None:

@@ -124,6 +124,25 @@ def close() -> None:
         dist.destroy_process_group()
 
 
+def leave(code: int) -> None:
+    """End a torchrun rank's process: close the group with the other ranks, flush what it
+    wrote, and exit without interpreter teardown. gloo's threads outlive
+    `destroy_process_group` and could abort the process while the interpreter finalized
+    (SIGABRT, "terminate called without an active exception": seen in CI-like runs with the
+    barrier in `close` too), which torchrun reports as a failed node after a clean run.
+    Only for a rank whose work is done: the checkpoint writer has already been closed."""
+    import sys
+
+    close()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 def tag_logs(rank: int) -> None:
     """Prefix this process's stderr log lines with `rank r` (rank 0's stay the node's)."""
     for handler in logging.getLogger().handlers:
