@@ -209,6 +209,41 @@ def test_bad_header_is_rejected_and_the_rest_retry_without_it(attack, reason):
     assert outs[2].result is None  # the others moved on without it: unconfirmed, alone, skipped
 
 
+@pytest.mark.parametrize("loud_again", [False, True])
+def test_a_norm_outlier_sits_out_its_step_the_first_time_and_is_rejected_the_second(loud_again):
+    """A norm outlier is a verdict, not proof (an honest newcomer's fresh AdamW state makes
+    its first deltas larger): the first time, every member drops its contribution, the rest
+    commit without it, it sits the step out itself (no result: it catches up), and nobody
+    ignores it; at the next step it is a member like any other. A second outlier rejects it."""
+    hub = Hub()
+    made = [member(hub, i + 1) for i in range(4)]
+    rounds = [m[0] for m in made]
+    loud = rounds[3].me
+    ds = deltas(4)
+    outs = run_rounds(rounds, [*ds[:3], ds[3] * np.float32(1000)], t=1)
+    for o in outs[:3]:
+        assert o.members == [p for p in o.members if p != loud] and len(o.members) == 3
+        assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+    assert outs[3].result is None
+    for r, events in made:
+        assert loud not in r.ledger.ignored
+        dropped = [f for e, f in events.seen if e == "contribution_dropped"]
+        assert [(f["remote"], f["step"], f["reason"]) for f in dropped] == [(loud, 1, "norm-outlier")]
+    ds = [d[::-1].copy() for d in ds]  # new deltas: the same ones again would be replays
+    outs = run_rounds(rounds, [*ds[:3], ds[3] * np.float32(1000 if loud_again else 1)], t=2)
+    if not loud_again:
+        assert all(sorted(o.members) == sorted(r.me for r in rounds) for o in outs)
+        assert all(np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6) for o in outs)
+        assert not any(e == "contribution_rejected" for _, ev in made for e, _ in ev.seen)
+        return
+    for (r, events), o in zip(made[:3], outs[:3]):
+        assert loud in r.ledger.ignored and loud not in o.members
+        assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+        rej = [f for e, f in events.seen if e == "contribution_rejected"]
+        assert [(f["remote"], f["step"], f["reason"]) for f in rej] == [(loud, 2, "norm-outlier")]
+    assert outs[3].result is None
+
+
 def test_round_failed_blame_rejects_the_culprit_and_retries():
     hub = Hub()
     made = [member(hub, i + 1) for i in range(4)]

@@ -101,10 +101,17 @@ def test_malicious_peer_is_excluded_and_changes_nothing(procs, tmp_path, run_dir
         evil_id = evil.wait_event(lambda e: e["event"] == "run_joined", 120)["peer"]
         for s in (1, 2):
             evs = [committed(p, s) for p in honest]
-            assert [e["params_sha256"] for e in evs] == [want[s - 1]] * 3, (s, evs)
+            assert len({e["params_sha256"] for e in evs}) == 1, (s, evs)
+            if attack == "norm" and s == 2 and evil_id in evs[0]["members"]:
+                # Dropped at step 1, not rejected (a first norm outlier is forgiven: Ledger.outlier),
+                # it caught up and came back as a joiner: zeros, which any newcomer may send.
+                # Its second outlier rejects it (tests/test_round_memory.py).
+                continue
+            assert evs[0]["params_sha256"] == want[s - 1], (s, evs)
             assert all(evil_id not in e["members"] for e in evs)
         for p in honest:
-            rej = [e for e in p.all_events if e["event"] == "contribution_rejected"]
+            kind = "contribution_dropped" if attack == "norm" else "contribution_rejected"
+            rej = [e for e in p.all_events if e["event"] == kind]
             assert rej and rej[0]["remote"] == evil_id and reason in rej[0]["reason"], rej
         # At most one of the honest peers (the attacker's successor) saw NaN frames; the
         # others learn the blame from its abort vote.

@@ -70,8 +70,8 @@ class DashboardState:
         elif kind == "caught_up":
             self.step = ev.get("step")
             self.phase = "caught up"
-        elif kind == "contribution_rejected":
-            reason = str(ev.get("reason", ""))[:200]
+        elif kind in ("contribution_rejected", "contribution_dropped"):
+            reason = ("dropped once: " if kind == "contribution_dropped" else "") + str(ev.get("reason", ""))[:200]
             self.rejected.append({"t": ev.get("t"), "step": ev.get("step"), "remote": str(ev.get("remote", "")),
                                   "reason": reason})
             del self.rejected[:-MAX_REJECTED]

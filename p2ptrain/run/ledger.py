@@ -30,6 +30,8 @@ class Ledger:
         self.standing = Standing(me)
         self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
         self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
+        self.outliers: dict[str, int] = {}  # headers each peer signed that the norm rule held too large
+        self.sitting_out: dict[str, int] = {}  # peer -> the step it sits out (its contribution dropped)
 
     def reject(self, t: int, peer: str, reason: str) -> None:
         if peer == self.me or peer in self.ignored:
@@ -46,6 +48,29 @@ class Ledger:
         self.events.emit("member_struck", step=t, remote=peer, strikes=self.strikes[peer], reason=reason)
         if self.strikes[peer] >= 2:
             self.reject(t, peer, "withholds-votes")
+
+    def outlier(self, t: int, peer: str) -> None:
+        """`peer` signed a norm the group's rule holds too large (`verify_headers`): a
+        statistical verdict, not proof. An honest newcomer can earn it once (its fresh AdamW
+        state makes its first deltas larger than the others'), and rejecting it, as before,
+        shut it out of the run for good. So the first time its contribution is dropped and
+        it sits out step `t` (we retry without it; it catches up to what we commit), and the
+        second time it is rejected. Every member reaches the same verdict from the same
+        headers, the peer itself included, so it sits out too instead of waiting for us."""
+        if peer in self.ignored:
+            return
+        self.outliers[peer] = self.outliers.get(peer, 0) + 1
+        if self.outliers[peer] >= 2 and peer != self.me:
+            self.reject(t, peer, "norm-outlier")
+            return
+        self.sitting_out[peer] = t
+        log.warning("contribution dropped: step=%d peer=%s reason=norm-outlier (first time)", t, peer)
+        self.events.emit("contribution_dropped", step=t, remote=peer, reason="norm-outlier",
+                         outliers=self.outliers[peer])
+
+    def left_out(self, t: int) -> set[str]:
+        """Peers out of step `t`'s rounds: those we ignore and those sitting it out."""
+        return self.ignored | {p for p, s in self.sitting_out.items() if s == t}
 
     def remember(self, t: int, headers: dict) -> None:
         """A committed round of step `t`: its signed digests (the same header again is a

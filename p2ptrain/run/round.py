@@ -192,7 +192,9 @@ class ContributionRound:
                 if roster is None:
                     return out
                 continue
-            roster = [p for p in roster if p not in self.ledger.ignored]
+            if self.me in self.ledger.left_out(t):  # our own header was an outlier: skip, catch up
+                return out
+            roster = [p for p in roster if p not in self.ledger.left_out(t)]
             out.members = roster
             if roster == [self.me]:
                 # Alone. A newcomer that missed its group's round must not commit alone: its
@@ -252,7 +254,7 @@ class ContributionRound:
         """The union of the views we heard; peers we did not elect ourselves only where their
         own ready record for this step vouches for them (a claim of a view is not enough),
         never one we rejected or left out this step."""
-        extra = set(verdict.union) - set(roster) - self.ledger.ignored - left_out
+        extra = set(verdict.union) - set(roster) - self.ledger.left_out(t) - left_out
         vouched = await self.vouch(t, extra) if extra and self.vouch is not None else set()
         keep = (set(verdict.union) & set(roster)) | (extra & vouched)
         return election.ring_order(self.run_id, t, sorted(keep))
@@ -349,7 +351,9 @@ class ContributionRound:
         # mid-run). A member that confirms and then withholds its header is an unexplained
         # abort like a withheld vote: left out, struck, rejected (`rosters.LeaveOneOut`).
         for peer, reason in bad.items():
-            if reason != "missing-header":
+            if reason == "norm-outlier":  # a verdict, not proof: the first one is forgiven
+                self.ledger.outlier(t, peer)
+            elif reason != "missing-header":
                 self.ledger.reject(t, peer, reason)
         if bad:  # their headers, not the data plane, decided this attempt
             self._unexplained = all(r == "missing-header" for r in bad.values())
