@@ -207,11 +207,11 @@ class FrameChannel:
     def pull(self, fid: FrameId, out: memoryview) -> int | None:
         """`recv` without blocking: takes what the kernel already holds of the frame and
         returns its length once all of it is in (opened into `out`), else None; a later
-        `pull` or `recv` goes on where this one stopped. A receiver that holds bytes back
-        instead (waiting to read a whole frame at once) slows its sender: in the 1 Gbit/s
-        lab a 30 ms pause in reading cost ~8 ms of link time, draining as bytes come
-        cost none (BENCHMARKS.md). Where the transport cannot read without blocking, a frame
-        is read once it is all buffered (`buffered`), as far as the transport can tell."""
+        `pull` or `recv` goes on where this one stopped. A receiver that leaves bytes in the
+        kernel instead (reading only whole frames) slows its sender: on a 1 Gbit/s lab link,
+        20 ms of that cost 7 ms of link time, taking bytes as they came 0.1 ms (`p2ptrain
+        bench readpause`). Where the transport cannot read without blocking, a frame is read
+        once it is all buffered (`buffered`), as far as the transport can tell."""
         if not hasattr(self.io, "recv_some"):
             return self.recv(fid, out) if self.buffered(len(out)) else None
         while self._fill(len(out), blocking=False):

@@ -321,8 +321,8 @@ class _RingRound:
     def read_ahead(self, i: int) -> None:
         """While the frame check is held (the members' signed headers are not in yet), keep
         the link moving: take the next frames into spare buffers as their bytes come
-        (`pull`), up to READ_AHEAD_BYTES. A receiver that stops reading slows its sender
-        (TCP's receive window: in the 1 Gbit/s lab a 30 ms pause cost ~8 ms of link time),
+        (`pull`), up to READ_AHEAD_BYTES. A receiver that leaves bytes unread slows its
+        sender (TCP's receive window: `p2ptrain bench readpause`, 7 ms a round at 1 Gbit/s),
         and a blocking read begun just before the headers came held the checks back by up
         to a frame's time on the wire. Step-0 frames only: our predecessor sends its own
         chunk unconditionally, while any later frame may depend on our own progress."""
