@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -131,8 +132,6 @@ def leave(code: int) -> None:
     (SIGABRT, "terminate called without an active exception": seen in CI-like runs with the
     barrier in `close` too), which torchrun reports as a failed node after a clean run.
     Only for a rank whose work is done: the checkpoint writer has already been closed."""
-    import sys
-
     close()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
