@@ -519,3 +519,21 @@ def test_a_member_that_went_on_alone_rejects_nobody_for_missing_headers():
     for o in outs:
         assert sorted(o.members) == sorted([a, b, c]) and np.array_equal(o.result, outs[0].result), o
     assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)
+
+
+def test_the_ledger_forgives_one_norm_outlier_per_peer_and_never_rejects_itself():
+    """`Ledger.outlier`: the first verdict leaves the peer out of that step only, the second
+    rejects it for the run; our own header as an outlier only ever sits us out."""
+    events = Events()
+    led = Ledger("me", events)
+    led.outlier(3, "x")
+    assert led.left_out(3) == {"x"} and led.left_out(4) == set() and "x" not in led.ignored
+    led.outlier(5, "x")
+    assert "x" in led.ignored and led.left_out(6) == {"x"}
+    led.outlier(6, "x")  # already rejected: nothing more
+    for t in (7, 8):
+        led.outlier(t, "me")
+        assert led.left_out(t) == {"me", "x"} and "me" not in led.ignored
+    kinds = [(e, f["remote"], f["step"]) for e, f in events.seen]
+    assert kinds == [("contribution_dropped", "x", 3), ("contribution_rejected", "x", 5),
+                     ("contribution_dropped", "me", 7), ("contribution_dropped", "me", 8)]
