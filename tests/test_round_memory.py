@@ -537,3 +537,24 @@ def test_the_ledger_forgives_one_norm_outlier_per_peer_and_never_rejects_itself(
     kinds = [(e, f["remote"], f["step"]) for e, f in events.seen]
     assert kinds == [("contribution_dropped", "x", 3), ("contribution_rejected", "x", 5),
                      ("contribution_dropped", "me", 7), ("contribution_dropped", "me", 8)]
+
+
+def test_a_sparse_runs_first_norm_outlier_is_dropped_not_rejected():
+    """Sparse runs (the compressed collective) judge norm outliers alike: the first one's
+    payload is left out of the committed mean and the sender stays in the run."""
+    from p2ptrain.reduce.sparse import SparseReducer
+    from p2ptrain.reduce.sparsecodec import SparseConfig
+
+    hub = Hub()
+    made = [member(hub, i + 1) for i in range(4)]
+    rounds = [m[0] for m in made]
+    for r in rounds:
+        r.sparse = SparseReducer(SparseConfig(topk_fraction=0.05, chunk=1000), N)
+    loud = rounds[3].me
+    ds = deltas(4)
+    outs = run_rounds(rounds, [*ds[:3], ds[3] * np.float32(1000)])
+    assert outs[3].result is None  # its own payload was not used: it skips and catches up
+    for (r, events), o in zip(made[:3], outs[:3]):
+        assert o.result is not None and loud not in o.members and loud not in r.ledger.ignored
+        assert [(e, f["remote"]) for e, f in events.seen] == [("contribution_dropped", loud)]
+    assert all(np.array_equal(o.result, outs[0].result) for o in outs[:3])

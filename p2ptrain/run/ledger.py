@@ -49,6 +49,14 @@ class Ledger:
         if self.strikes[peer] >= 2:
             self.reject(t, peer, "withholds-votes")
 
+    def convict(self, t: int, peer: str, reason: str) -> None:
+        """A contribution of `peer` failed verification: rejected, except a norm outlier,
+        a verdict rather than proof, which is forgiven once (`outlier`)."""
+        if reason == "norm-outlier":
+            self.outlier(t, peer)
+        else:
+            self.reject(t, peer, reason)
+
     def outlier(self, t: int, peer: str) -> None:
         """`peer` signed a norm the group's rule holds too large (`verify_headers`): a
         statistical verdict, not proof. An honest newcomer can earn it once (its fresh AdamW

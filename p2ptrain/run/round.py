@@ -351,10 +351,8 @@ class ContributionRound:
         # mid-run). A member that confirms and then withholds its header is an unexplained
         # abort like a withheld vote: left out, struck, rejected (`rosters.LeaveOneOut`).
         for peer, reason in bad.items():
-            if reason == "norm-outlier":  # a verdict, not proof: the first one is forgiven
-                self.ledger.outlier(t, peer)
-            elif reason != "missing-header":
-                self.ledger.reject(t, peer, reason)
+            if reason != "missing-header":
+                self.ledger.convict(t, peer, reason)
         if bad:  # their headers, not the data plane, decided this attempt
             self._unexplained = all(r == "missing-header" for r in bad.values())
             return False
@@ -391,7 +389,7 @@ class ContributionRound:
             self._failed(t, attempt, exc)
             return False
         for peer, reason in res.excluded.items():
-            self.ledger.reject(t, peer, reason)
+            self.ledger.convict(t, peer, reason)
         self.sparse.commit()
         out.bytes_sent += res.bytes_sent
         out.bytes_recv += res.bytes_recv
