@@ -254,6 +254,39 @@ def test_a_held_check_is_released_at_once_with_a_frame_half_in_and_the_rest_read
     assert all(np.array_equal(r, clean[0]) for r in results)
 
 
+def test_frames_that_arrive_while_we_encode_our_own_chunk_are_taken_at_once():
+    """Encoding our whole own chunk comes before the first receive (~0.1 s a round for a 1B
+    model); our predecessor's frames that arrive meanwhile are taken between encodes
+    (`take_arrived`), so its link is not held back by a window we let close. Member 1
+    starts first and sends its whole own chunk; member 0's first frames then come by pull,
+    in its encoding, before any blocking read, and the result is the plain round's."""
+    world, n = 2, 300_007
+    cfg = RingConfig("int8", sub_chunk_bytes=64 * 1024)
+    vecs = [np.random.default_rng(30 + i).standard_normal(n).astype(np.float32) for i in range(world)]
+    clean, _ = run_ring(vecs, cfg, *make_ring(world))
+    sends, recvs = make_ring(world)
+    order = []
+    recv, pull = recvs[0].recv, recvs[0].pull
+    recvs[0].recv = lambda fid, out: (order.append("recv"), recv(fid, out))[1]
+    recvs[0].pull = lambda fid, out: (lambda got: (order.append("pull") if got is not None else None, got)[1])(
+        pull(fid, out))
+    results = [None] * world
+
+    def member(i):
+        results[i] = allreduce(vecs[i], i, world, sends[i], recvs[i], cfg, 10.0)[0]
+
+    first = threading.Thread(target=member, args=(1,))
+    first.start()
+    deadline = time.monotonic() + 5
+    while recvs[0].io.available() < sum(wire_bytes(hi - lo, cfg) + 48 for lo, hi in layout(n, world, cfg)[1]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.005)
+    member(0)
+    first.join(10)
+    assert order[0] == "pull" and order.count("pull") >= 1, order[:5]
+    assert all(np.array_equal(r, clean[0]) for r in results)
+
+
 def test_a_frame_pulled_in_pieces_opens_once_whole_and_bad_frames_are_dropped_on_the_way():
     """`FrameChannel.pull` never blocks: None until the frame's last byte is in, then its
     length, the payload opened into `out`; a frame for another session ahead of it is

@@ -204,6 +204,11 @@ class FrameChannel:
             if got is not None:
                 return got
 
+    @property
+    def pulls(self) -> bool:
+        """Whether `pull` reads without blocking (a raw socket can; a libp2p stream cannot)."""
+        return hasattr(self.io, "recv_some")
+
     def pull(self, fid: FrameId, out: memoryview) -> int | None:
         """`recv` without blocking: takes what the kernel already holds of the frame and
         returns its length once all of it is in (opened into `out`), else None; a later
@@ -212,7 +217,7 @@ class FrameChannel:
         20 ms of that cost 7 ms of link time, taking bytes as they came 0.1 ms (`p2ptrain
         bench readpause`). Where the transport cannot read without blocking, a frame is read
         once it is all buffered (`buffered`), as far as the transport can tell."""
-        if not hasattr(self.io, "recv_some"):
+        if not self.pulls:
             return self.recv(fid, out) if self.buffered(len(out)) else None
         while self._fill(len(out), blocking=False):
             got = self._open(fid, out)

@@ -31,6 +31,7 @@ from blake3 import blake3
 
 from p2ptrain import kernels as K
 from p2ptrain.reduce import roundtrace
+from p2ptrain.reduce.arena import ArenaPool
 from p2ptrain.reduce.schedule import (  # noqa: F401  (re-exported: the ring's public names)
     Channel,
     FrameId,
@@ -87,62 +88,6 @@ class _Sender(threading.Thread):
             except BaseException as exc:  # reported to the compute thread
                 self.error = exc
                 self.recv_ch.close()
-
-
-class _Arena:
-    """One preallocated wire buffer holding a payload per (chunk, sub), in (chunk, sub)
-    order. np.empty, not bytearray: nothing is zero-filled, every byte is written before it
-    is read or sent."""
-
-    def __init__(self, lay: list[list[tuple[int, int]]], cfg: RingConfig) -> None:
-        self.cfg = cfg
-        self.at: dict[tuple[int, int], tuple[int, int, int]] = {}  # (c, j) -> (offset, nbytes, m)
-        off = 0
-        for c, subs in enumerate(lay):
-            for j, (lo, hi) in enumerate(subs):
-                nb = wire_bytes(hi - lo, cfg)
-                self.at[(c, j)] = (off, nb, hi - lo)
-                off += nb
-        self.buf = np.empty(off, np.uint8)
-
-    def view(self, c: int, j: int) -> memoryview:
-        off, nb, _ = self.at[(c, j)]
-        return memoryview(self.buf[off:off + nb])
-
-    def parts(self, c: int, j: int) -> tuple[np.ndarray, np.ndarray | None]:
-        """Array views of one payload: (fp32 values, None) or (int8 q, uint8 meta)."""
-        off, nb, m = self.at[(c, j)]
-        if self.cfg.mode == "fp32":
-            return self.buf[off:off + nb].view(np.float32), None
-        return self.buf[off:off + m].view(np.int8), self.buf[off + m:off + nb]
-
-
-class ArenaPool:
-    """Keeps a round's wire arenas for the next round of the same shape (thread-safe).
-
-    Fresh buffers cost a page fault per 4 KiB on every round: ~8 ms of a member's ~100 ms of
-    CPU in a 64 MiB round here. The raw-socket ceiling allocates once too. Holds at most
-    `limit` arenas (two per ring round, about half the fp32 tensor's size between them)."""
-
-    def __init__(self, limit: int = 2) -> None:
-        self.limit = limit
-        self._free: list[tuple[tuple, _Arena]] = []
-        self._lock = threading.Lock()
-
-    def take(self, key: tuple, lay, cfg: RingConfig) -> _Arena:
-        with self._lock:
-            for i, (k, arena) in enumerate(self._free):
-                if k == key:
-                    return self._free.pop(i)[1]
-        return _Arena(lay, cfg)
-
-    def give(self, key: tuple, arena: _Arena | None) -> None:
-        if arena is None:
-            return
-        with self._lock:
-            self._free.append((key, arena))
-            if len(self._free) > self.limit:
-                del self._free[:len(self._free) - self.limit]
 
 
 READ_AHEAD_BYTES = 64 << 20
@@ -231,12 +176,14 @@ class _RingRound:
         self.ready: dict[tuple[int, int], memoryview] = {}  # (chunk, sub) -> payload to send next
         self.final: dict[tuple[int, int], bytes] = {}  # (chunk, sub) -> BLAKE3 of its final payload
         self.si = self.sent = 0
+        self.receiving = False  # the receive loop has begun (frames taken early start at 0)
 
     def run(self, timeout: float) -> tuple[np.ndarray, int, str]:
         sender, self.timeout = self.sender, timeout
         try:
             sender.start()
             self.flush()
+            self.receiving = True
             for i, (fid, c, j) in enumerate(self.recvs):
                 buf, spare = self.ahead.pop(i) if i in self.ahead else self.receive(fid, c, j)
                 self.read_ahead(i + 1)
@@ -286,6 +233,8 @@ class _RingRound:
                     payload = rs.view(c, j)
                 if self.on_own is not None and self.own is None:
                     self.on_own(j, payload)  # written once: it stays as sent until the round ends
+                if not self.receiving:  # encoding a big own chunk takes long: keep our link in
+                    self.take_arrived(0)
             elif (c, j) in self.ready:
                 payload = self.ready.pop((c, j))
             else:
@@ -318,27 +267,44 @@ class _RingRound:
             raise RingError(f"frame {fid} has {got} bytes, expected {len(buf)}")
         return buf, spare
 
-    def read_ahead(self, i: int) -> None:
-        """While the frame check is held (the members' signed headers are not in yet), keep
-        the link moving: take the next frames into spare buffers as their bytes come
-        (`pull`), up to READ_AHEAD_BYTES. A receiver that leaves bytes unread slows its
-        sender (TCP's receive window: `p2ptrain bench readpause`, 7 ms a round at 1 Gbit/s),
-        and a blocking read begun just before the headers came held the checks back by up
-        to a frame's time on the wire. Step-0 frames only: our predecessor sends its own
-        chunk unconditionally, while any later frame may depend on our own progress."""
-        pending = getattr(self.check, "pending", None)
-        pull, until = getattr(self.recv_ch, "pull", None), time.monotonic() + self.timeout
-        while (pending is not None and pending() and i + len(self.ahead) < len(self.recvs)
+    def take_arrived(self, i: int) -> bool:
+        """Take our predecessor's step-0 frames from index `i` on into spare buffers as far
+        as their bytes are in, without waiting (`pull`), up to READ_AHEAD_BYTES. A receiver
+        that leaves bytes unread slows its sender (TCP's receive window: `p2ptrain bench
+        readpause`, 7 ms a round at 1 Gbit/s for a 20 ms pause). Step-0 frames only: our
+        predecessor sends its own chunk unconditionally, while any later frame may depend on
+        our own progress. True when the next frame is not all in yet (a caller may wait)."""
+        pull = self.recv_ch.pull if getattr(self.recv_ch, "pulls", False) else None
+        while (pull is not None and i + len(self.ahead) < len(self.recvs)
                and self.recvs[i + len(self.ahead)][0].step == 0 and self.ahead_bytes < READ_AHEAD_BYTES):
             k = i + len(self.ahead)
             got = self.receive(*self.recvs[k], ahead=True, pull=pull)
-            if got is None:  # not all in: wait a little, or less if the headers come
-                if time.monotonic() > until:
-                    return  # the check's own timeout (or the blocking read's) ends the round
-                getattr(self.check, "wait", time.sleep)(PULL_WAIT_S)
-                continue
-            self.ahead[k], until = got, time.monotonic() + self.timeout
+            if got is None:
+                return True
+            self.ahead[k] = got
             self.ahead_bytes += len(got[0])
+        return False
+
+    def read_ahead(self, i: int) -> None:
+        """While the frame check is held (the members' signed headers are not in yet), keep
+        taking frames as they arrive (`take_arrived`), so the header wait does not land on
+        the round: and as bytes come, not frame by frame, so the headers' arrival releases
+        the checks at once (a blocking read begun just before held them back by up to a
+        frame's time on the wire). Bounded by the frame timeout, after which the check's own
+        timeout or the blocking read's ends the round. A channel that cannot read without
+        blocking reads the next step-0 frames ahead in turn."""
+        pending = getattr(self.check, "pending", None)
+        if pending is None:
+            return
+        while (not getattr(self.recv_ch, "pulls", False) and pending() and (k := i + len(self.ahead)) < len(self.recvs)
+               and self.recvs[k][0].step == 0 and self.ahead_bytes < READ_AHEAD_BYTES):
+            self.ahead[k] = self.receive(*self.recvs[k], ahead=True)
+            self.ahead_bytes += len(self.ahead[k][0])
+        until, have = time.monotonic() + self.timeout, len(self.ahead)
+        while pending() and self.take_arrived(i) and time.monotonic() < until:
+            if len(self.ahead) > have:  # progress: the bound is per frame
+                until, have = time.monotonic() + self.timeout, len(self.ahead)
+            getattr(self.check, "wait", time.sleep)(PULL_WAIT_S)
 
     def checked(self, fid: FrameId, c: int, j: int, buf: memoryview) -> memoryview:
         """`buf`, held to the caller's check before anything is mixed in."""
