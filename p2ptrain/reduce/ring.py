@@ -233,8 +233,6 @@ class _RingRound:
                     payload = rs.view(c, j)
                 if self.on_own is not None and self.own is None:
                     self.on_own(j, payload)  # written once: it stays as sent until the round ends
-                if not self.receiving:  # encoding a big own chunk takes long: keep our link in
-                    self.take_arrived(0)
             elif (c, j) in self.ready:
                 payload = self.ready.pop((c, j))
             else:
@@ -242,6 +240,8 @@ class _RingRound:
             self.sender.q.put((fid, payload))
             self.sent += len(payload)
             self.si += 1
+            if fid.step == 0 and not self.receiving:  # encoding a big own chunk takes long: take
+                self.take_arrived(0)  # what arrived meanwhile, so our predecessor's link goes on
 
     def receive(self, fid: FrameId, c: int, j: int, ahead: bool = False,
                 pull=None) -> tuple[memoryview, np.ndarray | None] | None:
