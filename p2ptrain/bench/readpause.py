@@ -9,7 +9,7 @@ round the sender sends `--frames` ring-sized frames (1 MiB of int8 values each) 
 receiver's go, and the receiver either
   - plain: reads every frame as it comes (the unverified ring; the reference),
   - whole: for the first `--hold-ms`, reads a frame only once the kernel holds all of it
-    (`FrameChannel.buffered`: read-ahead before this bench),
+    (what read-ahead did before this bench),
   - pull: for the first `--hold-ms`, takes whatever bytes have come every 0.5 ms
     (`FrameChannel.pull`: read-ahead now),
 then reads the rest in turn. A round's time is the receiver's, from its go to the last
@@ -51,6 +51,7 @@ def _frame_bytes() -> int:
 
 
 def _receiver(ip: str, modes: list[str], hold_s: float, frames: int) -> None:
+    from p2ptrain.reduce.bulk import HEADER, TAG
     from p2ptrain.reduce.ring import FrameId
 
     srv = socket.create_server((ip, 0))
@@ -68,7 +69,8 @@ def _receiver(ip: str, modes: list[str], hold_s: float, frames: int) -> None:
             if mode == "pull":
                 got = ch.pull(fid, out)
             else:
-                got = ch.recv(fid, out) if ch.buffered(len(out)) else None
+                whole = ch.io.available() >= HEADER.size + len(out) + TAG  # all of it in the kernel
+                got = ch.recv(fid, out) if whole else None
             if got is None:
                 time.sleep(0.0005 if mode == "pull" else 0.001)
             else:

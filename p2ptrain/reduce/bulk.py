@@ -191,12 +191,6 @@ class FrameChannel:
         self.stats.frames += 1
         self.stats.bytes += len(hdr) + len(sealed)
 
-    def buffered(self, nbytes: int) -> bool:
-        """Whether a whole frame of `nbytes` payload is already in the kernel (a recv of it
-        would not block); True where the transport cannot tell."""
-        available = getattr(self.io, "available", None)
-        return available is None or available() >= HEADER.size + nbytes + TAG
-
     def recv(self, fid: FrameId, out: memoryview) -> int:
         while True:
             self._fill(len(out), blocking=True)
@@ -215,10 +209,10 @@ class FrameChannel:
         `pull` or `recv` goes on where this one stopped. A receiver that leaves bytes in the
         kernel instead (reading only whole frames) slows its sender: on a 1 Gbit/s lab link,
         20 ms of that cost 7 ms of link time, taking bytes as they came 0.1 ms (`p2ptrain
-        bench readpause`). Where the transport cannot read without blocking, a frame is read
-        once it is all buffered (`buffered`), as far as the transport can tell."""
+        bench readpause`). Where the transport cannot read without blocking (a libp2p
+        stream, which cannot tell what it holds either), this is a plain `recv`."""
         if not self.pulls:
-            return self.recv(fid, out) if self.buffered(len(out)) else None
+            return self.recv(fid, out)
         while self._fill(len(out), blocking=False):
             got = self._open(fid, out)
             if got is not None:
@@ -292,11 +286,10 @@ class RateLimitedIO:
         self.io = io
         self.rate = mbps * 1e6
         self.next_free = 0.0
-        # Only what the wrapped transport has: a channel asks for these with getattr (a
-        # libp2p stream can neither peek nor read without blocking).
-        for name in ("available", "recv_some"):
-            if hasattr(io, name):
-                setattr(self, name, getattr(io, name))
+        # Only where the wrapped transport has it: a channel asks with hasattr (`pulls`; a
+        # libp2p stream cannot read without blocking).
+        if hasattr(io, "recv_some"):
+            self.recv_some = io.recv_some
 
     def sendall(self, parts: list) -> None:
         size = sum(len(p) for p in parts)

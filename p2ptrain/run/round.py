@@ -192,9 +192,10 @@ class ContributionRound:
                 if roster is None:
                     return out
                 continue
-            if self.me in self.ledger.left_out(t):  # our own header was an outlier: skip, catch up
+            left_out = self.ledger.left_out(t)
+            if self.me in left_out:  # our own header was an outlier: skip, catch up
                 return out
-            roster = [p for p in roster if p not in self.ledger.left_out(t)]
+            roster = [p for p in roster if p not in left_out]
             out.members = roster
             if roster == [self.me]:
                 # Alone. A newcomer that missed its group's round must not commit alone: its
