@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import trio
 import trio.testing
@@ -15,12 +16,38 @@ def trio_test(autojump: bool = True):
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            clock = trio.testing.MockClock(autojump_threshold=0) if autojump else None
-            return trio.run(functools.partial(fn, *args, **kwargs), clock=clock)
+            main = functools.partial(fn, *args, **kwargs)
+            return run_autojump_with_threads(main) if autojump else trio.run(main)
 
         return wrapper
 
     return deco
+
+
+def run_autojump_with_threads(main, *args):
+    """`trio.run(main)` under an autojump clock that holds still while `trio.to_thread`
+    workers run. trio counts a task that waits on a worker as blocked, so the plain autojump
+    clock jumps to the next deadline (often a test's whole-run `fail_after`) while a worker
+    still computes: a test that passed unloaded failed at random on a loaded 2-core CI
+    machine. Every `trio.to_thread.run_sync` is counted, and autojump is off while any runs."""
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    real, busy = trio.to_thread.run_sync, [0]
+
+    async def counted(fn, *a, **kw):
+        busy[0] += 1
+        clock.autojump_threshold = math.inf
+        try:
+            return await real(fn, *a, **kw)
+        finally:
+            busy[0] -= 1
+            if not busy[0]:
+                clock.autojump_threshold = 0
+
+    trio.to_thread.run_sync = counted
+    try:
+        return trio.run(main, *args, clock=clock)
+    finally:
+        trio.to_thread.run_sync = real
 
 
 import pytest  # noqa: E402

@@ -11,8 +11,8 @@ import dataclasses
 import numpy as np
 import pytest
 import trio
-import trio.testing
 
+from conftest import run_autojump_with_threads
 from fakes.adversary import HostileContributor
 from p2ptrain.identity import Identity
 from p2ptrain.reduce.service import RoundFailed
@@ -154,9 +154,8 @@ def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None
                 for i in range(len(rounds)):
                     nursery.start_soon(one, i)
 
-    # The encode/hash work runs in worker threads: let the clock jump only when they are
-    # idle too (50 ms of real idleness), so timeouts never fire while one is computing.
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+    # The encode/hash work runs in worker threads: the clock jumps only while none runs.
+    run_autojump_with_threads(main)
     return outs
 
 
@@ -460,7 +459,7 @@ def _timed_rounds(rounds, ds, group, first_wait=None):
                     nursery.start_soon(one, i)
 
     outs = [None] * len(rounds)
-    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0.05))
+    run_autojump_with_threads(main)
     return outs, took
 
 
