@@ -358,6 +358,18 @@ def test_a_newcomer_that_missed_a_members_record_still_commits_with_everyone():
     assert len({o.result.tobytes() for o in outs}) == 1
     assert all(set(o.members) == {a, b, c, n} for o in outs)
     assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)
+    # The outer step applies the mean over the three that trained, not 3/4 of it (before, each
+    # joiner shrank its group's step by its share), the same bytes on every member.
+    assert {o.scale for o in outs} == {4 / 3}
+    assert len({o.average().tobytes() for o in outs}) == 1
+    assert np.allclose(outs[0].average(), np.mean(ds[:3], axis=0), atol=1e-6)
+
+
+def test_without_joiners_the_committed_mean_is_applied_as_it_is():
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    outs = run_rounds(rounds, deltas(3))
+    assert all(o.scale == 1.0 and o.average() is o.result for o in outs)
 
 
 def test_an_unreconcilable_split_commits_on_one_side_only():

@@ -140,6 +140,21 @@ def test_norm_rules_mean_excludes_robust_clips():
     assert abs(codec.norm(dec["p0"], 20_000, CFG) - np.linalg.norm(dense)) < 1e-9
 
 
+def test_newcomers_zeros_neither_shrink_the_mean_nor_lower_the_median():
+    """Two joiners' zero payloads: the mean is over the three that trained (before: 3/5 of
+    it), and the median the outlier rule uses is theirs (before, the zeros pulled it toward
+    the smallest trained norm, or to 0: no bar at all)."""
+    dec = {f"p{i}": _contrib(1.0 + i, i) for i in range(3)} | {f"j{i}": _contrib(0.0, 20 + i) for i in range(2)}
+    order = ["j0", "p0", "p1", "j1", "p2"]
+    mean, used, excluded, _ = codec.aggregate(dec, order, 20_000, CFG)
+    assert used == order and not excluded
+    trained, _, _, _ = codec.aggregate({p: dec[p] for p in ("p0", "p1", "p2")}, ["p0", "p1", "p2"], 20_000, CFG)
+    assert np.array_equal(mean, trained)
+    assert codec.aggregate(dec, order, 20_000, CFG)[3] == codec.aggregate(dec, order, 20_000, CFG)[3]
+    zeros, used0, _, _ = codec.aggregate({p: dec[p] for p in ("j0", "j1")}, ["j0", "j1"], 20_000, CFG)
+    assert used0 == ["j0", "j1"] and not zeros.any()  # nobody trained: a zero step, no division by 0
+
+
 def test_header_checks_bind_step_roster_and_shape():
     ident = Identity.generate()
     parts = SK.compress_ef(np.ones(5000, np.float32), np.zeros(5000, np.float32), 0.9, CFG.chunk, CFG.k)

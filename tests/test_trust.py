@@ -156,6 +156,22 @@ def test_a_group_of_two_bounds_the_norm_too():
     assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
+def test_joiners_zeros_do_not_set_the_norm_bar():
+    """The median is over the members that trained. Before, two joiners among four made it
+    half the smaller trained norm (an honest 8x spread was an 'outlier'), and three among
+    four made it 0: no bar at all, so a lone trainer's 1e6 passed."""
+    from p2ptrain.run import contribution as C
+
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x ref(a)
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
+    assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 3
+    raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 4  # median of 1.0, 1.2, 0.9, 12: 1.1
+
+
 
 # -- hole 5: one state record is not the run's state ---------------------------------------
 def test_latest_state_ignores_a_step_only_one_peer_claims():

@@ -56,6 +56,7 @@ def run_config(st: Settings, H: int, rule: str, attack: str, n_bad: int, seed: i
     from p2ptrain.reduce import robust
     from p2ptrain.train.data import evaluate, load_dataset, train_batch
     from p2ptrain.kernels import reference, simulate_ring_mean
+    from p2ptrain.run.contribution import trained_scale
     from p2ptrain.train.outer import OuterConfig, OuterOptimizer, flatten, unflatten_into
     from p2ptrain.reduce.ring import RingConfig
 
@@ -92,6 +93,9 @@ def run_config(st: Settings, H: int, rule: str, attack: str, n_bad: int, seed: i
                 deltas.append(np.zeros(outer.numel, np.float32))
         if rule == "mean":
             avg = simulate_ring_mean(deltas, st.block, kernels=reference)
+            # as a round commits it: the mean over those that sent anything (free-riders' zeros
+            # do not shorten the step: ContributionRound, contribution.trained_scale)
+            avg = avg * np.float32(trained_scale((float(np.linalg.norm(d)) for d in deltas), M))
         else:
             avg, rows = butterfly.simulate(deltas, cfg, robust.RobustConfig())
             for i in robust.flagged(rows):

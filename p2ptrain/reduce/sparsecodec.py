@@ -155,19 +155,23 @@ def _median(xs: list[float]) -> float:
 
 
 def aggregate(decoded: dict, order: list[str], n: int, cfg: SparseConfig, robust: bool = False):
-    """(mean float32[n], senders used in roster order, excluded sender -> reason, digest)."""
+    """(mean float32[n], senders used in roster order, excluded sender -> reason, digest).
+    The mean is over the senders that trained: a newcomer's zeros (norm 0, exact from the
+    decoded payload) neither shrink it nor pull the median down (`contribution.trained_scale`
+    for the dense ring)."""
     senders = [p for p in order if p in decoded]
     norms = {p: norm(decoded[p], n, cfg) for p in senders}
-    med = _median(list(norms.values())) if senders else 0.0
+    trained = [x for x in norms.values() if x > 0]
+    med = _median(trained) if trained else 0.0
     excluded = {}
-    if not robust and len(senders) >= 3 and med > 0:
+    if not robust and len(trained) >= 3:
         excluded = {p: "norm-outlier" for p in senders if norms[p] > cfg.norm_factor * med}
     used = [p for p in senders if p not in excluded]
     acc = np.zeros(n, np.float64)
     for p in used:
         mul = min(1.0, med / norms[p]) if robust and norms[p] > 0 else 1.0
         SK.decode_add(*decoded[p], acc, cfg.chunk, cfg.k, mul)
-    mean = (acc / max(1, len(used))).astype(np.float32)
+    mean = (acc / max(1, sum(1 for p in used if norms[p] > 0))).astype(np.float32)
     h = hashlib.sha256(mean.tobytes())
     h.update("\0".join(used).encode())
     return mean, used, excluded, h.hexdigest()

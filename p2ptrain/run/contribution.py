@@ -21,6 +21,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -104,6 +105,18 @@ def consistent(h: Header, rel: float = 1e-3) -> bool:
     return abs(total - h.norm) <= rel * max(total, h.norm) + 1e-6
 
 
+def trained_scale(norms: Iterable[float], world: int) -> float:
+    """The factor that turns a committed mean over a round's `world` members into the mean
+    over those that trained. A newcomer joins a round with zeros under a signed norm of 0
+    (the data plane holds its frames to that norm), and DiLoCo's outer gradient is the
+    average of the workers' progress: before, each joiner shrank the step by its share (3
+    trainers and a joiner applied 3/4 of their mean). Every member computes it from the same
+    verified headers' norms, so all of them scale by the same float32 factor: params stay
+    identical."""
+    trained = sum(1 for x in norms if x > 0)
+    return world / trained if 0 < trained < world else 1.0
+
+
 def _reference(peer: str, ok: dict[str, Header], norm_history: dict[str, list[float]] | None) -> float:
     """What a member's norm is held to in a group too small for a median: the other
     members' norms (when they trained) and its own median over past accepted steps. The
@@ -122,8 +135,8 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
                    ) -> tuple[dict[str, Header], dict[str, str]]:
     """(accepted headers, rejected peer -> reason) for the group `members`.
 
-    Groups of 3 or more: a norm over `norm_factor` x the median is an outlier. Groups of 2
-    (no median): a norm over `norm_factor` x the reference (`_reference`) is. With `trusted`
+    Groups where 3 or more trained (norm > 0): a norm over `norm_factor` x their median is an
+    outlier. Otherwise (no median): a norm over `norm_factor` x the reference (`_reference`) is. With `trusted`
     (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
     `probation_factor` x the trusted members' median norm (when any trusted member trained)."""
     ok: dict[str, Header] = {}
@@ -156,9 +169,9 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
             bad[peer] = "replay"
         else:
             ok[peer] = h
-    if len(ok) >= 3:
-        median = float(np.median([h.norm for h in ok.values()]))
-        limits = {p: norm_factor * median for p in ok} if median > 0 else {}
+    trained = [h.norm for h in ok.values() if h.norm > 0]
+    if len(trained) >= 3:  # joiners' zeros are no norm to judge by (they only pulled the median down)
+        limits = {p: norm_factor * float(np.median(trained)) for p in ok}
     else:
         limits = {p: norm_factor * _reference(p, ok, norm_history) for p in ok}
     vouched = [h.norm for p, h in ok.items() if trusted and p in trusted and h.norm > 0]

@@ -12,15 +12,11 @@ Attempts, each with a fresh roster (members this peer still trusts):
      missing header is silence: an unexplained abort, not a rejection);
   3. run the all-reduce with every frame held to those headers; a `RoundFailed` naming
      culprits rejects them and we try again.
-Sparse runs (issue 18) replace steps 2-3 with the compressed collective
-(`p2ptrain.reduce.sparse`): each member's signed top-k payload is all-gathered, verified per
-sender and summed in roster order; senders caught with a bad payload are rejected.
+Sparse runs (issue 18) replace steps 2-3 with the compressed collective (`reduce.sparse`).
 Alone (every other member dropped out) a trainer commits its own step unless it is a
 newcomer or its group did not confirm it: both skip and catch up instead (see `run`).
-
-The all-reduce service is reached through `ReduceService` (two calls), so tests drive this
-logic with a fake service in memory. What this peer sends and signs is a `Contributor`: the
-product uses the honest one; hostile-peer tests pass a subclass.
+The service is reached through `ReduceService` (tests drive this logic with a fake in
+memory); what this peer sends and signs is a `Contributor` (hostile-peer tests subclass it).
 """
 
 from __future__ import annotations
@@ -40,7 +36,7 @@ from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
-                                       sign_header, streamed_material, verify_headers)
+                                       sign_header, streamed_material, trained_scale, verify_headers)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -110,7 +106,8 @@ class RoundConfig:
 @dataclass
 class Outcome:
     result: np.ndarray | None
-    """The committed average; None when no round committed (the step is skipped)."""
+    """The committed mean over the roster (the outer step applies `average`); None when no
+    round committed (the step is skipped)."""
     members: list[str]
     bytes_sent: int = 0
     bytes_recv: int = 0
@@ -121,10 +118,14 @@ class Outcome:
     alone: bool = False
     """The result is our own delta: every other member dropped out. The caller must not
     commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
+    scale: float = 1.0  # average = result x scale: the mean over those that trained (trained_scale)
     seconds: dict = field(default_factory=dict)
-    """Where the round's time went (roster, prepare, headers, reduce; summed over attempts),
-    reported in the trainer's `step_timing` event (issue 17's step-protocol breakdown). In
-    ring rounds prepare and headers run beside reduce, so the parts overlap."""
+    """Where the round's time went (roster, prepare, headers, reduce; summed over attempts;
+    the trainer's `step_timing` event). In ring rounds the parts overlap."""
+
+    def average(self) -> np.ndarray:
+        """What the outer step applies (a model-sized multiply: call it in a worker thread)."""
+        return self.result if self.scale == 1.0 else self.result * np.float32(self.scale)
 
     def took(self, part: str, since: float) -> float:
         now = trio.current_time()
@@ -367,6 +368,7 @@ class ContributionRound:
                               for _, c, j in ring.schedule(rank, len(lay), lay)[1])
         self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
+        out.scale = 1.0 if self.config.robust is not None else trained_scale((h.norm for h in ok.values()), len(lay))
         return True
 
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:

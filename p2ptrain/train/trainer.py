@@ -250,7 +250,7 @@ class Trainer:
         await self._wait_reported()
         lap = _lap(tm, "last_report", lap)
         self.last_roster = set(out.members)
-        sha = await trio.to_thread.run_sync(self.local.outer_step, out.result)
+        sha = await trio.to_thread.run_sync(lambda: self.local.outer_step(out.average()))
         _lap(tm, "outer_step", lap)
         self.committed += 1
         report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
