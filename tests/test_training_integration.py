@@ -139,6 +139,34 @@ def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys
         assert rows[ev["peer"]]["step"] >= 2 and rows[ev["peer"]]["val_loss"] is not None
 
 
+def test_the_last_peer_standing_trains_on_alone(procs, tmp_path, keys):
+    """Two peers; the other dies as it signs its header for step 2 (its ready record is out
+    and the pair confirmed each other). The survivor's round fails, it skips step 2 (its
+    group did not commit), finds no newer state, and contributes what it trained for step 2
+    again, alone now: the dead peer's ready record has expired (join window 5 s: TTL 100 s,
+    under the 120 s catch-up). Before, it came back to step 2 as a joiner with zeros, and a
+    joiner alone never commits: it never trained again."""
+    d = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d), "--key", str(tmp_path / "init.key"),
+         "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "6", "--join-window", "5", "--group-size", "4", "--seed", "3"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    boot, baddr = start_bootstrap(procs)
+    survivor, dying = start_trainers(procs, baddr, (d, out.stdout.strip().splitlines()[-1]), keys, 2, 4,
+                                     adversary="die-at-header:2")
+    me = survivor.wait_event(lambda e: e["event"] == "run_joined", 120)["peer"]
+    assert len(committed(survivor, 2)["members"]) == 2
+    assert dying.proc.wait(120) == 9
+    assert committed(survivor, 3, timeout=360)["members"] == [me]
+    assert committed(survivor, 4)["members"] == [me]
+    evs = survivor.all_events
+    assert [e["reason"] for e in evs if e["event"] == "outer_step_skipped"] == ["no round committed"]
+    assert [e.get("retry") for e in evs if e["event"] == "outer_step_started" and e["step"] == 2] == [None, True]
+    assert len([e for e in evs if e["event"] == "inner_phase" and e["phase"] == 2]) == 1  # trained once
+
+
 # -- robust aggregation (issue 7) ----------------------------------------------------------
 @pytest.fixture(scope="session")
 def robust_run(tmp_path_factory):

@@ -92,6 +92,7 @@ class Trainer:
         # steps we announced ahead (join-ahead) -> (that ready_at, announce it again as joining:
         # an early ready_at must not start the clock)
         self._ahead: dict[int, tuple[float, bool]] = {}
+        self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -183,18 +184,32 @@ class Trainer:
 
     async def outer_step(self, joining: bool) -> bool:
         """One outer step; returns whether the next one starts as a zero-contribution join."""
-        if joining and await self._round_underway(self.local.step):
-            await self._join_ahead()
         t = self.local.step
-        self.events.emit("outer_step_started", step=t, joining=joining)
-        if joining:
-            loss, tokens, sec_inner = math.nan, 0, 0.0
-            delta = np.zeros(self.local.outer.numel, np.float32)
+        retry, self._unsent = (self._unsent if self._unsent is not None and self._unsent[0] == t else None), None
+        if retry is not None:
+            # We skipped step t and nobody committed it (the catch-up found no newer state):
+            # what we trained for it is still our contribution. Before, we came back to it
+            # as a joiner with zeros, and a peer left alone in its run (the other one killed
+            # mid-step) then never committed again: a joiner alone never commits.
+            delta, loss, tokens, sec_inner = retry[1:]
+            joining = False
+            self.events.emit("outer_step_started", step=t, joining=False, retry=True)
         else:
-            loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
-            self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
-            delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
-        return await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
+            if joining and await self._round_underway(t):
+                await self._join_ahead()
+                t = self.local.step
+            self.events.emit("outer_step_started", step=t, joining=joining)
+            if joining:
+                loss, tokens, sec_inner = math.nan, 0, 0.0
+                delta = np.zeros(self.local.outer.numel, np.float32)
+            else:
+                loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
+                self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
+                delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
+        skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
+        if skipped and not joining and self.local.step == t:
+            self._unsent = (t, delta, loss, tokens, sec_inner)
+        return skipped
 
     async def announce(self, t: int, joining: bool) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds

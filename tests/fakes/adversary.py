@@ -3,15 +3,20 @@ the corrupting blob server are the benches' own (p2ptrain/bench/adversary.py, wh
 lists the modes); what only tests need lives here:
   ckpt-pause:STEP:SECONDS  trains honestly, but stalls halfway through writing that step's
           checkpoint (so a test can SIGKILL it mid-write)
+  die-at-header:STEP  trains honestly, and dies (os._exit, like a SIGKILL) as it signs its
+          contribution header for that step: after its ready record is out and its group
+          confirmed it, before the round can commit anywhere
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from p2ptrain.bench.adversary import (  # noqa: F401  (re-exported for the tests)
     CONTRIBUTION_MODES, CorruptBlobServer, HostileContributor, flip_one_byte)
 from p2ptrain.ckpt import checkpoint
+from p2ptrain.run.round import Contributor
 
 
 class PausingWriter(checkpoint.AsyncWriter):
@@ -33,3 +38,15 @@ class PausingWriter(checkpoint.AsyncWriter):
             self.events.emit("checkpoint_write_paused", step=step)
         time.sleep(self.seconds)
         super()._write(step, data)
+
+
+class DyingContributor(Contributor):
+    """Honest until it signs its header for step `step`: then the process ends at once."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def sign(self, header, identity) -> bytes:
+        if header.step == self.step:
+            os._exit(9)
+        return super().sign(header, identity)

@@ -1,6 +1,6 @@
 """`python -m fakes.hostile_peer MODE join ...`: a real `p2ptrain join` process built with one
 hostile part: the benches' modes (p2ptrain/bench/adversary.py) plus the test-only
-`ckpt-pause:STEP:SECONDS` (tests/fakes/adversary.py). Run with tests/ on PYTHONPATH
+`ckpt-pause:STEP:SECONDS` and `die-at-header:STEP` (tests/fakes/adversary.py). Run with tests/ on PYTHONPATH
 (`fakes.env()` gives the environment)."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ def parts_for(mode: str):
     from fakes import adversary
     from p2ptrain.run.runner import Parts, make_writer
 
+    if mode.startswith("die-at-header:"):
+        return Parts(contributor=functools.partial(adversary.DyingContributor, int(mode.split(":")[1])))
     if not mode.startswith("ckpt-pause:"):
         return bench_adversary.parts_for(mode)
     _, step, seconds = mode.split(":")
