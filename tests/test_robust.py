@@ -149,6 +149,35 @@ def test_butterfly_bit_identical_and_equal_to_the_simulation(world, mode):
         assert robust.flagged(rows) == [world - 1]
 
 
+def test_owners_leave_a_joiners_zeros_out_of_the_robust_rule():
+    """A newcomer's zeros (signed norm 0) are no point to centre on: counted, they pulled
+    CenteredClip toward 0 like a free-rider (bench robust: the zeros rows). Every owner now
+    combines only the members that trained, identically on every member and in `simulate`."""
+    world, n = 4, 60_000
+    # Pseudo-gradients are noisy: spread over 1 puts zeros within CenteredClip's 2 tau.
+    vecs = honest(3, n, seed=5, spread=1.5) + [np.zeros(n, np.float32)]
+    cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
+    own = [butterfly.own_payloads(v, world, cfg) for v in vecs]
+    members = [f"m{i}" for i in range(world)]
+    spans = [(c[0][0], c[-1][1]) for c in butterfly.layout(n, world, cfg)]
+    norms = [tuple(float(np.linalg.norm(v[lo:hi])) for lo, hi in spans) for v in vecs]
+    headers = {m: Header("run", 1, 0, "roster", m, norms[i], tuple(butterfly.chunk_digests(own[i])),
+                         float(np.linalg.norm(norms[i])), 10, 0 if i == 3 else 100) for i, m in enumerate(members)}
+    subs = [len(s) for s in own[0]]
+    assert butterfly.Checker(members, headers, subs).idle == {3}
+    checks = [butterfly.Checker(members, headers, subs) for _ in range(world)]
+    out, errors = run_mesh(vecs, cfg, rcfg, *make_mesh(world), own=own, check=checks)
+    assert errors == [None] * world
+    assert len({hashlib.sha256(o[0].tobytes()).hexdigest() for o in out}) == 1
+    sim, rows = butterfly.simulate(vecs, cfg, rcfg)
+    assert np.array_equal(out[0][0], sim) and all(np.array_equal(a, b) for a, b in zip(out[0][3], rows))
+    assert all(row[3] == 0 for row in rows)
+    trained, _ = robust.combine(vecs[:3], rcfg)
+    assert np.linalg.norm(sim - trained) / np.linalg.norm(trained) < 0.02  # int8 on the wire
+    before, _ = robust.combine(vecs, rcfg)  # what an owner gave with the zeros counted
+    assert np.linalg.norm(before - trained) / np.linalg.norm(trained) > 0.1
+
+
 def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():
     world, n = 4, 20_000
     vecs = honest(world, n, seed=9)

@@ -74,11 +74,26 @@ def decode(payload, m: int, cfg: RingConfig) -> np.ndarray:
                         cfg.block)
 
 
+def _active(world: int, idle: frozenset[int], rcfg: robust.RobustConfig) -> list[int]:
+    """The members a chunk's robust rule combines: all but those that did not train (a
+    signed norm of 0: newcomers' zeros are no point to centre on, and counted they shrank the
+    step like a free-rider's), unless that leaves none, or too few for an explicit trim."""
+    act = [i for i in range(world) if i not in idle]
+    if not act or (rcfg.rule == "trimmed_mean" and rcfg.trim >= 0 and 2 * rcfg.trim >= len(act)):
+        return list(range(world))
+    return act
+
+
 def owner_reduce(copies: list[np.ndarray], subs: list[tuple[int, int]], cfg: RingConfig,
-                 rcfg: robust.RobustConfig) -> tuple[list[bytearray], np.ndarray, np.ndarray]:
-    """The owner's step for one chunk: combine every member's decoded copy (index = rank),
-    quantize the result once per sub-chunk. Returns (payloads, decoded result, scores)."""
-    combined, scores = robust.combine(copies, rcfg)
+                 rcfg: robust.RobustConfig, idle: frozenset[int] = frozenset(),
+                 ) -> tuple[list[bytearray], np.ndarray, np.ndarray]:
+    """The owner's step for one chunk: combine the decoded copies (index = rank) of the
+    members that trained (`_active`), quantize the result once per sub-chunk. Returns
+    (payloads, decoded result, scores; 0 for a member left out: nothing was thrown away)."""
+    act = _active(len(copies), idle, rcfg)
+    combined, part = robust.combine([copies[i] for i in act], rcfg)
+    scores = np.zeros(len(copies), np.float64)
+    scores[act] = part
     base = subs[0][0]
     payloads = [encode_payload(combined[lo - base:hi - base], cfg) for lo, hi in subs]
     result = np.concatenate([decode(p, hi - lo, cfg) for p, (lo, hi) in zip(payloads, subs)])
@@ -92,13 +107,14 @@ def simulate(tensors, cfg: RingConfig | None = None, rcfg: robust.RobustConfig |
     cfg, rcfg = cfg or RingConfig(), rcfg or robust.RobustConfig()
     xs = [np.ascontiguousarray(t, dtype=np.float32).ravel() for t in tensors]
     world, n = len(xs), xs[0].size
+    idle = frozenset(i for i, x in enumerate(xs) if not x.any())  # as their signed norm of 0 says
     lay = layout(n, world, cfg)
     result = np.empty(n, np.float32)
     rows = []
     for c, subs in enumerate(lay):
         lo, hi = subs[0][0], subs[-1][1]
         copies = [np.concatenate([decode(encode_payload(x[a:b], cfg), b - a, cfg) for a, b in subs]) for x in xs]
-        _, result[lo:hi], scores = owner_reduce(copies, subs, cfg, rcfg)
+        _, result[lo:hi], scores = owner_reduce(copies, subs, cfg, rcfg, idle)
         rows.append(scores)
     return result, rows
 
@@ -133,6 +149,11 @@ class Checker:
         bound = math.sqrt(math.fsum(self.headers[m].chunk_norms[chunk] ** 2 for m in self.members))
         if math.sqrt(self._result_sq[chunk]) > self.slack * bound + 1e-6:
             raise BadContribution(peer, f"published chunk {chunk} exceeds the members' signed norms")
+
+    @property
+    def idle(self) -> frozenset[int]:
+        """Members whose signed norm is 0 (joiners): no owner combines their copies."""
+        return frozenset(i for i, m in enumerate(self.members) if self.headers[m].norm == 0)
 
     def check(self, sender: int, chunk: int, sub: int, payload, values: np.ndarray) -> None:
         from p2ptrain.run.contribution import BadContribution
@@ -177,6 +198,7 @@ class _Butterfly:
         # `check`: a callable for the members' copies, or a `Checker` (copies and owners' results)
         self.cfg, self.rcfg, self.own, self.check = cfg, rcfg, own, getattr(check, "check", check)
         self.check_result = getattr(check, "check_result", None)
+        self.idle = getattr(check, "idle", frozenset())
         self.lay = lay = layout(vec.size, world, cfg)
         self.others = [p for p in range(world) if p != rank]
         self.inq: queue.Queue = queue.Queue()
@@ -281,7 +303,7 @@ class _Butterfly:
     def publish(self) -> None:
         rank, mine = self.rank, self.mine
         chunk = [np.concatenate(self.copies[q]) for q in range(self.world)]
-        payloads, res, scores = owner_reduce(chunk, mine, self.cfg, self.rcfg)
+        payloads, res, scores = owner_reduce(chunk, mine, self.cfg, self.rcfg, self.idle)
         self.result[mine[0][0]:mine[-1][1]] = res
         self.rows[rank] = scores
         self.final[(rank, -1)] = hashlib.sha256(scores.tobytes()).digest()
