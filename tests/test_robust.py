@@ -171,11 +171,22 @@ def test_owners_leave_a_joiners_zeros_out_of_the_robust_rule():
     assert len({hashlib.sha256(o[0].tobytes()).hexdigest() for o in out}) == 1
     sim, rows = butterfly.simulate(vecs, cfg, rcfg)
     assert np.array_equal(out[0][0], sim) and all(np.array_equal(a, b) for a, b in zip(out[0][3], rows))
-    assert all(row[3] == 0 for row in rows)
+    assert all(row[3] == np.float32(np.median(row[:3])) for row in rows)  # neutral: never a suspect
     trained, _ = robust.combine(vecs[:3], rcfg)
     assert np.linalg.norm(sim - trained) / np.linalg.norm(trained) < 0.02  # int8 on the wire
     before, _ = robust.combine(vecs, rcfg)  # what an owner gave with the zeros counted
     assert np.linalg.norm(before - trained) / np.linalg.norm(trained) > 0.1
+
+
+def test_a_member_left_out_scores_neutrally_beside_an_attacker():
+    xs = honest(5, 4096, seed=2, spread=1.5)
+    xs[4] = -10 * xs[4]  # a sign-flipper
+    xs.append(np.zeros(4096, np.float32))  # a joiner
+    cfg, rcfg = RingConfig(sub_chunk_bytes=16 * 1024), robust.RobustConfig()
+    _, _, scores = butterfly.owner_reduce(xs, [(0, 4096)], cfg, rcfg, frozenset({5}))
+    _, part = robust.combine(xs[:5], rcfg)
+    assert np.array_equal(scores[:5], part.astype(np.float32)) and scores[5] == np.float32(np.median(part))
+    assert robust.suspects(scores) == [4]
 
 
 def test_butterfly_blames_a_member_whose_bytes_differ_from_its_signed_digests():

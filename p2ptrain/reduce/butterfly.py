@@ -89,10 +89,11 @@ def owner_reduce(copies: list[np.ndarray], subs: list[tuple[int, int]], cfg: Rin
                  ) -> tuple[list[bytearray], np.ndarray, np.ndarray]:
     """The owner's step for one chunk: combine the decoded copies (index = rank) of the
     members that trained (`_active`), quantize the result once per sub-chunk. Returns
-    (payloads, decoded result, scores; 0 for a member left out: nothing was thrown away)."""
+    (payloads, decoded result, scores). A member left out scores the others' median: never a
+    suspect, and the median `robust.suspects` judges the others by does not move."""
     act = _active(len(copies), idle, rcfg)
     combined, part = robust.combine([copies[i] for i in act], rcfg)
-    scores = np.zeros(len(copies), np.float64)
+    scores = np.full(len(copies), float(np.median(part)), np.float64)
     scores[act] = part
     base = subs[0][0]
     payloads = [encode_payload(combined[lo - base:hi - base], cfg) for lo, hi in subs]
