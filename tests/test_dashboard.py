@@ -72,6 +72,14 @@ def test_state_follows_events_and_metrics_agree():
     assert samples['p2ptrain_contributions_rejected_total{reason="norm \\"mismatch\\"\\nx"}'] == 1
 
 
+def test_state_names_each_kind_of_step_start():
+    st = DashboardState()
+    for ev, phase in [({"step": 3, "joining": False}, "inner steps"), ({"step": 3, "joining": True}, "catching up"),
+                      ({"step": 3, "joining": False, "retry": True}, "retrying its step: nobody committed it")]:
+        st.apply({"event": "outer_step_started", **ev})
+        assert st.snapshot()["phase"] == phase and st.snapshot()["step"] == 3
+
+
 def test_state_survives_hostile_fields():
     st = DashboardState()
     st.apply({"event": "outer_step_committed", "step": "x", "loss": "nan", "val_loss": float("inf"),

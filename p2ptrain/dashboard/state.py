@@ -58,7 +58,8 @@ class DashboardState:
             self.phase = "joined"
         elif kind == "outer_step_started":
             self.step = ev.get("step")
-            self.phase = "catching up" if ev.get("joining") else "inner steps"
+            self.phase = ("retrying its step: nobody committed it" if ev.get("retry")
+                          else "catching up" if ev.get("joining") else "inner steps")
         elif kind == "group_formed":
             self.group = [str(m) for m in ev.get("members", [])]
             self.phase = "all-reduce"
