@@ -95,7 +95,7 @@ def run_config(st: Settings, H: int, rule: str, attack: str, n_bad: int, seed: i
             avg = simulate_ring_mean(deltas, st.block, kernels=reference)
             # as a round commits it: the mean over those that sent anything (free-riders' zeros
             # do not shorten the step: ContributionRound, contribution.trained_scale)
-            avg = avg * np.float32(trained_scale((float(np.linalg.norm(d)) for d in deltas), M))
+            avg = avg * np.float32(trained_scale((float(d.any()) for d in deltas), M))
         else:
             avg, rows = butterfly.simulate(deltas, cfg, robust.RobustConfig())
             for i in robust.flagged(rows):

@@ -185,7 +185,8 @@ class Trainer:
     async def outer_step(self, joining: bool) -> bool:
         """One outer step; returns whether the next one starts as a zero-contribution join."""
         t = self.local.step
-        retry, self._unsent = (self._unsent if self._unsent is not None and self._unsent[0] == t else None), None
+        retry = self._unsent if self._unsent is not None and self._unsent[0] == t else None
+        self._unsent = None
         if retry is not None:
             # We skipped step t and nobody committed it (the catch-up found no newer state):
             # what we trained for it is still our contribution. Before, we came back to it
