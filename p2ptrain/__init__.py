@@ -16,6 +16,17 @@ __version__ = "0.1.0"
 # program that imports torch before p2ptrain should set OMP_WAIT_POLICY=passive itself.
 os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 
+# The design card keeps p2ptrain.dht, .kernels and .bootstrap in top-level folders (pyproject
+# maps them at install time). Imported from a source checkout instead (`python -m p2ptrain`
+# run in the checkout's root puts this folder ahead of the installed package), those three
+# would be missing; the checkout's root joins the search path so they resolve there as well.
+# An installed copy has them inside this folder and is left as it is.
+_here = os.path.dirname(os.path.abspath(__file__))
+_root = os.path.dirname(_here)
+if not os.path.isdir(os.path.join(_here, "dht")) and all(
+        os.path.isfile(os.path.join(_root, sub, "__init__.py")) for sub in ("dht", "kernels", "bootstrap")):
+    __path__.append(_root)  # noqa: F821 - a package module's own search path
+
 
 def __getattr__(name: str):
     # `from p2ptrain import DiLoCo` without making `import p2ptrain` load torch and libp2p.

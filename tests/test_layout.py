@@ -41,3 +41,22 @@ def test_no_module_or_function_outgrows_its_bound():
                     long_fns.append((f"{p.relative_to(ROOT)}:{node.name}", n))
     assert not big, f"modules over {MAX_MODULE_LINES} lines: {big}"
     assert not long_fns, f"functions over {MAX_FUNCTION_LINES} lines: {long_fns}"
+
+
+def test_the_checkout_runs_in_place_from_its_root():
+    """`python -m p2ptrain` in the checkout's root imports the checkout's p2ptrain/, not the
+    installed copy; its subpackages kept in top-level folders must resolve there too (CI's
+    `bench readpause` test once died of `No module named 'p2ptrain.dht'` this way)."""
+    import subprocess
+    import sys
+
+    code = ("import p2ptrain, p2ptrain.dht.record, p2ptrain.kernels, p2ptrain.bootstrap; "
+            "print(p2ptrain.__file__); print(p2ptrain.kernels.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-800:]
+    pkg, kernels = out.stdout.split()
+    assert Path(pkg).resolve() == ROOT / "p2ptrain" / "__init__.py"
+    assert Path(kernels).resolve() == ROOT / "kernels" / "__init__.py"
+    cli = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "readpause", "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert cli.returncode == 0 and "readpause" in cli.stdout, cli.stderr[-800:]
