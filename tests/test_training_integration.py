@@ -143,14 +143,17 @@ def test_the_last_peer_standing_trains_on_alone(procs, tmp_path, keys):
     """Two peers; the other dies as it signs its header for step 2 (its ready record is out
     and the pair confirmed each other). The survivor's round fails, it skips step 2 (its
     group did not commit), finds no newer state, and contributes what it trained for step 2
-    again, alone now: the dead peer's ready record has expired (join window 5 s: TTL 100 s,
-    under the 120 s catch-up). Before, it came back to step 2 as a joiner with zeros, and a
+    again, alone now, at its first retry: the dead peer's ready record is still live (join
+    window 10 s: TTL 200 s, past the 120 s catch-up), but a peer it cannot reach is neither
+    elected on a retry nor anyone to fork from. Before, it skipped step 2 again (the dead
+    peer elected, silent: not confirmed) until that record expired, up to 10 min with the
+    default window; and before that, it came back to step 2 as a joiner with zeros, and a
     joiner alone never commits: it never trained again."""
     d = tmp_path / "run"
     out = subprocess.run(
         [sys.executable, "-m", "p2ptrain", "init", "--out", str(d), "--key", str(tmp_path / "init.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
-         "--planned-outer-steps", "6", "--join-window", "5", "--group-size", "4", "--seed", "3"],
+         "--planned-outer-steps", "6", "--join-window", "10", "--group-size", "4", "--seed", "3"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     boot, baddr = start_bootstrap(procs)

@@ -123,3 +123,67 @@ def test_unreachable_names_only_peers_that_are_certainly_not_there():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_only_a_refused_dial_counts_where_a_wrong_answer_would_fork():
+    """`refused_only` (a trainer retrying a step: dropping a live member would fork it): a
+    port nothing listens on is gone, also right after a failed dial put it in py-libp2p's
+    negative cache; an address that accepts TCP and never speaks (a peer behind a partition
+    looks the same: no answer) is unreachable, but not refused, so it still counts."""
+    import socket
+
+    from p2ptrain.identity import Identity
+
+    async def main():
+        hang = socket.socket()
+        hang.bind(("127.0.0.1", 0))
+        hang.listen(8)
+        try:
+            async with trio.open_nursery() as nursery:
+                nodes, svcs = await _cluster(nursery, 2)
+                dead, silent = Identity.generate(), Identity.generate()
+                nodes[0].rpc.learn_addrs(dead.peer_id, ["/ip4/127.0.0.1/tcp/1"])
+                nodes[0].rpc.learn_addrs(silent.peer_id, [f"/ip4/127.0.0.1/tcp/{hang.getsockname()[1]}"])
+                peers = {nodes[1].identity.peer_id_str, dead.peer_id_str, silent.peer_id_str}
+                with trio.fail_after(20):
+                    assert await svcs[0].unreachable(peers, timeout=1.0) == {dead.peer_id_str, silent.peer_id_str}
+                    for _ in range(2):  # the first call's failed dials are in the negative cache now
+                        assert await svcs[0].unreachable(peers, timeout=1.0, refused_only=True) == {dead.peer_id_str}
+                nursery.cancel_scope.cancel()
+        finally:
+            hang.close()
+
+    trio.run(main)
+
+
+def test_refused_reads_py_libp2ps_wrappers_down_to_every_leaf():
+    from libp2p.exceptions import MultiError
+    from libp2p.network.exceptions import SwarmException
+
+    from p2ptrain.reduce.reach import refused
+
+    def wrapped(*leaves: BaseException) -> BaseException:
+        errs = []
+        for leaf in leaves:  # as py-libp2p 0.8.1 raises a failed dial, one error per address
+            try:
+                try:
+                    raise ExceptionGroup("all attempts failed", [leaf])
+                except ExceptionGroup:
+                    raise OSError("all attempts to connect failed")
+            except OSError as exc:
+                err = SwarmException("fail to open connection")
+                err.__cause__ = exc
+                errs.append(err)
+        out = SwarmException("no addresses established a connection")
+        out.__cause__ = MultiError(errs)
+        return out
+
+    assert refused(wrapped(ConnectionRefusedError(111, "refused")))
+    assert refused(wrapped(ConnectionRefusedError(111, "a"), ConnectionRefusedError(111, "b")))
+    assert not refused(wrapped(ConnectionRefusedError(111, "a"), TimeoutError()))  # one address silent
+    assert not refused(wrapped(OSError(113, "no route to host")))
+    assert not refused(SwarmException("recently failed all addresses (negative cache)"))
+    assert not refused(trio.TooSlowError())
+    a, b = ValueError("a"), ValueError("b")
+    a.__context__, b.__context__ = b, a  # a cycle ends the walk instead of spinning it
+    assert not refused(a)

@@ -66,11 +66,38 @@ async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TPro
     return undelivered
 
 
-async def unreachable(host, peers: set[str], timeout: float = 3.0, unknown_gone: bool = False) -> set[str]:
+def refused(exc: BaseException) -> bool:
+    """Whether a failed dial failed only because its addresses refused the connection: the
+    peer's machine answered and nothing listens on its port any more, so its process is gone.
+    A timeout, no route, a relay without the peer's reservation or a negative-cache hit says
+    no such thing (a partition, a machine switched off, a NAT). Walks py-libp2p's wrappers
+    (causes, contexts, exception groups, MultiError's list) down to the leaves."""
+    leaves: list[BaseException] = []
+    stack, seen = [exc], set()
+    while stack and len(seen) < 256:  # bounded: a hostile cycle of contexts cannot spin us
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        subs = list(getattr(e, "exceptions", ()))
+        if e.args and isinstance(e.args[0], (list, tuple)):
+            subs += [x for x in e.args[0] if isinstance(x, BaseException)]
+        nxt = [x for x in (e.__cause__, e.__context__) if x is not None] + subs
+        if nxt:
+            stack.extend(nxt)
+        else:
+            leaves.append(e)
+    return bool(leaves) and all(isinstance(e, ConnectionRefusedError) for e in leaves)
+
+
+async def unreachable(host, peers: set[str], timeout: float = 3.0, unknown_gone: bool = False,
+                      refused_only: bool = False) -> set[str]:
     """Those of `peers` we know addresses for, hold no connection to and cannot dial within
     `timeout`: certainly not there now (a crashed peer; its ready record outlives it).
     `unknown_gone`: a peer we hold no connection to and know no address for counts too (an
-    exchange member we cannot reach at all; an election only waits for such a peer)."""
+    exchange member we cannot reach at all; an election only waits for such a peer).
+    `refused_only`: only a peer whose dial was `refused` counts, so a live peer behind a
+    partition never does (for decisions that may fork us from it: `Trainer` retries)."""
     gone: set[str] = set()
     network, store = host.get_network(), host.get_peerstore()
 
@@ -91,10 +118,15 @@ async def unreachable(host, peers: set[str], timeout: float = 3.0, unknown_gone:
             if unknown_gone:
                 gone.add(peer)
             return
+        if refused_only and hasattr(network, "unblock_peer"):
+            network.unblock_peer(pid)  # a negative-cache hit would answer for the dial
         try:
             with trio.fail_after(timeout):
                 await network.dial_peer(pid)
         except Exception as exc:  # refused, no route, negative cache, timeout: not there
+            if refused_only and not refused(exc):
+                log.info("%s not reached, but not refused either: %r", peer, exc)
+                return
             log.info("%s unreachable: %r", peer, exc)
             gone.add(peer)
 

@@ -383,9 +383,9 @@ class AllReduceService:
         out[self.identity.peer_id_str] = payload
         return out
 
-    async def unreachable(self, peers: set[str], timeout: float = 3.0) -> set[str]:
+    async def unreachable(self, peers: set[str], timeout: float = 3.0, refused_only: bool = False) -> set[str]:
         """`p2ptrain.reduce.reach.unreachable` from this node."""
-        return await reach.unreachable(self.host, peers, timeout)
+        return await reach.unreachable(self.host, peers, timeout, refused_only=refused_only)
 
     async def _gone(self, ids: set[bytes]) -> set[bytes]:
         gone = await reach.unreachable(self.host, {peer_id_to_str(p) for p in ids}, unknown_gone=True)

@@ -207,7 +207,7 @@ class Trainer:
                 loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
                 self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
                 delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
-        skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner)
+        skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None)
         if skipped and not joining and self.local.step == t:
             self._unsent = (t, delta, loss, tokens, sec_inner)
         return skipped
@@ -231,18 +231,26 @@ class Trainer:
 
     async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
                           sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None,
-                          inner_steps: int | None = None) -> bool:
+                          inner_steps: int | None = None, retry: bool = False) -> bool:
         """Publish ready, elect, run the round and apply the committed average (or skip and
         catch up); returns whether the next step starts as a zero-contribution join.
         `elected`: what `announce(t, ...)` returned when it ran ahead (its seconds are then
         reported as "ready_ahead" / "elect_ahead": off the critical path). `inner_steps`: what
-        the phase took when it is not H (train.max_inner_steps), signed in our header."""
+        the phase took when it is not H (train.max_inner_steps), signed in our header.
+        `retry`: we train step t again after a try nobody committed."""
         t_comm = lap = trio.current_time()
         if elected is None:
             group, tm = await self.announce(t, joining)
             lap = trio.current_time()
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
+        if retry and len(group) > 1:
+            # The try before failed, and a member that crashed in it left a ready record that
+            # outlives it (election.ready_ttl: 10 min by default): electing it again fails the
+            # same way until the record expires. Only one whose machine refuses the dial is
+            # dropped: one behind a partition may be committing this step with others.
+            gone = await self.round.svc.unreachable(set(group) - {self.me}, refused_only=True)
+            group = [p for p in group if p not in gone]
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
@@ -318,19 +326,23 @@ class Trainer:
         return True
 
     async def _others_ready(self, t: int) -> bool:
-        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        return bool({r.peer for r in recs} - {self.me} - self.ledger.ignored)
+        """Whether another peer trains step t: one with a ready record whose dial is not
+        refused (a crashed one's record outlives it and is no one to fork from; a live one,
+        however loaded or partitioned from us, still counts)."""
+        return bool(await self._vouch(t, refused_only=True))
 
-    async def _vouch(self, t: int, peers: set[str]) -> set[str]:
-        """Those of `peers` with a ready record for step t (their addresses learned) that we
-        can reach: a crashed member's record outlives it, and merging it back into a roster
-        that another member already dropped it from left the two unable to agree (issue 17)."""
+    async def _vouch(self, t: int, peers: set[str] | None = None, refused_only: bool = False) -> set[str]:
+        """Those of `peers` (None: every peer but us) with a ready record for step t (their
+        addresses learned) that we can reach: a crashed member's record outlives it, and
+        merging it back into a roster that another member already dropped it from left the
+        two unable to agree (issue 17)."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        ok = [r for r in recs if r.peer in peers and r.peer not in self.ledger.ignored]
+        ok = [r for r in recs if (r.peer in peers if peers is not None else r.peer != self.me)
+              and r.peer not in self.ledger.ignored]
         for r in ok:
             self._learn(r.peer, list(r.addrs))
         vouched = {r.peer for r in ok}
-        return vouched - await self.round.svc.unreachable(vouched) if vouched else set()
+        return vouched - await self.round.svc.unreachable(vouched, refused_only=refused_only) if vouched else set()
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
