@@ -150,7 +150,7 @@ class OverlappedLoop:
         send, self._results = trio.open_memory_channel(math.inf)
         worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress,
                              self._successor)
-        elected, ahead = None, None
+        elected, ahead, retry = None, None, False
         try:
             while not tr.done():
                 t = local.step
@@ -158,7 +158,8 @@ class OverlappedLoop:
                 if ahead is None:  # the worker waits for its next run of phases
                     ahead = await trio.to_thread.run_sync(self._next_phase, torch.from_numpy(delta), t)
                     worker.submit(t + 1, ahead)
-                res, delta, ahead, skipped, elected = await self._cycle(t, ahead, delta, joining, res, elected)
+                res, delta, ahead, skipped, elected = await self._cycle(t, ahead, delta, joining, res, elected, retry)
+                retry = skipped and local.step == t  # nobody committed step t: we try it again
                 joining = False
                 if skipped and local.step > t:
                     # Caught up past our round. Elected for the step we adopted (we announced
@@ -174,10 +175,12 @@ class OverlappedLoop:
         finally:
             worker.stop()
 
-    async def _cycle(self, t: int, phase: Phase, delta: np.ndarray, joining: bool, res: tuple, elected):
+    async def _cycle(self, t: int, phase: Phase, delta: np.ndarray, joining: bool, res: tuple, elected,
+                     retry: bool = False):
         """Round t (and the election for t+1) beside phase t+1, which the worker trains;
         (phase t+1's result, its contribution, phase t+2 when the worker went straight on,
-        whether round t was skipped, the group elected for t+1 if we are at t+1)."""
+        whether round t was skipped, the group elected for t+1 if we are at t+1). `retry`:
+        a try of round t before this one committed nowhere (`Trainer.commit_step`)."""
         tr, local = self.tr, self.local
         nxt: dict = {}
         async with trio.open_nursery() as nursery:
@@ -186,7 +189,7 @@ class OverlappedLoop:
                 # the moment phase t+1 ends (the roster confirmation checks the base).
                 nursery.start_soon(self._announce, t + 1, nxt)
             skipped = await tr.commit_step(t, self.frags.part(delta, t), joining, *res[:3], elected=elected,
-                                           inner_steps=res[3] or local.H)
+                                           inner_steps=res[3] or local.H, retry=retry)
             # Whatever the peer now holds: the new state, a caught-up one, or the old one. The
             # worker goes straight on only from a step we committed (a failed round retries
             # step t with phase t+1 again, a catch-up rejoins; both go through `run`).

@@ -93,6 +93,7 @@ class Trainer:
         # an early ready_at must not start the clock)
         self._ahead: dict[int, tuple[float, bool]] = {}
         self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
+        self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -244,13 +245,7 @@ class Trainer:
             lap = trio.current_time()
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
-        if retry and len(group) > 1:
-            # The try before failed, and a member that crashed in it left a ready record that
-            # outlives it (election.ready_ttl: 10 min by default): electing it again fails the
-            # same way until the record expires. Only one whose machine refuses the dial is
-            # dropped: one behind a partition may be committing this step with others.
-            gone = await self.round.svc.unreachable(set(group) - {self.me}, refused_only=True)
-            group = [p for p in group if p not in gone]
+        group = await self._drop_refused(group, retry)
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
@@ -324,6 +319,19 @@ class Trainer:
         # still kept by anyone (the retry reuses its round ids: `TimeoutsSpec.retry_wait`).
         await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
         return True
+
+    async def _drop_refused(self, group: list[str], retry: bool) -> list[str]:
+        """`group` less the members whose dial is refused, probing every member on a retry and
+        those refused before otherwise. A member that crashed in a failed try left ready
+        records that outlive it (election.ready_ttl: 10 min by default; overlapped runs post
+        the next step's ahead), and electing it again fails the same way until they expire.
+        Only a refusal counts: a member behind a partition may commit this step with others."""
+        suspects = (set(group) if retry else set(group) & self._refused) - {self.me}
+        if len(group) < 2 or not suspects:
+            return group
+        gone = await self.round.svc.unreachable(suspects, refused_only=True)
+        self._refused = (self._refused - suspects) | gone  # one that answers again is back
+        return [p for p in group if p not in gone]
 
     async def _others_ready(self, t: int) -> bool:
         """Whether another peer trains step t: one with a ready record whose dial is not
