@@ -336,21 +336,29 @@ class Trainer:
     async def _others_ready(self, t: int) -> bool:
         """Whether another peer trains step t: one with a ready record whose dial is not
         refused (a crashed one's record outlives it and is no one to fork from; a live one,
-        however loaded or partitioned from us, still counts)."""
-        return bool(await self._vouch(t, refused_only=True))
-
-    async def _vouch(self, t: int, peers: set[str] | None = None, refused_only: bool = False) -> set[str]:
-        """Those of `peers` (None: every peer but us) with a ready record for step t (their
-        addresses learned) that we can reach: a crashed member's record outlives it, and
-        merging it back into a roster that another member already dropped it from left the
-        two unable to agree (issue 17)."""
+        however loaded or partitioned from us, still counts). Probed 16 at a time, stopping
+        at the first: in a run of many groups the others are many, and mostly alive."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        ok = [r for r in recs if (r.peer in peers if peers is not None else r.peer != self.me)
-              and r.peer not in self.ledger.ignored]
+        others = [r for r in recs if r.peer != self.me and r.peer not in self.ledger.ignored]
+        for i in range(0, len(others), 16):
+            batch = others[i:i + 16]
+            for r in batch:
+                self._learn(r.peer, list(r.addrs))
+            peers = {r.peer for r in batch}
+            if peers - await self.round.svc.unreachable(peers, refused_only=True):
+                return True
+        return False
+
+    async def _vouch(self, t: int, peers: set[str]) -> set[str]:
+        """Those of `peers` with a ready record for step t (their addresses learned) that we
+        can reach: a crashed member's record outlives it, and merging it back into a roster
+        that another member already dropped it from left the two unable to agree (issue 17)."""
+        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        ok = [r for r in recs if r.peer in peers and r.peer not in self.ledger.ignored]
         for r in ok:
             self._learn(r.peer, list(r.addrs))
         vouched = {r.peer for r in ok}
-        return vouched - await self.round.svc.unreachable(vouched, refused_only=refused_only) if vouched else set()
+        return vouched - await self.round.svc.unreachable(vouched) if vouched else set()
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
