@@ -24,7 +24,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 MODES = ("plain", "whole", "pull")
@@ -102,18 +101,15 @@ def measure(mbit: float, hold_ms: float, frames: int, rounds: int) -> dict[str, 
 
     modes = [MODES[i % len(MODES)] for i in range(len(MODES) * (rounds + 1))]  # a warm-up each
     me = [sys.executable, "-m", "p2ptrain.bench.readpause"]
-    # Not the caller's cwd: in a source checkout its p2ptrain/ (no kernels/ inside) would shadow
-    # the installed package that `-m` must find.
-    here = tempfile.gettempdir()
     with internet_lab([mbit, mbit], boot=False) as lab:
         recv = subprocess.Popen([*lab.prefix(1), *me, "--role", "recv", lab.ip(1), ",".join(modes),
-                                 str(hold_ms / 1000), str(frames)], stdout=subprocess.PIPE, text=True, cwd=here)
+                                 str(hold_ms / 1000), str(frames)], stdout=subprocess.PIPE, text=True)
         try:
             port = recv.stdout.readline().strip()
             if not port.isdigit():
                 raise RuntimeError("readpause: the receiver did not start")
             subprocess.run([*lab.prefix(0), *me, "--role", "send", lab.ip(1), port, str(len(modes)), str(frames)],
-                           check=True, timeout=60 + 2 * len(modes), cwd=here)
+                           check=True, timeout=60 + 2 * len(modes))
             lines = recv.communicate(timeout=60)[0].splitlines()
         finally:
             if recv.poll() is None:

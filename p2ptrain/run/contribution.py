@@ -136,8 +136,8 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
     """(accepted headers, rejected peer -> reason) for the group `members`.
 
     Groups where 3 or more trained (norm > 0): a norm over `norm_factor` x their median is an
-    outlier. Otherwise (no median): a norm over `norm_factor` x the reference (`_reference`) is. With `trusted`
-    (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
+    outlier. Otherwise (no median): a norm over `norm_factor` x the reference (`_reference`)
+    is. With `trusted` (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
     `probation_factor` x the trusted members' median norm (when any trusted member trained)."""
     ok: dict[str, Header] = {}
     bad: dict[str, str] = {}
@@ -171,7 +171,8 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
             ok[peer] = h
     trained = [h.norm for h in ok.values() if h.norm > 0]
     if len(trained) >= 3:  # joiners' zeros are no norm to judge by (they only pulled the median down)
-        limits = {p: norm_factor * float(np.median(trained)) for p in ok}
+        limit = norm_factor * float(np.median(trained))
+        limits = {p: limit for p in ok}
     else:
         limits = {p: norm_factor * _reference(p, ok, norm_history) for p in ok}
     vouched = [h.norm for p, h in ok.items() if trusted and p in trusted and h.norm > 0]
