@@ -25,6 +25,7 @@ why an active OpenMP wait policy makes torch ~27x slower next to the ring's numb
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -35,7 +36,7 @@ import torch
 
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.run import manifest as mf
-from p2ptrain.run.spec import USER, DataSpec, GenesisSpec, ModelSpec, RunSpec, TimeoutsSpec, TrainSpec
+from p2ptrain.run.spec import SPARSE_DEFAULTS, USER, DataSpec, GenesisSpec, ModelSpec, RunSpec, TimeoutsSpec, TrainSpec
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer
 
 
@@ -84,7 +85,10 @@ class _UserModel:
         self.applied = True
         return self.outer.params_sha256()
 
-    def evaluate(self) -> float:
+    evaluates_committed = False
+    """The user's `evaluate` scores the user's model: before the next inner phase."""
+
+    def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
         return float(self._evaluate()) if self._evaluate else math.nan
 
     def state_bytes(self) -> bytes:
@@ -110,7 +114,8 @@ def library_spec(outer: OuterOptimizer, *, run: str, inner_steps: int, group_siz
         name=run, created=0, model=ModelSpec({"source": USER, "n_params": int(outer.numel)}),
         data=DataSpec(USER, ""),
         train=TrainSpec(inner_steps=int(inner_steps), group_size=int(group_size), outer_lr=float(outer_lr),
-                        outer_momentum=float(outer_momentum), allreduce=allreduce, aggregation=aggregation),
+                        outer_momentum=float(outer_momentum), allreduce=allreduce, aggregation=aggregation,
+                        **(SPARSE_DEFAULTS if allreduce == "sparse" else {})),
         timeouts=TimeoutsSpec(join_window=float(join_window), exchange=5.0),
         genesis=GenesisSpec(checkpoint.sha256(genesis), len(genesis)))
 
@@ -226,31 +231,23 @@ class DiLoCo:
     async def _main(self) -> None:
         import trio
 
-        from p2ptrain.reduce.service import AllReduceConfig, AllReduceService
+        from p2ptrain import peer
         from p2ptrain.events import EventSink
-        from p2ptrain.ckpt.fetch import BlobServer
+        from p2ptrain.net.nat import NatConfig
         from p2ptrain.net.node import Node, NodeConfig
-        from p2ptrain.run.runner import make_writer
-        from p2ptrain.train.trainer import Trainer, TrainerConfig
+        from p2ptrain.train.trainer import TrainerConfig
 
         self._token = trio.lowlevel.current_trio_token()
         events = EventSink(self.identity.peer_id_str, self._json)
-        from p2ptrain.net.nat import NatConfig
-
         # Same NAT traversal as `p2ptrain join`: AutoNAT, relay reservations, DCUtR.
         node = Node(self.identity, NodeConfig(listen=[self._listen], bootstrap=self._bootstrap), events,
                     nat=NatConfig())
         async with trio.open_nursery() as nursery:
             self._cancel = nursery.cancel_scope
             await nursery.start(node.run)
-            svc = AllReduceService(node.host, self.identity, AllReduceConfig(mode=self.spec.train.allreduce,
-                                                                             early_ttl=self.spec.timeouts.early_ttl),
-                                   listen_ip=self._listen.split("/")[2])
-            await nursery.start(svc.run)
-            trainer = Trainer(node, svc, BlobServer(node.host), make_writer(self.workdir, self.run_id, events), self.spec, self.run_id,
-                              self.local, events, TrainerConfig(min_peers=self._min_peers))
+            # the same peer as `p2ptrain join` builds (p2ptrain.peer): one composition root
+            await nursery.start(functools.partial(
+                peer.run_peer, node, self.spec, self.run_id, self.local, events,
+                TrainerConfig(min_peers=self._min_peers), workdir=self.workdir))
             self._ready.set()
-            try:
-                await trainer.run()
-            finally:
-                trainer.writer.close(30)  # the last checkpoint reaches the disk before we go
+

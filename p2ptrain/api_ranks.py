@@ -106,7 +106,7 @@ class LeaderUserModel(_UserModel):
             ranks.send_cmd(ranks.GATHER, 0, self.group)
             verify(full, ranks.gather_full(self.shards, torch.empty_like(full), self.group), self.env.world)
 
-    def evaluate(self) -> float:
+    def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
         return math.nan
 
     def release(self) -> None:

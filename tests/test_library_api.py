@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent('''
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     diloco = DiLoCo(model, opt, run="lib-test", bootstrap=[sys.argv[1]], listen="/ip4/127.0.0.1/tcp/0",
-                    inner_steps=5, group_size=4, min_peers=2, join_window=20)
+                    inner_steps=5, group_size=4, min_peers=2, join_window=20, allreduce=sys.argv[3])
     g = torch.Generator().manual_seed(int(sys.argv[2]))   # each peer its own data
     applied = []
     for i in range(15):
@@ -31,10 +31,13 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_two_processes_share_outer_steps(procs, tmp_path):
+@pytest.mark.parametrize("allreduce", ["int8", "sparse"])
+def test_two_processes_share_outer_steps(procs, tmp_path, allreduce):
+    """Sparse too: the library once passed "sparse" to the ring service, which failed at start
+    ("mode must be 'int8' or 'fp32'"); the CLI mapped it. Both now build peers in p2ptrain.peer."""
     boot, baddr = start_bootstrap(procs)
     script = tmp_path / "user.py"
     script.write_text(SCRIPT)
-    outs = run_user_scripts(script, [[baddr, str(i)] for i in range(2)], tmp_path)
+    outs = run_user_scripts(script, [[baddr, str(i), allreduce] for i in range(2)], tmp_path)
     assert outs[0]["steps"] == outs[1]["steps"] == 3
     assert outs[0]["applied"] == outs[1]["applied"] and len(outs[0]["applied"]) == 3

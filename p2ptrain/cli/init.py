@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from p2ptrain.cli.common import CLIError, load_identity
+from p2ptrain.run.spec import SPARSE_DEFAULTS
 
 
 def add_parser(sub) -> None:
@@ -30,9 +31,9 @@ def add_parser(sub) -> None:
                    help="'sparse': top-k + 2-bit + error-feedback contributions, all-gathered (issue 18)")
     # sparse defaults: the best `bench diloco` configuration (3 seeds, +0.97 % vs int8 DiLoCo at
     # 2,004x fewer bytes than data-parallel; BENCHMARKS.md, issue 18)
-    p.add_argument("--topk-fraction", type=float, default=0.0369, help="sparse: entries kept per chunk")
-    p.add_argument("--chunk", type=int, default=4096, help="sparse: values per top-k chunk (<= 4096)")
-    p.add_argument("--ef-decay", type=float, default=0.8, help="sparse: error-feedback decay")
+    p.add_argument("--topk-fraction", type=float, default=SPARSE_DEFAULTS["topk_fraction"], help="sparse: entries kept per chunk")
+    p.add_argument("--chunk", type=int, default=SPARSE_DEFAULTS["chunk"], help="sparse: values per top-k chunk (<= 4096)")
+    p.add_argument("--ef-decay", type=float, default=SPARSE_DEFAULTS["ef_decay"], help="sparse: error-feedback decay")
     p.add_argument("--aggregation", default="mean", choices=["mean", "robust"],
                    help="'robust': each chunk's owner combines every member's copy with CenteredClip "
                         "(Byzantine-robust, costs W-1 connections per member)")
@@ -78,7 +79,7 @@ def build_spec(args, data_hash: str, genesis_sha: str = "", genesis_bytes: int =
     lr0, mom0 = (2.0, 0.5) if sparse else (0.5, 0.8) if eager else (0.7, 0.9)
     outer_lr = args.outer_lr if args.outer_lr is not None else lr0
     outer_momentum = args.outer_momentum if args.outer_momentum is not None else mom0
-    compressor = dict(topk_fraction=args.topk_fraction, bits=2, chunk=args.chunk, ef_decay=args.ef_decay) if sparse else {}
+    compressor = dict(topk_fraction=args.topk_fraction, bits=SPARSE_DEFAULTS["bits"], chunk=args.chunk, ef_decay=args.ef_decay) if sparse else {}
     try:
         return RunSpec(
             name=args.name or f"run-{int(time.time())}", created=int(time.time()), model=ModelSpec(model),

@@ -127,7 +127,7 @@ def _ranks(args, toml) -> dict | int:
         return {}
     if not (args.run or args.manifest):
         raise CLIError("torchrun ranks only make sense in a run", "pass --run RUN_ID or --manifest RUN_TOML")
-    from p2ptrain.run.runner import Parts
+    from p2ptrain.peer import Parts
     from p2ptrain.train import leader
     from p2ptrain.train.device import config_from_args, resolve_device
 

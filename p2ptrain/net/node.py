@@ -147,6 +147,12 @@ class Node:
     def peer_id(self) -> str:
         return self.identity.peer_id_str
 
+    def conn_counts(self) -> dict[str, int]:
+        """{connection kind: peers}, what our state record publishes (`status` shows it)."""
+        from p2ptrain.net.connkinds import kind_counts
+
+        return kind_counts(self.host)
+
     def full_addrs(self) -> list[str]:
         return [f"{a}/p2p/{self.peer_id}" for a in self.rpc.local_addrs()]
 

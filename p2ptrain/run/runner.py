@@ -13,46 +13,19 @@ from pathlib import Path
 
 import trio
 
+from p2ptrain import peer
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.run import manifest as mf
-from p2ptrain.reduce.service import AllReduceConfig, AllReduceService
 from p2ptrain.config import ConfigError, resolve
 from p2ptrain.ckpt.download import fetch_checkpoint
-from p2ptrain.ckpt.fetch import BlobServer, FetchError, ServeConfig
+from p2ptrain.ckpt.fetch import FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
+from p2ptrain.peer import Parts, checkpoint_dir, make_writer  # noqa: F401 - re-exported for callers
 from p2ptrain.run import keys
-from p2ptrain.run.round import Contributor
 from p2ptrain.run.spec import RunSpec
-from p2ptrain.train.trainer import Trainer, TrainerConfig
+from p2ptrain.train.trainer import TrainerConfig
 
 log = logging.getLogger("p2ptrain.run.runner")
-KEEP_CHECKPOINTS = 3
-
-
-def checkpoint_dir(workdir: Path, run_id: str) -> Path:
-    return Path(workdir) / "checkpoints" / run_id[:16]
-
-
-def make_writer(workdir: Path, run_id: str, events, cls=checkpoint.AsyncWriter) -> checkpoint.AsyncWriter:
-    """The run's checkpoint directory, written in a background thread (newest 3 kept)."""
-    return cls(checkpoint_dir(workdir, run_id), KEEP_CHECKPOINTS,
-               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)))
-
-
-@dataclass(frozen=True)
-class Parts:
-    """The components a trainer is built from. The product uses these defaults; tests
-    (tests/fakes/hostile_peer.py) pass subclasses that misbehave, so no test switch lives in
-    the product."""
-    contributor: type = Contributor
-    blob_server: type = BlobServer
-    writer: object = make_writer
-    """(workdir, run_id, events) -> p2ptrain.ckpt.checkpoint.AsyncWriter"""
-    service: type = AllReduceService
-    """(host, identity, AllReduceConfig, listen_ip=...) -> the all-reduce service"""
-    local: object = None
-    """(spec, ds, peer_id, state, threads, device, precision) -> the model side; None: a
-    single-process LocalModel (a torchrun node passes p2ptrain.train.leader's, issue 19)"""
 
 
 async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
@@ -126,7 +99,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         serve_cfg = resolve(ServeConfig, section="serve")
     except ConfigError as exc:
         raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None
-    blobs = parts.blob_server(node.host, config=serve_cfg)
+    blobs = peer.blob_server(node, parts, serve_cfg)
     blobs.add(mf.encode(manifest))
     await node.dht.store(keys.manifest(run_id), mf.encode(manifest), ttl=3600)
     # local files, else peers (hash-checked against the run's signed content hash); then served
@@ -143,23 +116,4 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
                         "move the workdir's checkpoints/ aside to start from the peers' state, or try again later") from None
     except ValueError as exc:  # a run this node cannot train as configured (e.g. fragments, torchrun ranks)
         raise NodeError(f"cannot train this run here: {exc}", "join it as one process per node, or start another run") from None
-    exchange = float(spec.timeouts.exchange)
-    svc = parts.service(node.host, node.identity, AllReduceConfig(
-        # sparse runs use the service for its exchanges only: its ring mode is unused
-        mode="int8" if spec.train.allreduce == "sparse" else spec.train.allreduce, setup_timeout=exchange * 2, frame_timeout=exchange * 4,
-        commit_timeout=exchange * 2, early_ttl=spec.timeouts.early_ttl), listen_ip=_listen_ip(node))
-    async with trio.open_nursery() as nursery:
-        await nursery.start(svc.run)
-        trainer = Trainer(node, svc, blobs, parts.writer(workdir, run_id, events), spec, run_id, local, events,
-                          config, parts.contributor())
-        await trainer.run()
-        await trio.to_thread.run_sync(trainer.writer.close)
-        nursery.cancel_scope.cancel()
-
-
-def _listen_ip(node) -> str:
-    for addr in node.config.listen:
-        parts = addr.split("/")
-        if len(parts) > 2 and parts[1] == "ip4":
-            return parts[2]
-    return "0.0.0.0"
+    await peer.run_peer(node, spec, run_id, local, events, config, workdir=workdir, parts=parts, blobs=blobs)

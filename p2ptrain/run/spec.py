@@ -56,6 +56,11 @@ class _Section:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
 
 
+SPARSE_DEFAULTS = {"topk_fraction": 0.0369, "bits": 2, "chunk": 4096, "ef_decay": 0.8}
+"""A sparse run's compressor unless its initiator chose another: the best `bench diloco`
+configuration (issue 18). `p2ptrain init` and the library both start from it."""
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     config: dict

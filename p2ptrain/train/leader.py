@@ -97,7 +97,11 @@ class LeaderModel:
         self.step += 1
         return self.outer.params_sha256()
 
-    def evaluate(self, max_batches: int = 8) -> float:
+    evaluates_committed = False
+    """Evaluation drives every rank's shard of the live model: the trainer runs it before the
+    next inner phase, not beside it (`p2ptrain.train.modelside`)."""
+
+    def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
         with self.lock:
             ranks.send_cmd(ranks.EVAL)
             return self.shard.evaluate(max_batches)

@@ -24,7 +24,6 @@ import trio
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt.download import CheckpointServer, adopt
 from p2ptrain.ckpt.fetch import BlobServer
-from p2ptrain.net.connkinds import kind_counts
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.sparse import SparseReducer
 from p2ptrain.run import elect, election, records, states
@@ -277,7 +276,7 @@ class Trainer:
                       seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
                       **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
         self._reported = trio.Event()
-        if self._bg is not None and getattr(self.local, "evaluates_committed", False):
+        if self._bg is not None and self.local.evaluates_committed:
             self._bg.start_soon(self._report, t, tm, report, self._reported)
         else:
             await self._report(t, tm, report, self._reported)
@@ -286,10 +285,8 @@ class Trainer:
     async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
         """Evaluate the committed params, publish the state record, report the step."""
         lap = trio.current_time()
-        committed = getattr(self.local, "evaluates_committed", False)
-        nb = self.config.eval_batches
-        val = await self._beside_phase(lambda: self.local.evaluate(nb, committed=True) if committed
-                                       else self.local.evaluate())
+        committed, nb = self.local.evaluates_committed, self.config.eval_batches
+        val = await self._beside_phase(self.local.evaluate, nb, committed)
         lap = _lap(tm, "evaluate", lap)
         await self.publish_state(report["loss"], val, report["params_sha256"])
         _lap(tm, "publish_state", lap)
@@ -385,7 +382,7 @@ class Trainer:
                                                 sorted(self.last_roster) if self.local.step else [], addrs,
                                                 blocking=self._beside_phase)
         await states.publish(self.dht, self.run_id, records.State(
-            self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), kind_counts(self.node.host)))
+            self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), self.node.conn_counts()))
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 
     async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
