@@ -49,9 +49,10 @@ class LinkConfig:
 
 @dataclass
 class Policy:
-    """How an adversary's address treats others (honest peers have the default: everyone).
-    `answers`: the peers it talks to at all (None: everyone); the rest see its dials refused
-    and get no messages from it: selective answering (issue 31, item 5)."""
+    """How an adversary treats others in rounds (honest peers have the default: everyone).
+    `answers`: the peers it exchanges round messages with (None: everyone); the rest see
+    its dials refused and get no confirmation, header or vote from it: selective answering
+    (issue 31, item 5). Its DHT traffic is normal (it wants to be elected)."""
     answers: set[bytes] | None = None
 
     def talks_to(self, other: bytes) -> bool:
@@ -99,21 +100,22 @@ class SimNet:
     def alive(self, peer: bytes) -> bool:
         return peer not in self.down
 
-    def reachable(self, a: bytes, b: bytes) -> bool:
-        """Whether a message from a gets to b (both up, no partition, b's policy takes it)."""
+    def reachable(self, a: bytes, b: bytes, rounds: bool = False) -> bool:
+        """Whether a message from a gets to b (both up, no partition; for a round's messages,
+        `rounds`, also both policies allow it)."""
         return (a not in self.down and b not in self.down and (a, b) not in self.blocked
-                and self._talks(b, a) and self._talks(a, b))
+                and (not rounds or self._talks(b, a) and self._talks(a, b)))
 
     def _talks(self, who: bytes, other: bytes) -> bool:
         p = self.policy.get(who)
         return p is None or p.talks_to(other)
 
-    def refused(self, a: bytes, b: bytes) -> bool:
+    def refused(self, a: bytes, b: bytes, rounds: bool = False) -> bool:
         """Whether a's dial to b is refused: b's machine answers and nothing listens (b
-        crashed), or b's policy refuses a. A partition is silence, never a refusal."""
+        crashed), or (`rounds`) b's policy refuses a. A partition is silence, never a refusal."""
         if a in self.down or (a, b) in self.blocked:
             return False
-        return b in self.down or not self._talks(b, a)
+        return b in self.down or rounds and not self._talks(b, a)
 
     def lost(self) -> bool:
         return self.links.loss > 0 and self._loss.random() < self.links.loss

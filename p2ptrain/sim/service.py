@@ -68,7 +68,7 @@ class Hub:
 
     def post(self, run: str, rid: str, frm: str, to: str, payload: bytes, first: bool = False) -> None:
         a, b = peer_id_from_str(frm), peer_id_from_str(to)
-        if not self.net.reachable(a, b):
+        if not self.net.reachable(a, b, rounds=True):
             return
         box = self.mail.setdefault((run, rid, to), {})
         if first and frm in box:
@@ -113,7 +113,7 @@ class SimReduceService:
         await trio.sleep_forever()
 
     def _gone(self, peer: str) -> bool:
-        return self.net.refused(self.pid, peer_id_from_str(peer))
+        return self.net.refused(self.pid, peer_id_from_str(peer), rounds=True)
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes, timeout: float,
                        unreachable_silent: bool = False, answer_strangers: bool = False) -> dict[str, bytes | None]:
@@ -150,10 +150,10 @@ class SimReduceService:
         gone, slowest = set(), 0.0
         for p in sorted(peers):
             b = peer_id_from_str(p)
-            if self.net.refused(self.pid, b):
+            if self.net.refused(self.pid, b, rounds=True):
                 gone.add(p)
                 slowest = max(slowest, 2 * self.net.latency(self.pid, b))
-            elif not (self.net.reachable(self.pid, b) and self.net.reachable(b, self.pid)):
+            elif not (self.net.reachable(self.pid, b, rounds=True) and self.net.reachable(b, self.pid, rounds=True)):
                 slowest = timeout
                 if not refused_only:
                     gone.add(p)
@@ -204,7 +204,7 @@ class SimReduceService:
         if any(r.checks[m] is not None and r.checks[m]._checker is None for m in r.members):
             return False, now  # a member's headers were bad or missing: its checks fail every frame
         ring_links = list(zip(ids, ids[1:] + ids[:1]))
-        if len(ids) > 1 and not all(self.net.reachable(a, b) for a, b in ring_links):
+        if len(ids) > 1 and not all(self.net.reachable(a, b, rounds=True) for a, b in ring_links):
             return (False, now) if timed_out else None
         nbytes = next(iter(r.vecs.values())).nbytes // max(1, len(ids))
         hop = max((self.net.transfer(a, b, nbytes) for a, b in ring_links), default=0.0)

@@ -85,7 +85,7 @@ class Scenario:
     partitions: tuple[Partition, ...] = ()
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
-    poll: float = 0.2
+    eval_batches: int = 8
 
     @property
     def dim(self) -> int:
@@ -101,7 +101,9 @@ class Scenario:
 
     @property
     def has_faults(self) -> bool:
-        return bool(self.partitions or any(p.outages or p.slow != 1.0 or p.skew or not p.honest for p in self.peers)
+        """Network faults: partitions, crashes, slow peers, skew, late joiners, loss. Adversaries
+        are not faults: honest peers must stay live beside them (liveness is checked)."""
+        return bool(self.partitions or any(p.outages or p.slow != 1.0 or p.skew for p in self.peers)
                     or any(p.join_at > 0 for p in self.peers) or self.links.loss > 0)
 
 
@@ -173,6 +175,30 @@ async def _inline(fn, *args, **_kw):
     return out
 
 
+def _deterministic_deadlines():
+    """trio breaks ties between equal deadlines by id(cancel scope), a memory address: two
+    peers waking at the same simulated instant would wake in another order in another run.
+    While the simulator runs, ties break by the order the scopes were first seen instead
+    (trio private API, trio 0.2x/0.3x; returns the original to restore)."""
+    import heapq
+    import itertools
+    import weakref
+
+    real = trio._core._run.Deadlines.add
+    order: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    counter = itertools.count()
+
+    def add(self, deadline, cancel_scope) -> None:
+        tie = order.get(cancel_scope)
+        if tie is None:
+            tie = order[cancel_scope] = next(counter)
+        heapq.heappush(self._heap, (deadline, tie, cancel_scope))
+        self._active += 1
+
+    trio._core._run.Deadlines.add = add
+    return real
+
+
 class World:
     def __init__(self, scenario: Scenario, seed: int, trace: bool = False) -> None:
         self.sc, self.seed, self.tracing = scenario, seed, trace
@@ -187,6 +213,8 @@ class World:
             if plan.answers is not None:
                 self.net.policy[self.ids[i].peer_id] = Policy({self.ids[j].peer_id for j in plan.answers})
         self.boot = Identity.from_seed(random.Random(seed * 7919 - 1).randbytes(32))
+        for pol in self.net.policy.values():
+            pol.answers.add(self.boot.peer_id)  # everyone reaches the entry point (it is not the target)
         genesis = vmodel.genesis(scenario.dim, seed)
         self.genesis = genesis
         self.spec = RunSpec(
@@ -202,6 +230,7 @@ class World:
         honest = {n for n, p in zip(self.names, scenario.peers) if p.honest}
         self.monitor = Monitor(WorldView(honest, self._alive, self._reachable))
         self.events = 0
+        self.models: dict[int, vmodel.VectorModel] = {}
         self.trace: list[str] = []
         self.converged_at: int | None = None
         self._steps_at_faults_end: int | None = None
@@ -218,8 +247,10 @@ class World:
         now = trio.current_time()
         self.events += 1
         if self.tracing:
+            # these events time real CPU work (perf_counter): not part of a replay
+            wall = {"seconds"} if event in ("checkpoint_snapshot", "checkpoint_fetched") else set()
             short = {k: (v[:12] if isinstance(v, str) and len(v) > 16 else
-                         [m[-6:] for m in v] if k == "members" else v) for k, v in fields.items()}
+                         [m[-6:] for m in v] if k == "members" else v) for k, v in fields.items() if k not in wall}
             self.trace.append(f"{now:10.3f} p{self.index[peer_name]:<3} {event} {short}")
         before = len(self.monitor.violations)
         self.monitor.on_event(now, peer_name, event, fields)
@@ -315,7 +346,8 @@ class World:
                                            slow=plan.slow)
                 parts = peer.Parts(service=functools.partial(self._service, self.names[i]),
                                    writer=lambda workdir, run_id, ev, key=ident.peer_id: SimWriter(self.disk, key))
-                cfg = TrainerConfig(min_peers=plan.min_peers)
+                self.models[i] = local
+                cfg = TrainerConfig(min_peers=plan.min_peers, eval_batches=sc.eval_batches)
                 await peer.run_peer(node, self.spec, self.run_id, local, events, cfg, workdir=Path("."), parts=parts)
                 nursery.cancel_scope.cancel()
 
@@ -335,11 +367,21 @@ class World:
 
 def run(scenario: Scenario, seed: int, trace: bool = False) -> Report:
     """Run `scenario` from `seed` to its end; the invariants' verdict and, with `trace`, every event."""
-    world = World(scenario, seed, trace)
+    return simulate(World(scenario, seed, trace))
+
+
+def simulate(world: World) -> Report:
+    """Run a world built by the caller (tests read its peers' models afterwards)."""
+    seed = world.seed
     random.seed(seed)
-    trio._core._run._r.seed(seed)  # the scheduler's tie-breaking, so a seed replays exactly
+    # the scheduler's tie-breaking, so a seed replays exactly: runnable tasks in spawn order,
+    # then shuffled from the seed (what pytest-trio does under Hypothesis)
+    det = trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING
+    trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = True
+    trio._core._run._r.seed(seed)
     real = trio.to_thread.run_sync
     trio.to_thread.run_sync = _inline
+    real_add = _deterministic_deadlines()
     quiet = logging.getLogger("p2ptrain")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -348,5 +390,7 @@ def run(scenario: Scenario, seed: int, trace: bool = False) -> Report:
         trio.run(world.main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         trio.to_thread.run_sync = real
+        trio._core._run.Deadlines.add = real_add
+        trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         quiet.setLevel(level)
     return world.report(time.perf_counter() - t0)
