@@ -34,14 +34,14 @@ async def _store_raw(net: MemoryNetwork, sender: Identity, node: DHTNode, recs) 
 
 @trio_test()
 async def test_big_records_stored_first_do_not_hide_small_ones():
-    """Five ~60 KiB records, each written by its own identity over its own connection, land
+    """Eight ~60 KiB records, each written by its own identity over its own connection, land
     on the replicas before ten honest ones. Replies were insertion order cut at 256 KiB, so a
     reader that is not a replica saw none of the honest records."""
     net, nodes = make_swarm(12)
     await join_all(nodes)
     key = "/p2ptrain/r/manifest"  # a kind of key whose records may be 64 KiB
     big = []
-    for i in range(5):
+    for i in range(8):
         ident = _ident(7, i)
         node = DHTNode(ident, net.transport(ident.peer_id), server=False)
         await node.bootstrap([(nodes[0].identity.peer_id, [])])
