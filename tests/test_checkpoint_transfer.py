@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import trio
 
-from conftest import LOOPBACK
+from conftest import LOOPBACK, trio_test
 from p2ptrain.ckpt import chunks
 from p2ptrain.ckpt import providers
 from fakes.adversary import CorruptBlobServer, flip_one_byte
@@ -98,6 +98,74 @@ def test_provider_record_decoder_is_bounded():
                                "members": ["m"] * 100})):
         with pytest.raises(providers.ProviderError):
             providers.decode("a", bad)
+
+
+# -- in-memory donors (fast tier) ------------------------------------------------------
+@trio_test()
+async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
+    """Two provider records copied by identities that accept the stream and never answer,
+    sorting first, each held the manifest fetch for its 60 s timeout: every newcomer spent
+    its 120 s budget. Providers are raced with a first-byte deadline now, and one that
+    says it lacks what its record names, or serves another manifest, is excluded."""
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    data = os.urandom(300_000)
+    ids = sorted((Identity.from_seed(bytes([40 + i]) * 32) for i in range(5)), key=lambda i: i.peer_id_str)
+    stall1, stall2, empty, liar, honest = ids
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x30" * 32).peer_id)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        for ident in (stall1, stall2):
+            net.host(ident.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
+        BlobServer(net.host(empty.peer_id))  # serves nothing, though its record names the manifest
+        m, _ = chunks.split(b"other" * 50_000, 64 << 10)
+        BlobServer(net.host(liar.peer_id)).add_known(digest, m.encode())  # another manifest under that hash
+        net.delay[honest.peer_id] = 1.0  # the others answer first
+        choice = providers.Choice(1, digest, hashlib.sha256(data).hexdigest(), H[0],
+                                  tuple(i.peer_id_str for i in ids), ())
+        t0 = trio.current_time()
+        got, rep = await download(fetcher, choice)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == data
+    assert took < 10, took  # the first-byte deadline (10 s); it was 2 x 60 s
+    assert set(rep.excluded) == {empty.peer_id_str, liar.peer_id_str}, rep.excluded
+    assert "does not serve" in rep.excluded[empty.peer_id_str]
+    assert "does not verify" in rep.excluded[liar.peer_id_str]
+    assert rep.per_donor[honest.peer_id_str] == len(chunks.split(data, 64 << 10)[0].chunks)
+
+
+@trio_test()
+async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    data = os.urandom(100_000)
+    staller, honest = Identity.from_seed(b"\x50" * 32), Identity.from_seed(b"\x51" * 32)
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x52" * 32).peer_id)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        net.host(staller.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
+        choice = providers.Choice(1, digest, hashlib.sha256(data).hexdigest(), H[0],
+                                  (staller.peer_id_str, honest.peer_id_str), (staller.peer_id_str,))
+        t0 = trio.current_time()  # attesters are asked first: the staller is
+        got, rep = await download(fetcher, choice, config=DownloadConfig(race_width=1))
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == data
+    cfg = DownloadConfig()
+    assert cfg.first_byte_timeout <= took < cfg.first_byte_timeout + 5 and staller.peer_id_str in rep.excluded
 
 
 # -- real libp2p donors ---------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 
 import msgpack
@@ -36,6 +37,11 @@ MAX_REQUEST = 256
 
 class FetchError(Exception):
     pass
+
+
+class NotServed(FetchError):
+    """The peer answered that it does not hold the blob (for a provider, whose record says
+    it does: a record that does not match what it serves)."""
 
 
 @dataclass
@@ -143,19 +149,27 @@ class BlobServer:
                 await stream.reset()
 
 
-async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
+async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float,
+                  first_byte: float | None = None) -> bytes:
     """The bytes `peer` serves under `digest`, NOT verified (callers that need to tell a
-    lying donor from a failing one verify themselves); raises FetchError. A request
-    abandoned (cancelled) midway resets its stream, so the donor stops sending at once."""
+    lying donor from a failing one verify themselves); raises FetchError (NotServed when
+    the peer says it lacks it). `timeout` bounds the whole request; `first_byte`, if given,
+    the time until the peer's answer starts (its size header), so a peer that accepts the
+    stream and says nothing is given up on early. A request abandoned (cancelled) midway
+    resets its stream, so the donor stops sending at once."""
     stream = None
     try:
         with trio.fail_after(timeout):
-            stream = await host.new_stream(ID(peer), [PROTOCOL])
-            req = msgpack.packb({"sha256": digest})
-            await stream.write(len(req).to_bytes(2, "big") + req)
-            size = int.from_bytes(await read_exactly(stream, 8), "big", signed=True)
+            with trio.move_on_after(math.inf if first_byte is None else first_byte) as first:
+                stream = await host.new_stream(ID(peer), [PROTOCOL])
+                req = msgpack.packb({"sha256": digest})
+                await stream.write(len(req).to_bytes(2, "big") + req)
+                head = await read_exactly(stream, 8)
+            if first.cancelled_caught:
+                raise FetchError(f"no answer within {first_byte:g}s")
+            size = int.from_bytes(head, "big", signed=True)
             if size < 0:
-                raise FetchError("provider does not have it")
+                raise NotServed("provider does not have it")
             if size > max_bytes:
                 raise FetchError(f"provider offers {size} bytes, over the limit {max_bytes}")
             data = await read_exactly(stream, size)
