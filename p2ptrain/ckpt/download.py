@@ -7,7 +7,7 @@ signed provider record (`p2ptrain.ckpt.providers`).
 
 Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
 group attests, gets the chunk manifest (verified against the attested hash) by racing the
-providers (`race`: a few at a time, attesters first, in a random order, each with a short
+providers (`fetch.race`: a few at a time, attesters first, in a random order, each with a short
 first-byte deadline: copied provider records cost nothing, so their order must not decide
 how long a fetch waits), then pulls chunks from every provider at once. Each donor has `per_donor` request slots; a free slot
 takes the next missing chunk, and once none is left it steals a chunk that has been in
@@ -33,7 +33,7 @@ from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import chunks
 from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
-from p2ptrain.ckpt.fetch import BlobServer, FetchError, NotServed, request
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, race, request
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 from p2ptrain.run import keys
 
@@ -49,7 +49,7 @@ class DownloadConfig:
     max_failures: int = 3
     """Failed (not wrong) requests after which a donor is dropped for this download."""
     first_byte_timeout: float = 10.0
-    """Seconds a provider may take to start answering a manifest request (`race`); one that
+    """Seconds a provider may take to start answering a manifest request (`fetch.race`); one that
     has not is dropped from this download and the next provider is asked."""
     race_width: int = 4
     """Providers asked for the manifest at once."""
@@ -165,48 +165,6 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     rep.per_donor = {**{d: 0 for d in donors}, **rep.per_donor}  # excluded ones too: every donor asked
     rep.bytes, rep.chunks, rep.seconds = len(data), len(manifest.chunks), time.perf_counter() - t0
     return data, rep
-
-
-async def race(host, donors: list[str], digest: str, max_bytes: int, accept, *, width: int,
-               first_byte: float, timeout: float) -> tuple[str | None, object, dict[str, str]]:
-    """Ask `donors` (in this order, `width` at a time) for blob `digest`; the first answer
-    `accept(bytes)` turns into a value wins and the requests still running are cancelled.
-    Returns (winner, value, failed): `failed` names each donor that showed it should not be
-    asked again, and why -- it did not start answering within `first_byte` seconds, said it
-    lacks the blob its record names, or served bytes `accept` refused (any exception) --
-    and also any whose request failed outright. (None, None, failed) if nobody served it.
-    A donor that holds its stream open costs one slot for `first_byte` seconds, not the
-    request's whole `timeout`; the next one starts as soon as a slot frees up."""
-    slots = trio.Semaphore(width)
-    won: list[tuple[str, object]] = []
-    failed: dict[str, str] = {}
-
-    async def one(donor: str, nursery: trio.Nursery, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with slots:
-            task_status.started()
-            try:
-                raw = await request(host, peer_id_from_str(donor), digest, max_bytes, timeout, first_byte)
-            except NotServed:
-                failed[donor] = f"does not serve {digest[:12]}... that its record names"
-                return
-            except FetchError as exc:
-                failed[donor] = f"did not serve {digest[:12]}...: {exc}"
-                return
-            try:
-                value = accept(raw)
-            except Exception as exc:  # whatever `accept` refuses: the donor lied
-                failed[donor] = f"served a {digest[:12]}... that does not verify: {exc}"
-                return
-            if not won:
-                won.append((donor, value))
-                nursery.cancel_scope.cancel()
-
-    async with trio.open_nursery() as nursery:
-        for donor in donors:
-            await nursery.start(one, donor, nursery)  # in order: a slot is free before the next
-    if won:
-        return won[0][0], won[0][1], failed
-    return None, None, failed
 
 
 def _exclude(report: DownloadReport, donor: str, reason: str, on_exclude) -> None:

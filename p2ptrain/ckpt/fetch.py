@@ -24,6 +24,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.dht.libp2p_rpc import read_exactly
+from p2ptrain.identity import peer_id_from_str
 
 log = logging.getLogger("p2ptrain.ckpt.fetch")
 PROTOCOL = TProtocol("/p2ptrain/fetch/1.0.0")
@@ -187,3 +188,45 @@ async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float
                     await stream.reset()
                 except Exception:
                     pass
+
+
+async def race(host, donors: list[str], digest: str, max_bytes: int, accept, *, width: int,
+               first_byte: float, timeout: float) -> tuple[str | None, object, dict[str, str]]:
+    """Ask `donors` (in this order, `width` at a time) for blob `digest`; the first answer
+    `accept(bytes)` turns into a value wins and the requests still running are cancelled.
+    Returns (winner, value, failed): `failed` names each donor that showed it should not be
+    asked again, and why -- it did not start answering within `first_byte` seconds, said it
+    lacks the blob its record names, or served bytes `accept` refused (any exception) --
+    and also any whose request failed outright. (None, None, failed) if nobody served it.
+    A donor that holds its stream open costs one slot for `first_byte` seconds, not the
+    request's whole `timeout`; the next one starts as soon as a slot frees up."""
+    slots = trio.Semaphore(width)
+    won: list[tuple[str, object]] = []
+    failed: dict[str, str] = {}
+
+    async def one(donor: str, nursery: trio.Nursery, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with slots:
+            task_status.started()
+            try:
+                raw = await request(host, peer_id_from_str(donor), digest, max_bytes, timeout, first_byte)
+            except NotServed:
+                failed[donor] = f"does not serve {digest[:12]}... that its record names"
+                return
+            except FetchError as exc:
+                failed[donor] = f"did not serve {digest[:12]}...: {exc}"
+                return
+            try:
+                value = accept(raw)
+            except Exception as exc:  # whatever `accept` refuses: the donor lied
+                failed[donor] = f"served a {digest[:12]}... that does not verify: {exc}"
+                return
+            if not won:
+                won.append((donor, value))
+                nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for donor in donors:
+            await nursery.start(one, donor, nursery)  # in order: a slot is free before the next
+    if won:
+        return won[0][0], won[0][1], failed
+    return None, None, failed

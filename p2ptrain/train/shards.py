@@ -27,8 +27,8 @@ import numpy as np
 import trio
 
 from p2ptrain.ckpt import checkpoint, chunks
-from p2ptrain.ckpt.download import DownloadConfig, download, race
-from p2ptrain.ckpt.fetch import FetchError
+from p2ptrain.ckpt.download import DownloadConfig, download
+from p2ptrain.ckpt.fetch import FetchError, race
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.net.node import NodeError
@@ -113,7 +113,7 @@ async def _records(node, run_id: str) -> list[tuple[str, dict]]:
 async def fetch_tokenizer(node, run_id: str, sha: str, timeout: float = 120.0,
                           config: DownloadConfig | None = None) -> bytes:
     """The tokenizer by its signed hash, raced among the peers whose data record names it
-    (`download.race`: a few at a time in a random order, each with a first-byte deadline),
+    (`fetch.race`: a few at a time in a random order, each with a first-byte deadline),
     so records copied by peers that never answer cannot hold the join for their timeouts."""
     config = config or DownloadConfig()
 
