@@ -65,6 +65,7 @@ class DHTConfig:
     max_writers_per_sender: int = 16
     """Identities one remote peer may store records for (honest peers store only their own)."""
     max_bytes_per_sender: int = 4 << 20
+    max_records_per_sender: int = 2048
     signature_cache: int = 16384
     """Records whose verified signature we remember (`record.SignatureCache`)."""
 
@@ -72,7 +73,7 @@ class DHTConfig:
         for name in ("bucket_size", "replication", "alpha", "max_records", "max_records_per_get",
                      "max_records_per_writer", "max_bytes", "max_subkeys_per_key", "max_key_bytes",
                      "max_reply_bytes", "max_bytes_per_writer", "max_writers_per_sender",
-                     "max_bytes_per_sender", "signature_cache"):
+                     "max_bytes_per_sender", "max_records_per_sender", "signature_cache"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DHTConfig.{name} must be >= 1")
         if self.max_reply_bytes > protocol.DEFAULT_MAX_FRAME // 2:
@@ -83,7 +84,7 @@ class DHTConfig:
     def store_limits(self) -> StoreLimits:
         return StoreLimits(self.max_records, self.max_bytes, self.max_subkeys_per_key, self.max_key_bytes,
                            self.max_records_per_writer, self.max_bytes_per_writer, self.max_writers_per_sender,
-                           self.max_bytes_per_sender)
+                           self.max_bytes_per_sender, self.max_records_per_sender)
 
     def limits_for(self, key: str) -> tuple[float, int]:
         """(expiry horizon, record byte cap) of `key`'s class."""

@@ -7,8 +7,9 @@ record's signature says nothing about), so budgets hold per connection as well a
 
 What one party can hold here (issue 32: records and identities are free, bytes are not):
   - a writer (identity, the subkey): `max_per_writer` records and `max_bytes_per_writer`;
-  - a sender (remote peer): records of at most `max_writers_per_sender` identities and
-    `max_bytes_per_sender` in all, so one connection cannot bring a crowd of identities;
+  - a sender (remote peer): records of at most `max_writers_per_sender` identities,
+    `max_records_per_sender` and `max_bytes_per_sender` in all, so one connection cannot
+    bring a crowd of identities;
   - a key: `max_subkeys_per_key` writers and `max_key_bytes`; the node: `max_records`, `max_bytes`.
 Writer and sender budgets refuse (`writer-full`, `sender-full`). A full key or node does not
 lock newcomers out: it makes room from whoever holds the largest share there -- in a key the
@@ -43,6 +44,7 @@ class StoreLimits:
     max_bytes_per_writer: int = 1 << 20
     max_writers_per_sender: int = 16
     max_bytes_per_sender: int = 4 << 20
+    max_records_per_sender: int = 2048
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -170,6 +172,9 @@ class RecordStore:
             raise RecordError("sender-full", f"sender already stores for {len(writers)} identities")
         if held + size > lim.max_bytes_per_sender:
             raise RecordError("sender-full", f"sender holds {held} bytes")
+        count = len(s.entries) if s is not None else 0
+        if count - (old is not None and old.sender == sender) + 1 > lim.max_records_per_sender:
+            raise RecordError("sender-full", f"sender holds {count} records")
 
     def _make_room(self, rec: Record, size: int, sender: bytes, now: float) -> None:
         lim = self.limits

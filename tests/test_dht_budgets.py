@@ -206,3 +206,26 @@ def test_reply_order_ignores_insertion_order_and_tiny_records():
     full = store.select(key, 0.0, 256, 256 * 1024, b"s")
     assert len([r for r in full if r.subkey in {b.subkey for b in big}]) == 4  # 26 small + 4 big fit
     assert {r.subkey for r in tiny} <= {r.subkey for r in full}
+
+
+def test_a_full_node_makes_room_from_the_heaviest_sender_only():
+    """A full store used to refuse every newcomer. Now it evicts from the sender holding the
+    most bytes, and only for a sender that holds less: a flooder cannot push out lighter ones."""
+    from p2ptrain.dht.record import RecordError
+    from p2ptrain.dht.storage import RecordStore, StoreLimits
+
+    store = RecordStore(limits=StoreLimits(max_bytes=47_000, max_bytes_per_sender=30_000))
+    flooder, other = _ident(19, 0).peer_id, _ident(19, 1).peer_id
+    exp = 1000.0
+    big = [make_record(_ident(20, i), f"/p2ptrain/n{i}/manifest", b"\xee" * 4500, exp) for i in range(6)]
+    for r in big:
+        store.put(r, 0.0, sender=flooder)
+    for i in range(4):
+        store.put(make_record(_ident(21, i), f"/p2ptrain/m{i}/manifest", b"\xdd" * 4500, exp), 0.0, sender=other)
+    honest = _ident(22, 0)
+    assert store.put(make_record(honest, "/p2ptrain/h/manifest", b"h" * 500, exp), 0.0)
+    assert store.get("/p2ptrain/h/manifest", 0.0) and store.bytes <= 47_000 and store.evicted == 1
+    assert len([r for r in big if store.get(r.key, 0.0)]) == 5  # the heaviest sender lost one
+    with pytest.raises(RecordError) as err:  # the flooder, still the heaviest, displaces no one
+        store.put(make_record(_ident(20, 9), "/p2ptrain/n9/manifest", b"\xee" * 4500, exp), 0.0, sender=flooder)
+    assert err.value.reason == "store-full"
