@@ -49,8 +49,8 @@ class DownloadConfig:
     max_failures: int = 3
     """Failed (not wrong) requests after which a donor is dropped for this download."""
     first_byte_timeout: float = 10.0
-    """Seconds a provider may take to start answering a manifest request (`fetch.race`); one that
-    has not is dropped from this download and the next provider is asked."""
+    """Seconds a provider may take to start answering a manifest request (`fetch.race`)
+    before the next provider is asked in its place."""
     race_width: int = 4
     """Providers asked for the manifest at once."""
 
@@ -146,11 +146,11 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     rng = random.Random()
     attesting = set(choice.attesters)
     order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
-    _, manifest, failed = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
+    _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
                                      lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
                                      width=config.race_width, first_byte=config.first_byte_timeout,
                                      timeout=config.chunk_timeout)
-    for donor, reason in failed.items():
+    for donor, reason in bad.items():
         _exclude(report, donor, reason, on_exclude)
     if manifest is None:
         raise FetchError(f"no provider served the chunk manifest {choice.manifest[:12]}...")

@@ -194,12 +194,13 @@ async def race(host, donors: list[str], digest: str, max_bytes: int, accept, *, 
                first_byte: float, timeout: float) -> tuple[str | None, object, dict[str, str]]:
     """Ask `donors` (in this order, `width` at a time) for blob `digest`; the first answer
     `accept(bytes)` turns into a value wins and the requests still running are cancelled.
-    Returns (winner, value, failed): `failed` names each donor that showed it should not be
-    asked again, and why -- it did not start answering within `first_byte` seconds, said it
-    lacks the blob its record names, or served bytes `accept` refused (any exception) --
-    and also any whose request failed outright. (None, None, failed) if nobody served it.
-    A donor that holds its stream open costs one slot for `first_byte` seconds, not the
-    request's whole `timeout`; the next one starts as soon as a slot frees up."""
+    Returns (winner, value, bad): `bad` names each donor whose record does not match what it
+    serves, and why -- it said it lacks the blob, or served bytes `accept` refused (any
+    exception). (None, None, bad) if nobody served it. A donor that did not start answering
+    within `first_byte` seconds, or failed outright, is logged, not judged: it may be
+    loaded, and a download's chunk phase copes with slow donors. Either way it held one
+    slot for at most `first_byte` seconds, not the request's whole `timeout`, and the next
+    donor starts as soon as a slot frees up."""
     slots = trio.Semaphore(width)
     won: list[tuple[str, object]] = []
     failed: dict[str, str] = {}
@@ -213,7 +214,7 @@ async def race(host, donors: list[str], digest: str, max_bytes: int, accept, *, 
                 failed[donor] = f"does not serve {digest[:12]}... that its record names"
                 return
             except FetchError as exc:
-                failed[donor] = f"did not serve {digest[:12]}...: {exc}"
+                log.info("%s did not serve %s...: %s", donor, digest[:12], exc)
                 return
             try:
                 value = accept(raw)

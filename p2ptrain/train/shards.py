@@ -126,10 +126,10 @@ async def fetch_tokenizer(node, run_id: str, sha: str, timeout: float = 120.0,
         while True:
             peers = [peer for peer, r in await _records(node, run_id) if r["tok"] == sha]
             random.shuffle(peers)
-            _, data, failed = await race(node.host, peers, sha, MAX_TOKENIZER_BYTES, check, width=config.race_width,
-                                         first_byte=config.first_byte_timeout, timeout=30.0)
-            for peer, why in failed.items():
-                log.info("tokenizer from %s: %s", peer, why)
+            _, data, bad = await race(node.host, peers, sha, MAX_TOKENIZER_BYTES, check, width=config.race_width,
+                                      first_byte=config.first_byte_timeout, timeout=30.0)
+            for peer, why in bad.items():
+                log.warning("tokenizer from %s: %s", peer, why)
             if data is not None:
                 return data
             await trio.sleep(1.0)  # peers that failed may serve it on the next round
