@@ -147,9 +147,9 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     attesting = set(choice.attesters)
     order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
     _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
-                                     lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
-                                     width=config.race_width, first_byte=config.first_byte_timeout,
-                                     timeout=config.chunk_timeout)
+                                  lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
+                                  width=config.race_width, first_byte=config.first_byte_timeout,
+                                  timeout=config.chunk_timeout)
     for donor, reason in bad.items():
         _exclude(report, donor, reason, on_exclude)
     if manifest is None:
