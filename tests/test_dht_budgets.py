@@ -167,6 +167,17 @@ async def test_expiry_horizon_is_bounded_per_kind_of_key():
         assert await _store_raw(net, atk, nodes[0], [ok_rec]) == ["ok"], key
 
 
+@trio_test()
+async def test_own_records_are_cut_to_their_key_horizon():
+    net, nodes = make_swarm(3)
+    await join_all(nodes)
+    key = keys.presence("lobby")
+    assert await nodes[0].store(key, b"p", ttl=10 * 3600) >= 2
+    got = await nodes[2].get(key)
+    horizon = record_mod.KEY_CLASSES["peers"].max_ttl
+    assert got[nodes[0].identity.peer_id].expiry <= wall_time() + horizon
+
+
 def test_every_key_has_a_class_whose_horizon_covers_its_writers_ttl():
     from p2ptrain.net.presence import PresenceConfig
     from p2ptrain.run import election, reputation, states
