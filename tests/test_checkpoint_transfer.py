@@ -169,6 +169,48 @@ async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_dea
     assert rep.per_donor[staller.peer_id_str] == 0
 
 
+@trio_test()
+async def test_data_records_copied_by_silent_peers_do_not_stall_the_tokenizer_fetch():
+    """The tokenizer was asked of one data-record holder at a time, 30 s each: six copied
+    records whose peers never answer held a join for three minutes."""
+    from types import SimpleNamespace
+
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+    from p2ptrain.dht.node import DHTNode
+    from p2ptrain.dht.transport import MemoryNetwork
+    from p2ptrain.run import keys
+    from p2ptrain.train import shards
+
+    tok = b'{"model": "a tokenizer"}' * 100
+    sha = hashlib.sha256(tok).hexdigest()
+    run = "r" * 16
+    dnet = MemoryNetwork()
+    ids = [Identity.from_seed(bytes([60 + i]) * 32) for i in range(8)]
+    dhts = [DHTNode(i, dnet.transport(i.peer_id)) for i in ids]
+    for d in dhts[1:]:
+        await d.bootstrap([(ids[0].peer_id, [])])
+    value = msgpack.packb({"manifest": H[1], "sha256": H[2], "tok": sha, "addrs": []})
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        for i in range(1, 7):  # the copies first
+            net.host(ids[i].peer_id).set_stream_handler(PROTOCOL, never_answer)
+            await dhts[i].store(keys.data(run), value, ttl=600)
+        BlobServer(net.host(ids[7].peer_id)).add(tok)
+        await dhts[7].store(keys.data(run), value, ttl=600)
+        me = SimpleNamespace(dht=dhts[0], host=net.host(ids[0].peer_id), identity=ids[0])
+        t0 = trio.current_time()
+        got = await shards.fetch_tokenizer(me, run, sha)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == tok
+    assert took < 15, took  # the honest peer is asked by the time the first 4 are given up on (10 s)
+
+
 # -- real libp2p donors ---------------------------------------------------------------
 async def _nodes(nursery, n):
     out = []
