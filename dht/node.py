@@ -19,8 +19,8 @@ import trio
 
 from p2ptrain.clock import wall_time
 from p2ptrain.dht import protocol
-from p2ptrain.dht.record import (KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyClass, Record, RecordError, SignatureCache,
-                                 decode, key_class, make_record, validate)
+from p2ptrain.dht.record import (KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyClass, Record, RecordError,
+                                 SignatureCache, decode, key_class, make_record, validate)
 from p2ptrain.dht.routing import RoutingTable, dht_id, distance
 from p2ptrain.dht.storage import RecordStore, StoreLimits
 from p2ptrain.dht.transport import RpcError, RpcReject, RpcTransport
@@ -80,19 +80,21 @@ class DHTConfig:
             raise ValueError(f"DHTConfig.max_reply_bytes must be <= {protocol.DEFAULT_MAX_FRAME // 2}")
         if not all(isinstance(c, KeyClass) for c in self.key_classes.values()):
             raise ValueError("DHTConfig.key_classes maps key kinds to record.KeyClass")
+        for name in ("rpc_timeout", "lookup_timeout", "max_ttl", "refresh_interval"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"DHTConfig.{name} must be > 0")
 
     def store_limits(self) -> StoreLimits:
-        return StoreLimits(self.max_records, self.max_bytes, self.max_subkeys_per_key, self.max_key_bytes,
-                           self.max_records_per_writer, self.max_bytes_per_writer, self.max_writers_per_sender,
-                           self.max_bytes_per_sender, self.max_records_per_sender)
+        return StoreLimits(
+            max_records=self.max_records, max_bytes=self.max_bytes, max_subkeys_per_key=self.max_subkeys_per_key,
+            max_key_bytes=self.max_key_bytes, max_per_writer=self.max_records_per_writer,
+            max_bytes_per_writer=self.max_bytes_per_writer, max_writers_per_sender=self.max_writers_per_sender,
+            max_bytes_per_sender=self.max_bytes_per_sender, max_records_per_sender=self.max_records_per_sender)
 
     def limits_for(self, key: str) -> tuple[float, int]:
         """(expiry horizon, record byte cap) of `key`'s class."""
         c = self.key_classes.get(key_class(key))
         return (c.max_ttl, c.max_record_bytes) if c is not None else (self.max_ttl, MAX_RECORD_BYTES)
-        for name in ("rpc_timeout", "lookup_timeout", "max_ttl", "refresh_interval"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"DHTConfig.{name} must be > 0")
 
 
 @dataclass

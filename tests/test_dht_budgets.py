@@ -178,6 +178,15 @@ async def test_own_records_are_cut_to_their_key_horizon():
     assert got[nodes[0].identity.peer_id].expiry <= wall_time() + horizon
 
 
+def test_dht_config_checks_every_bound():
+    for bad in ({"rpc_timeout": 0}, {"max_writers_per_sender": 0}, {"max_bytes": 0},
+                {"max_reply_bytes": 1 << 20}, {"key_classes": {"ready": 60.0}}):
+        with pytest.raises(ValueError):
+            DHTConfig(**bad)
+    limits = DHTConfig(max_bytes_per_sender=123).store_limits()
+    assert limits.max_bytes_per_sender == 123 and limits.max_per_writer == DHTConfig().max_records_per_writer
+
+
 def test_every_key_has_a_class_whose_horizon_covers_its_writers_ttl():
     from p2ptrain.net.presence import PresenceConfig
     from p2ptrain.run import election, reputation, states
