@@ -49,8 +49,8 @@ KEY_CLASSES: dict[str, KeyClass] = {
     # The names are the `<what>` of `p2ptrain.run.keys` (a test checks every key it builds
     # has a class). Horizons are a few times the writers' own TTLs (presence 90 s, ready
     # `election.ready_ttl`: 600 s at the default 30 s window, state and providers 600 s,
-    # the rest 3,600 s); byte caps are a few times the decoders' value limits plus the
-    # ~420 bytes of key, ids and signature. A record past either is refused everywhere.
+    # the rest 3,600 s); byte caps are the value limit of the key's decoder plus 2-4 KiB
+    # (key, ids and signature take ~420 bytes). A record past either is refused everywhere.
     "peers": KeyClass(600.0, 8 * 1024),
     "ready": KeyClass(6 * 3600.0, 20 * 1024),  # windows up to 18 min (ttl = 20 * window)
     "state": KeyClass(1800.0, 20 * 1024),
