@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 from dataclasses import dataclass, field
 
 import trio
@@ -24,6 +23,7 @@ from p2ptrain.dht.record import (KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyCl
 from p2ptrain.dht.routing import RoutingTable, dht_id, distance
 from p2ptrain.dht.storage import RecordStore, StoreLimits
 from p2ptrain.dht.transport import RpcError, RpcReject, RpcTransport
+from p2ptrain import entropy
 from p2ptrain.identity import Identity, peer_id_to_str
 
 log = logging.getLogger("p2ptrain.dht")
@@ -117,7 +117,7 @@ class DHTNode:
         # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.net.peerguard).
         self.store_gate = store_gate
         self.routing = RoutingTable(identity.peer_id, self.config.bucket_size)
-        self.store_ = RecordStore(limits=self.config.store_limits(), rng=random.Random(secrets.randbits(64)))
+        self.store_ = RecordStore(limits=self.config.store_limits(), rng=entropy.rng())
         self.sigcache = SignatureCache(self.config.signature_cache)
         self.stats = DHTStats()
         # key -> (value, ttl, when to republish): own records outlive the nodes holding them.
@@ -366,7 +366,7 @@ class DHTNode:
             # in an order no writer can game (see `RecordStore.select`). The salt is fresh
             # per request: a key too big for one reply shows each reader another sample.
             chosen = self.store_.select(key, wall_time(), self.config.max_records_per_get,
-                                        self.config.max_reply_bytes, secrets.token_bytes(16))
+                                        self.config.max_reply_bytes, entropy.source.randbytes(16))
             return {"records": [rec.encode() for rec in chosen],
                     "peers": self._closer_peers(dht_id(key), sender)}
         if method == "store":

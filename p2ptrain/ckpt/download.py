@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2ptrain import entropy
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import chunks
 from p2ptrain.train import progress
@@ -143,7 +144,7 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     if not donors:
         raise FetchError("no providers")
     report = DownloadReport(per_donor={d: 0 for d in donors})
-    rng = random.Random()
+    rng = entropy.rng()
     attesting = set(choice.attesters)
     order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
     _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,

@@ -29,7 +29,7 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from p2ptrain import clock, peer
+from p2ptrain import clock, entropy, peer
 from p2ptrain.dht.node import DHTConfig, DHTNode
 from p2ptrain.identity import Identity
 from p2ptrain.run import manifest as mf
@@ -381,6 +381,7 @@ def simulate(world: World) -> Report:
     trio._core._run._r.seed(seed)
     real = trio.to_thread.run_sync
     trio.to_thread.run_sync = _inline
+    real_source, entropy.source = entropy.source, random.Random(seed ^ 0xE7)
     real_add = _deterministic_deadlines()
     quiet = logging.getLogger("p2ptrain")
     level = quiet.level
@@ -390,6 +391,7 @@ def simulate(world: World) -> Report:
         trio.run(world.main, clock=trio.testing.MockClock(autojump_threshold=0))
     finally:
         trio.to_thread.run_sync = real
+        entropy.source = real_source
         trio._core._run.Deadlines.add = real_add
         trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = det
         quiet.setLevel(level)
