@@ -116,16 +116,20 @@ def test_checkpoint_meta_never_sets_the_outer_hyperparameters():
 
 
 # -- hole 4: arbitrarily large values ------------------------------------------------------
-def _headers(norms: dict, chunk_norms: dict | None = None):
+def _headers(norms: dict, chunk_norms: dict | None = None, trusts: dict | None = None, refs: dict | None = None):
+    """Signed headers for members named by `norms` (in roster order); `trusts`: name -> the
+    names it has standing with, `refs`: name -> its signed reference norm."""
     from p2ptrain.identity import Identity
     from p2ptrain.run import contribution as C
 
     ids = {name: Identity.generate() for name in norms}
     members = [ids[n].peer_id_str for n in norms]
+    pos = {n: i for i, n in enumerate(norms)}
     raw = {}
     for name, norm in norms.items():
         cn = (chunk_norms or {}).get(name) or tuple([norm / math.sqrt(len(norms))] * len(norms))
-        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100)
+        anchor = tuple(sorted(pos[x] for x in (trusts or {}).get(name, ()))), (refs or {}).get(name, 0.0)
+        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100, *anchor)
         raw[ids[name].peer_id_str] = C.sign_header(h, ids[name])
     return raw, members, {n: ids[n].peer_id_str for n in norms}
 
@@ -144,15 +148,18 @@ def test_a_group_of_two_bounds_the_norm_too():
 
     raw, members, ids = _headers({"a": 1.0, "m": 1e6})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
-    assert bad == {ids["m"]: "norm-outlier"} and list(ok) == [ids["a"]]
-    # a joiner's zero norm bounds nobody; the sender's own history does
+    assert bad == {ids["m"]: "norm-over-anchor"} and list(ok) == [ids["a"]]
+    # a joiner's zero norm bounds nobody; the reference it signs (its own past norms) does
     raw, members, ids = _headers({"j": 0.0, "m": 1e6})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert not bad
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
-    assert bad == {ids["m"]: "norm-outlier"}
-    # honest pairs within the factor pass
+    raw, members, ids = _headers({"j": 0.0, "m": 1e6}, refs={"j": 1.1})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-over-anchor"}
+    # honest pairs within the factor pass: 3x without standing, 10x with it
     raw, members, ids = _headers({"a": 1.0, "b": 3.0})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+    raw, members, ids = _headers({"a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
     assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
@@ -162,12 +169,13 @@ def test_joiners_zeros_do_not_set_the_norm_bar():
     four made it 0: no bar at all, so a lone trainer's 1e6 passed."""
     from p2ptrain.run import contribution as C
 
-    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x ref(a)
-    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
-    assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 3
-    raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0})
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x anchor(a)
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6}, refs={"j1": 1.0, "j2": 1.2})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-over-anchor"} and len(ok) == 3
+    raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0},
+                                 trusts={p: {"a", "b", "c", "m"} - {p} for p in "abc"})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 4  # median of 1.0, 1.2, 0.9, 12: 1.1
 
@@ -302,18 +310,18 @@ def test_standing_counts_contributed_committed_steps_once_each():
 def test_fresh_identities_are_held_to_the_trusted_members_norms():
     from p2ptrain.run import contribution as C
 
-    # 4 trusted honest (norm ~1) and 4 Sybils each signing 8x: under the general 10x-median
-    # rule all 8 pass; on probation each Sybil may sign at most 3x the trusted median.
-    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{f"s{i}": 8.0 for i in range(4)}}
-    raw, members, ids = _headers(norms)
+    # 4 honest (norm ~1) that trust each other and 4 Sybils each signing 8x that trust each
+    # other: under the 10x-median rule alone all 8 would pass; on probation with every honest
+    # member each Sybil may sign at most 3x that member's norm.
+    honest, sybils = ["a", "b", "c", "d"], [f"s{i}" for i in range(4)]
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{s: 8.0 for s in sybils}}
+    trusts = {**{p: set(honest) - {p} for p in honest}, **{s: set(sybils) - {s} for s in sybils}}
+    raw, members, ids = _headers(norms, trusts=trusts)
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
-    assert not bad
-    trusted = frozenset(ids[n] for n in "abcd")
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=trusted)
-    assert set(bad) == {ids[f"s{i}"] for i in range(4)} and set(ok) == set(trusted)
+    assert bad == {ids[s]: "norm-over-anchor" for s in sybils} and set(ok) == {ids[p] for p in honest}
     # an honest newcomer's ordinary norm passes probation
-    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=frozenset([ids["a"], ids["b"]]))[1]
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6}, trusts={"a": {"b"}, "b": {"a"}})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
 # -- the red-team bench's arithmetic ---------------------------------------------------------
