@@ -128,7 +128,8 @@ def _headers(norms: dict, chunk_norms: dict | None = None, trusts: dict | None =
     raw = {}
     for name, norm in norms.items():
         cn = (chunk_norms or {}).get(name) or tuple([norm / math.sqrt(len(norms))] * len(norms))
-        anchor = tuple(sorted(pos[x] for x in (trusts or {}).get(name, ()))), (refs or {}).get(name, 0.0)
+        anchor = (tuple(sorted(pos[x] for x in (trusts or {}).get(name, ()))), (refs or {}).get(name, 0.0)) \
+            if trusts or refs else ()
         h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100, *anchor)
         raw[ids[name].peer_id_str] = C.sign_header(h, ids[name])
     return raw, members, {n: ids[n].peer_id_str for n in norms}
@@ -179,6 +180,138 @@ def test_joiners_zeros_do_not_set_the_norm_bar():
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 4  # median of 1.0, 1.2, 0.9, 12: 1.1
 
+
+
+# -- issue 32, item 1: an influence bound Sybils cannot move ---------------------------------
+def _scaled(d: np.ndarray, ratio: float, ref: np.ndarray) -> np.ndarray:
+    """`d`'s direction with `ratio` x the norm of `ref` (norms as the round signs them)."""
+    return (d / np.linalg.norm(d.astype(np.float64)) * (ratio * np.linalg.norm(ref.astype(np.float64)))).astype(np.float32)
+
+
+def _norms(outcome, a: str, s: str) -> float | None:
+    """The committed ratio of s's signed norm to a's, or None when s was not in the round."""
+    h = outcome.headers
+    return h[s].norm / h[a].norm if s in h and a in h else None
+
+
+def test_an_honest_member_alone_with_sybils_rejects_their_norms():
+    """On 43993a7 the Sybils set the 10x-median themselves: 1e6x passed."""
+    from p2ptrain.run import contribution as C
+
+    for k in (2, 4):
+        sybils = [f"s{i}" for i in range(k)]
+        raw, members, ids = _headers({"a": 1.0, **{s: 1e6 for s in sybils}})
+        ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+        assert list(ok) == [ids["a"]] and bad == {ids[s]: "norm-over-anchor" for s in sybils}
+
+
+def test_an_honest_member_with_two_sybils_never_commits_their_contributions():
+    from test_round_memory import Hub, deltas, member, run_rounds
+
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ds = deltas(3)
+    ds[1:] = [_scaled(d, 1e6, ds[0]) for d in ds[1:]]
+    a = run_rounds(rounds, ds)[0]
+    assert a.members == [rounds[0].me] and not a.headers  # the Sybils are out of every round it commits
+    assert a.result is None or np.array_equal(a.result, ds[0])
+    assert all(r.me not in rounds[0].ledger.standing.rounds for r in rounds[1:])
+
+
+def test_a_pairs_allowed_norm_does_not_ratchet():
+    """A pair: honest A (norm 1 each step) and a Sybil S that signs just under what A lets
+    through. On 43993a7 S was held to 10x max(A's norm, median of its own accepted norms), so
+    each accepted norm raised the next bound: 9.9, 98, 534, ... 9,606x over 8 steps. Now S is
+    held to A's anchor this round: 3x on probation, 10x once it has standing with A."""
+    from test_round_memory import Hub, deltas, member, run_rounds
+
+    # 1. the old ratchet's schedule, played against the round: no committed ratio over 10
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(2)]
+    a, s = rounds[0].me, rounds[1].me
+    past: list[float] = []
+    for t in range(1, 9):
+        ratio = 0.99 * 10 * max(1.0, float(np.median(past)) if past else 0.0)
+        ds = deltas(t + 10)[:2]
+        o = run_rounds(rounds, [ds[0], _scaled(ds[1], ratio, ds[0])], t=t)[0]
+        got = _norms(o, a, s)
+        assert got is None or got <= 10 * 1.001, (t, got)
+        if got is not None:
+            past.append(got)
+
+    # 2. an attacker that probes A's exact rule every step and signs 0.99x the most it allows,
+    #    earning standing as it goes: the allowed ratio never exceeds the documented 10x
+    from p2ptrain.run import contribution as C
+    from p2ptrain.identity import Identity
+
+    hub = Hub()
+    rounds = [member(hub, i + 11)[0] for i in range(2)]
+    a, s = rounds[0].me, rounds[1].me
+    sid = Identity.from_seed(bytes([12]) * 32)
+    allowed = []
+    for t in range(1, 9):
+        roster = election.ring_order("ef" * 32, t, [a, s])
+        rh = election.roster_hash("ef" * 32, t, 0, roster)
+        mine = C.sign_header(rounds[0].header(t, 0, rh, roster, (0.6, 0.8), (H[0],), 4, 100), rounds[0].identity)
+
+        def passes(x: float) -> bool:
+            theirs = C.Header("ef" * 32, t, 0, rh, s, (x, 0.0), (H[t % 8],), x, 4, 100)
+            raw = {a: mine, s: C.sign_header(theirs, sid)}
+            return s not in rounds[0]._verify(raw, t, 0, rh, roster).bad
+
+        lo, hi = 1.0, 1e7
+        assert passes(lo) and not passes(hi)
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+        allowed.append(lo)
+        ds = deltas(t + 20)[:2]
+        o = run_rounds(rounds, [ds[0], _scaled(ds[1], 0.99 * lo, ds[0])], t=t)[0]
+        assert _norms(o, a, s) is not None, t  # within the bound it is a member like any other
+    assert max(allowed) <= 10.0 + 1e-6 and allowed[0] <= 3.0 + 1e-6, allowed
+    assert allowed[-1] > 9.9  # and standing earned the trusted 10x
+
+
+def test_members_with_different_standing_reach_the_same_verdict():
+    """A trusts S (2 committed steps with it), B does not. On 43993a7 each member applied
+    its own trusted set: S's 5x passed A's rule and failed B's. Now each member's trust is
+    signed in its header, every member applies every signed bound, and all three compute the
+    same verdict from the same headers."""
+    from test_round_memory import Hub, deltas, member, run_rounds
+    from p2ptrain.run import contribution as C
+
+    def group():
+        hub = Hub()
+        rounds = [member(hub, i + 1)[0] for i in range(3)]
+        a, b, s = (r.me for r in rounds)
+        for t in (1, 2):  # verified work, as `Ledger.remember` counts it
+            rounds[0].ledger.standing.committed(t, [b, s])
+            rounds[1].ledger.standing.committed(t, [a])
+            rounds[2].ledger.standing.committed(t, [a, b])
+        return rounds, a, b, s
+
+    # through the round: A and B commit the same mean, without S, at the first step
+    rounds, a, b, s = group()
+    ds = deltas(3)
+    ds[2] = _scaled(ds[2], 5.0, ds[0])
+    outs = run_rounds(rounds, ds, t=3)
+    assert sorted(outs[0].members) == sorted([a, b]) and outs[0].result is not None
+    assert np.array_equal(outs[0].result, outs[1].result)
+    assert np.allclose(outs[0].result, np.mean(ds[:2], axis=0), atol=1e-6)
+
+    # the verdict itself: the same on every member
+    rounds, a, b, s = group()
+    roster = election.ring_order("ef" * 32, 3, [a, b, s])
+    rh = election.roster_hash("ef" * 32, 3, 0, roster)
+    norms = {a: 1.0, b: 1.2, s: 5.0}
+    raw = {r.me: C.sign_header(r.header(3, 0, rh, roster, (norms[r.me], 0.0, 0.0), (H[i],), 4, 100), r.identity)
+           for i, r in enumerate(rounds)}
+    verdicts = [r._verify(raw, 3, 0, rh, roster) for r in rounds]
+    assert all(v == verdicts[0] for v in verdicts)
+    assert verdicts[0].bad == {s: "norm-over-anchor"} and verdicts[0].objections == {(b, s)}
+    # whom each honest member leaves out: both leave S out (B convicts it, A cannot tell)
+    assert C.leave_out(a, verdicts[0].objections) == (set(), {s})
+    assert C.leave_out(b, verdicts[0].objections) == ({s}, set())
 
 
 # -- hole 5: one state record is not the run's state ---------------------------------------
