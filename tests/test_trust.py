@@ -314,6 +314,49 @@ def test_members_with_different_standing_reach_the_same_verdict():
     assert C.leave_out(b, verdicts[0].objections) == ({s}, set())
 
 
+# -- issue 32, item 6: reputation counts only reporters with standing -----------------------
+def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing_still_work():
+    """Over the in-memory DHT tier, through `Ledger.apply_reputation`. On 43993a7 any 2
+    reporters excluded any peer for the rest of the run: 2 Sybils named every honest peer."""
+    from conftest import trio_test
+    from test_dht_memory import join_all, make_swarm
+    from test_round_memory import Events
+
+    from p2ptrain.run import reputation
+    from p2ptrain.run.ledger import Ledger
+
+    @trio_test()
+    async def scenario():
+        _, nodes = make_swarm(9)
+        await join_all(nodes)
+        me, h1, h2, h3, h4, h5, s1, s2, x = (n.identity.peer_id_str for n in nodes)
+        ledger = Ledger(me, Events())
+        for t in (1, 2):  # verified work with the honest peers, none with the Sybils
+            ledger.standing.committed(t, [h1, h2, h3, h4, h5])
+        for sybil in nodes[6:8]:  # two Sybils name every honest peer (and the reader)
+            assert await reputation.publish(sybil, "run", {p: 3 for p in (me, h1, h2, h3, h4, h5)}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 3)
+        assert ledger.ignored == set()
+        # two reporters with standing exclude a peer without standing (x) ...
+        for honest in nodes[1:3]:
+            assert await reputation.publish(honest, "run", {x: 3, h3: 3}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 3)
+        # ... but not a peer with standing: that needs a majority of those with standing (3 of 4)
+        assert ledger.ignored == {x}
+        assert await reputation.publish(nodes[4], "run", {h3: 3}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 4)
+        assert ledger.ignored == {x, h3}
+        # an exclusion by reputation expires with its reports
+        await ledger.apply_reputation(nodes[0], "run", 3 + reputation.HORIZON + 1)
+        assert ledger.ignored == set()
+        # and our own verdict on a peer never expires
+        ledger.reject(3, s1, "bad-signature")
+        await ledger.apply_reputation(nodes[0], "run", 100)
+        assert ledger.ignored == {s1}
+
+    scenario()
+
+
 # -- hole 5: one state record is not the run's state ---------------------------------------
 def test_latest_state_ignores_a_step_only_one_peer_claims():
     import trio

@@ -34,10 +34,12 @@ class Ledger:
         self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
         self.outliers: dict[str, int] = {}  # headers each peer signed that the norm rule held too large
         self.sitting_out: dict[str, int] = {}  # peer -> the step it sits out (its contribution dropped)
+        self.reputed: dict[str, list[str]] = {}  # peers ignored only on others' reports -> reporters
 
     def reject(self, t: int, peer: str, reason: str) -> None:
-        if peer == self.me or peer in self.ignored:
+        if peer == self.me or (peer in self.ignored and peer not in self.reputed):
             return
+        self.reputed.pop(peer, None)  # our own verdict now: it no longer expires with the reports
         self.ignored.add(peer)
         self.standing.forget(peer)
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
@@ -120,8 +122,20 @@ class Ledger:
             self.events.emit("reputation_published", step=t, flagged=sorted(self.flagged), replicas=acked)
 
     async def apply_reputation(self, dht, run_id: str, t: int) -> None:
-        """Leave out of our groups the peers that enough others reported."""
-        for peer, reporters in reputation.excluded(await reputation.read(dht, run_id)).items():
+        """Leave out of our groups the peers that enough reporters with standing reported
+        (`reputation.excluded`), and take back those whose reports aged out or whose
+        reporters lost standing: an exclusion by reputation is never our own verdict."""
+        self.reputation_verdict(t, await reputation.read(dht, run_id))
+
+    def reputation_verdict(self, t: int, reports: dict[str, dict[str, int]]) -> None:
+        """`apply_reputation` on reports already read (pure bookkeeping)."""
+        now = reputation.excluded(reports, t, self.standing.trusted())
+        for peer in [p for p in self.reputed if p not in now]:
+            del self.reputed[peer]
+            self.ignored.discard(peer)
+            self.events.emit("peer_readmitted", step=t, remote=peer, reason="reputation")
+        for peer, reporters in now.items():
             if peer != self.me and peer not in self.ignored:
                 self.ignored.add(peer)
+                self.reputed[peer] = reporters
                 self.events.emit("peer_excluded", step=t, remote=peer, reason="reputation", reporters=reporters)
