@@ -185,7 +185,8 @@ def test_joiners_zeros_do_not_set_the_norm_bar():
 # -- issue 32, item 1: an influence bound Sybils cannot move ---------------------------------
 def _scaled(d: np.ndarray, ratio: float, ref: np.ndarray) -> np.ndarray:
     """`d`'s direction with `ratio` x the norm of `ref` (norms as the round signs them)."""
-    return (d / np.linalg.norm(d.astype(np.float64)) * (ratio * np.linalg.norm(ref.astype(np.float64)))).astype(np.float32)
+    scale = ratio * np.linalg.norm(ref.astype(np.float64)) / np.linalg.norm(d.astype(np.float64))
+    return (d * scale).astype(np.float32)
 
 
 def _norms(outcome, a: str, s: str) -> float | None:

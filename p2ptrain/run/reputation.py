@@ -13,8 +13,8 @@ committed rounds of verified work with us; issue 32, item 6: before, two Sybil r
 excluded every honest peer for the rest of the run). A peer is left out when
   - it has no standing with us: at least MIN_REPORTERS reporters with standing name it;
   - it has standing with us: a strict majority of all the peers with standing with us
-    (itself aside), and at least MIN_REPORTERS, name it. Our own verified work with it outweighs any minority's word,
-    whatever they published.
+    (itself aside), and at least MIN_REPORTERS, name it. Our own verified work with it
+    outweighs any minority's word, whatever they published.
 Only entries flagged within the last HORIZON outer steps count (an entry claiming a later
 step than the reader's counts as now), and the verdict is taken again before every election,
 so an exclusion by reputation ends once its reports age out (`Ledger.apply_reputation`).
@@ -70,9 +70,9 @@ def excluded(reports: dict[str, dict[str, int]], step: int, standing: frozenset[
     """Peers to leave out at outer step `step`: {peer: the reporters that named it}. Only
     reporters in `standing` (peers with standing with us) count, only flags of the last
     `horizon` steps; a peer needs `min_reporters`, and one in `standing` also a strict
-    majority of `standing` (less itself). Two passes: reporters that the first pass excludes do not
-    count in the second, so liars outnumbered by honest reporters lose their votes; an even
-    standoff excludes nobody (conservative)."""
+    majority of `standing` (less itself). Two passes: reporters that the first pass excludes
+    do not count in the second, so liars outnumbered by honest reporters lose their votes;
+    an even standoff excludes nobody (conservative)."""
 
     def tally(skip) -> dict[str, list[str]]:
         votes: dict[str, list[str]] = {}
