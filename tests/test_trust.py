@@ -315,6 +315,25 @@ def test_members_with_different_standing_reach_the_same_verdict():
     assert C.leave_out(b, verdicts[0].objections) == ({s}, set())
 
 
+def test_whom_each_member_leaves_out_after_an_objection():
+    """`leave_out` from the shared objections: honest a, b, c that do not object to each other
+    leave out the same Sybil whether it signs a huge norm (they object to it) or a tiny anchor
+    (it objects to all of them); the limit DESIGN states: a Sybil objecting to a only makes
+    b, compatible with both, sit a out for the step (never a conviction)."""
+    from p2ptrain.run import contribution as C
+
+    huge = frozenset((h, "s") for h in "abc")
+    tiny = frozenset(("s", h) for h in "abc")
+    for me in "abc":
+        assert C.leave_out(me, huge) == ({"s"}, set())
+        assert C.leave_out(me, tiny) == (set(), {"s"})
+    raw, members, ids = _headers({"a": 3.0, "b": 1.0, "s": 0.5})  # s's anchor bounds a (3 > 1.5), not b
+    v = C.judge_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert v.objections == {(ids["s"], ids["a"])} and v.bad == {ids["a"]: "norm-over-anchor"}
+    assert C.leave_out(ids["b"], v.objections) == (set(), {ids["a"]})
+    assert C.leave_out(ids["a"], v.objections) == (set(), {ids["s"]})
+
+
 # -- issue 32, item 6: reputation counts only reporters with standing -----------------------
 def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing_still_work():
     """Over the in-memory DHT tier, through `Ledger.apply_reputation`. On 43993a7 any 2
