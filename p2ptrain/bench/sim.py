@@ -30,6 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--scenario", default="random",
                    help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils")
     p.add_argument("--no-faults", action="store_true", help="random worlds without faults")
+    p.add_argument("--sybils", type=int, default=0, help="adversaries per random world (scripted attacks)")
     p.add_argument("--rtt", type=float, default=0.1, help="median RTT in seconds (default 0.1)")
     p.add_argument("--duration", type=float, default=None, help="simulated seconds per world")
     p.add_argument("--trace", action="store_true", help="print every event of the world (with --seed)")
@@ -37,11 +38,11 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true")
 
 
-def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, duration: float | None):
+def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, duration: float | None, sybils: int = 0):
     from p2ptrain.sim import scenarios
 
     if name == "random":
-        return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration)
+        return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration, sybils=sybils)
     if name not in scenarios.NAMED:
         raise SystemExit(f"p2ptrain: error: no scenario {name!r} (choose random, {', '.join(scenarios.NAMED)})")
     return scenarios.NAMED[name]()
@@ -50,12 +51,13 @@ def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, durati
 def _one(job: tuple) -> dict:
     from p2ptrain.sim import scenarios, world
 
-    name, seed, peers, faults, rtt, duration, trace = job
-    sc = _scenario(name, seed, peers, faults, rtt, duration)
+    name, seed, peers, faults, rtt, duration, trace, sybils = job
+    sc = _scenario(name, seed, peers, faults, rtt, duration, sybils)
     rep = world.run(sc, seed, trace=trace)
     out = rep.to_dict()
     out["describe"] = scenarios.describe(sc)
     out["faults"] = faults
+    out["median_rtt"] = sc.links.median_rtt
     if trace:
         out["trace"] = rep.trace
     return out
@@ -68,15 +70,15 @@ def run(args) -> int:
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     faults = not args.no_faults
     if args.seed is not None:
-        jobs = [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace)]
+        jobs = [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace, args.sybils)]
     elif args.scenario != "random":
-        jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False)
+        jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0)
                 for s in range(args.first_seed, args.first_seed + args.seeds)]
     else:
         seeds = range(args.first_seed, args.first_seed + args.seeds)
         calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
-        jobs = ([("random", s, args.peers, True, args.rtt, args.duration, False) for s in seeds]
-                + [("random", s, args.peers, False, args.rtt, args.duration, False) for s in calm])
+        jobs = ([("random", s, args.peers, True, args.rtt, args.duration, False, args.sybils) for s in seeds]
+                + [("random", s, args.peers, False, args.rtt, args.duration, False, 0) for s in calm])
     t0 = time.perf_counter()
     results = []
     if len(jobs) == 1 or args.workers <= 1:
@@ -120,7 +122,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "commit_fraction_nofault": round(min((r["commit_fraction"] for r in calm), default=1.0), 4),
         "steps_to_converge_max": (None if any(c is None for c in conv) else max(conv, default=0)),
         "worlds_never_converged": sum(c is None for c in conv),
-        "median_rtt_s": 0.1,
+        "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),

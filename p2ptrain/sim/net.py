@@ -54,6 +54,11 @@ class Policy:
     its dials refused and get no confirmation, header or vote from it: selective answering
     (issue 31, item 5). Its DHT traffic is normal (it wants to be elected)."""
     answers: set[bytes] | None = None
+    withhold: bool = False
+    """Confirms rosters and signs headers, then never sends its data (nor its vote): every
+    round it is in fails, and nobody is blamed (leave-one-out must find it)."""
+    inflate: tuple[str, ...] = ()
+    """Peer ids it adds to every roster confirmation it sends: view inflation."""
 
     def talks_to(self, other: bytes) -> bool:
         return self.answers is None or other in self.answers

@@ -4,7 +4,6 @@ is in docs/DESIGN.md, "Simulator"."""
 
 from __future__ import annotations
 
-import math
 import random
 
 from p2ptrain.sim.net import LinkConfig
@@ -43,12 +42,24 @@ def selective_sybils() -> Scenario:
     return Scenario("selective_sybils", peers, group_size=4, duration=300.0)
 
 
+def sybils(attack: str, honest: int = 4, k: int = 2, group_size: int = 4) -> Scenario:
+    """`k` adversaries running `attack` beside `honest` honest peers, all starting together."""
+    peers = tuple(PeerPlan(initiator=True) for _ in range(honest)) + tuple(
+        PeerPlan(initiator=True, honest=False, attack=attack) for _ in range(k))
+    return Scenario(f"sybils-{attack}-{k}", peers, group_size=group_size, duration=300.0)
+
+
 NAMED = {"lone_start": lone_start, "six_in_threes": six_in_threes, "restart_pair": restart_pair,
-         "selective_sybils": selective_sybils}
+         "selective_sybils": selective_sybils,
+         "withhold": lambda: sybils("withhold"), "inflate": lambda: sybils("inflate", honest=4, k=4, group_size=4),
+         "expiry": lambda: sybils("expiry", honest=4, k=1)}
+
+
+ATTACKS = ("selective", "withhold", "inflate", "expiry")
 
 
 def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: float = 0.1,
-                 duration: float | None = None) -> Scenario:
+                 duration: float | None = None, sybils: int = 0) -> Scenario:
     """A world drawn from `seed`: links of 5-300 ms around `median_rtt`, and with `faults`
     10 % slow peers (2-5x), clock skew, late joiners, churn (crash and restart) and one
     30-120 s partition, all over by two thirds of the run."""
@@ -69,6 +80,13 @@ def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: floa
             outages = ((down, down + rng.uniform(10, 40)),)
         plans.append(PeerPlan(initiator=join == 0.0, join_at=join, slow=slow, skew=rng.uniform(-2, 2),
                               outages=outages))
+    if sybils:  # the last `sybils` identities are adversaries, each with one scripted attack
+        honest = list(range(peers - sybils))
+        for i in range(peers - sybils, peers):
+            attack = rng.choice(ATTACKS)
+            answers = tuple(sorted(rng.sample(honest, max(1, len(honest) // 2)))) if attack == "selective" else None
+            plans[i] = PeerPlan(initiator=True, honest=False, attack="" if attack == "selective" else attack,
+                                answers=answers)
     parts = ()
     if faults and peers >= 4:
         start = rng.uniform(30, calm - 120)
@@ -79,7 +97,7 @@ def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: floa
                            one_way=rng.random() < 0.25),)
     links = LinkConfig(median_rtt=median_rtt, min_latency=0.005 if median_rtt <= 0.1 else 0.01,
                        max_latency=0.15 if median_rtt <= 0.1 else 0.3)
-    name = f"random-{peers}{'' if faults else '-nofault'}"
+    name = f"random-{peers}{'' if faults else '-nofault'}{f'-sybils{sybils}' if sybils else ''}"
     return Scenario(name, tuple(plans), group_size=G, duration=duration, links=links, partitions=parts)
 
 
@@ -87,6 +105,7 @@ def describe(sc: Scenario) -> str:
     slow = sum(p.slow > 1 for p in sc.peers)
     churn = sum(bool(p.outages) for p in sc.peers)
     late = sum(p.join_at > 0 for p in sc.peers)
+    bad = ", ".join(p.attack or "selective" for p in sc.peers if not p.honest)
     parts = ", ".join(f"partition {p.start:.0f}-{p.end:.0f}s{' one-way' if p.one_way else ''}" for p in sc.partitions)
     return (f"{sc.name}: {len(sc.peers)} peers, G={sc.group_size}, {slow} slow, {churn} restarting, {late} late, "
-            f"{parts or 'no partition'}, {sc.duration:.0f}s" + ("" if math.isfinite(sc.duration) else ""))
+            f"{parts or 'no partition'}, {sc.duration:.0f}s" + (f", adversaries: {bad}" if bad else ""))

@@ -118,6 +118,9 @@ class SimReduceService:
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes, timeout: float,
                        unreachable_silent: bool = False, answer_strangers: bool = False) -> dict[str, bytes | None]:
         hub = self.hub
+        pol = self.net.policy.get(self.pid)
+        if pol is not None and pol.inflate and round_id.endswith("/roster"):
+            payload = _inflated(payload, run_id, round_id, pol.inflate)
         if answer_strangers:
             hub.answering[(run_id, round_id, self.me)] = (payload, set(members))
             for frm in list(hub.mail.get((run_id, round_id, self.me), {})):
@@ -171,6 +174,10 @@ class SimReduceService:
             for j, p in enumerate(ring.own_payloads(vec, rank, world, self.ring_cfg)):
                 on_own(j, memoryview(p))
             on_own(-1, None)
+        pol = self.net.policy.get(self.pid)
+        if pol is not None and pol.withhold:  # never sends a frame: the others time out
+            await trio.sleep(self.config.setup_timeout + self.config.frame_timeout)
+            raise RoundFailed("withholding", {})
         key = (run_id, round_id, tuple(members))
         r = self.hub.rounds.get(key)
         if r is None:
@@ -221,3 +228,16 @@ class SimReduceService:
         if self.hub.on_round is not None:
             self.hub.on_round(key[0], key[1], r.members, dict(r.vecs), committed)
         self.hub.poke()
+
+
+def _inflated(payload: bytes, run_id: str, round_id: str, extra: tuple[str, ...]) -> bytes:
+    """A roster confirmation whose view names `extra` peers too, hashed as an honest one."""
+    from p2ptrain.run import election
+    from p2ptrain.run import roster as rosters
+
+    t, attempt = (int(x) for x in round_id.split("/")[:2])
+    c = rosters.decode(payload, run_id, t, attempt)
+    if c is None:
+        return payload
+    view = election.ring_order(run_id, t, sorted(set(c.view) | set(extra)))
+    return rosters.Confirm(election.roster_hash(run_id, t, attempt, view), c.base, c.chunk, tuple(view)).encode()

@@ -61,6 +61,10 @@ class PeerPlan:
     honest: bool = True
     answers: tuple[int, ...] | None = None
     """An adversary that talks only to these peers (indices): selective answering."""
+    attack: str = ""
+    """An adversary's other scripted behaviour: "withhold" (joins rounds, sends no data or
+    vote), "inflate" (names every other adversary in its roster views), "expiry" (re-stores
+    its ready record every 5 s with an 8 s expiry and a ready time 10 minutes early)."""
 
 
 @dataclass(frozen=True)
@@ -209,12 +213,16 @@ class World:
         self.ids = [Identity.from_seed(random.Random(seed * 7919 + i).randbytes(32)) for i in range(len(scenario.peers))]
         self.names = [i.peer_id_str for i in self.ids]
         self.index = {n: i for i, n in enumerate(self.names)}
+        pool = tuple(self.names[i] for i, p in enumerate(scenario.peers) if not p.honest)
         for i, plan in enumerate(scenario.peers):
-            if plan.answers is not None:
-                self.net.policy[self.ids[i].peer_id] = Policy({self.ids[j].peer_id for j in plan.answers})
+            if plan.answers is not None or plan.attack in ("withhold", "inflate"):
+                self.net.policy[self.ids[i].peer_id] = Policy(
+                    None if plan.answers is None else {self.ids[j].peer_id for j in plan.answers},
+                    withhold=plan.attack == "withhold", inflate=pool if plan.attack == "inflate" else ())
         self.boot = Identity.from_seed(random.Random(seed * 7919 - 1).randbytes(32))
         for pol in self.net.policy.values():
-            pol.answers.add(self.boot.peer_id)  # everyone reaches the entry point (it is not the target)
+            if pol.answers is not None:
+                pol.answers.add(self.boot.peer_id)  # everyone reaches the entry point (it is not the target)
         genesis = vmodel.genesis(scenario.dim, seed)
         self.genesis = genesis
         self.spec = RunSpec(
@@ -347,9 +355,21 @@ class World:
                 parts = peer.Parts(service=functools.partial(self._service, self.names[i]),
                                    writer=lambda workdir, run_id, ev, key=ident.peer_id: SimWriter(self.disk, key))
                 self.models[i] = local
+                if plan.attack == "expiry":
+                    nursery.start_soon(self._early_ready, dht, local)
                 cfg = TrainerConfig(min_peers=plan.min_peers, eval_batches=sc.eval_batches)
                 await peer.run_peer(node, self.spec, self.run_id, local, events, cfg, workdir=Path("."), parts=parts)
                 nursery.cancel_scope.cancel()
+
+    async def _early_ready(self, dht: DHTNode, local) -> None:
+        """The writer-chosen-expiry attack (issue 31, item 5): a ready record for the step it
+        is at, claiming to be 10 minutes early, re-stored every 5 s with an 8 s expiry."""
+        from p2ptrain.run import keys, records
+
+        while True:
+            await dht.store(keys.ready(self.run_id, local.step),
+                            records.encode_ready(clock.wall_time() - 600.0, dht.transport.local_addrs(), False), ttl=8.0)
+            await trio.sleep(5.0)
 
     def _service(self, name: str, host, identity, config, listen_ip: str = "") -> SimReduceService:
         return SimReduceService(self.hub, name, dataclasses.replace(config, sub_chunk_bytes=4096))
