@@ -18,7 +18,7 @@ import trio
 
 from p2ptrain.clock import wall_time
 from p2ptrain.dht import protocol
-from p2ptrain.dht.record import (KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyClass, Record, RecordError,
+from p2ptrain.dht.record import (check_live, KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyClass, Record, RecordError,
                                  SignatureCache, decode, key_class, make_record, validate)
 from p2ptrain.dht.routing import RoutingTable, dht_id, distance
 from p2ptrain.dht.storage import RecordStore, StoreLimits
@@ -313,7 +313,12 @@ class DHTNode:
             try:
                 if not isinstance(item, bytes):
                     raise RecordError("malformed", "record is not bytes")
-                rec = self._validate(decode(item), now)
+                rec = self.sigcache.decoded(item)
+                if rec is None:
+                    rec = self._validate(decode(item), now)
+                    self.sigcache.remember(item, rec)
+                else:
+                    check_live(rec, now, *self._live_limits(rec.key))
                 if rec.key != key:
                     raise RecordError("wrong-key", f"asked for {key}, got {rec.key}")
             except RecordError as exc:
@@ -327,6 +332,10 @@ class DHTNode:
         self.stats.reject(exc.reason)
         log.warning("record rejected: reason=%s %s from=%s detail=%s",
                     exc.reason, where, peer_id_to_str(source), exc.detail)
+
+    def _live_limits(self, key: str) -> tuple[float, float, int]:
+        max_ttl, max_bytes = self.config.limits_for(key)
+        return max_ttl, self.config.max_clock_skew, max_bytes
 
     def _validate(self, rec: Record, now: float) -> Record:
         max_ttl, max_bytes = self.config.limits_for(rec.key)
