@@ -23,7 +23,7 @@ def add_parser(sub) -> None:
                    help="held-out batches (of 16 sequences) scored after each committed step (default 8)")
     p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
     p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live web dashboard here (e.g. 127.0.0.1:8080)")
-    from p2ptrain.train.device import add_device_args  # --device, --precision
+    from p2ptrain.train.devicecfg import add_device_args  # --device, --precision (torch-free)
 
     add_device_args(p)
     add_node_args(p)
