@@ -51,6 +51,17 @@ def node_config(args, **extra: Any) -> tuple[NodeConfig, dict]:
         raise CLIError(str(exc), "fix the flag, the P2PTRAIN_* variable or the config file") from None
 
 
+def run_id_arg(text: str) -> str:
+    """A `--run` value, checked before any network work (a typo would otherwise be looked up
+    in the DHT until the manifest wait gives up)."""
+    from p2ptrain.run import manifest as mf
+
+    try:
+        return mf.parse_run_id(text)
+    except mf.ManifestError as exc:
+        raise CLIError(str(exc), "copy the whole run id, or pass --manifest RUN_TOML") from None
+
+
 def section(cls, toml: dict, name: str, flags: dict | None = None):
     from p2ptrain.config import ConfigError, resolve
 

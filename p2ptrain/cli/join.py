@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2ptrain.cli.common import DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_service, section
+from p2ptrain.cli.common import (DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_id_arg,
+                                 run_service, section)
 
 
 def add_parser(sub) -> None:
@@ -36,12 +37,16 @@ def run(args) -> int:
     from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
+    if args.run:  # a typo must not cost a DHT lookup and the manifest wait
+        args.run = run_id_arg(args.run)
     if isinstance(node_ranks := _ranks(args, toml), int):  # torchrun: rank 0's parts, or a rank's exit code
         return node_ranks
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
-    workdir = Path(args.workdir or DEFAULT_HOME).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True)
+    from p2ptrain.cli import workdir as wd
+
+    workdir = wd.prepare(args.workdir or DEFAULT_HOME)
+    held = wd.lock(workdir)  # noqa: F841 - one process per workdir, until this one exits
     if not args.key:
         args.key = str(workdir / "node.key")
     identity = load_identity(args)

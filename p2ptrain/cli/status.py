@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_service
+from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service
 
 
 def add_parser(sub) -> None:
@@ -35,7 +35,7 @@ def run(args) -> int:
     events = EventSink(identity.peer_id_str, False)
 
     if args.run:
-        args.namespace = args.run
+        args.run = args.namespace = run_id_arg(args.run)
     states: dict = {}
 
     async def main() -> dict:

@@ -36,7 +36,9 @@ def checkpoint_dir(workdir: Path, run_id: str) -> Path:
 def make_writer(workdir: Path, run_id: str, events, cls=checkpoint.AsyncWriter) -> checkpoint.AsyncWriter:
     """The run's checkpoint directory, written in a background thread (newest 3 kept)."""
     return cls(checkpoint_dir(workdir, run_id), KEEP_CHECKPOINTS,
-               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)))
+               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)),
+               on_failed=lambda step, reason, resume_from: events.emit(
+                   "checkpoint_failed", step=step, reason=reason, resume_from=resume_from))
 
 
 @dataclass(frozen=True)
@@ -55,16 +57,26 @@ class Parts:
     single-process LocalModel (a torchrun node passes p2ptrain.train.leader's, issue 19)"""
 
 
-async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
+async def get_manifest(dht, run_id: str, timeout: float = 60.0, progress_every: float = 5.0) -> dict:
+    """The run's manifest from the DHT, verified against its id. Says every `progress_every`
+    seconds what it still waits for: a run nobody serves used to mean a minute of silence."""
+    start = trio.current_time()
+    note_at = start + progress_every
     with trio.move_on_after(timeout):
         while True:
-            for rec in (await dht.get(keys.manifest(run_id))).values():
+            got = await dht.get(keys.manifest(run_id))
+            for rec in got.values():
                 try:
                     m = mf.decode(rec.value)
                     mf.verify_manifest(m, run_id)
                     return m
                 except mf.ManifestError as exc:
                     log.warning("manifest from a peer rejected: %s", exc)
+            if (now := trio.current_time()) >= note_at:
+                note_at = now + progress_every
+                log.info("waiting for run %s...'s manifest: %s (%.0fs of %.0fs; a peer of that run must be "
+                         "online)", run_id[:16], f"{len(got)} copies found, none valid" if got else
+                         "no peer has published it yet", now - start, timeout)
             await trio.sleep(1.0)
     raise NodeError(f"no peer served a valid manifest for run {run_id[:16]}... within {timeout:.0f}s",
                     "check the run id, and that a peer of that run is online")
