@@ -10,7 +10,7 @@ from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the peers the network knows about")
-    p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point (repeatable)")
+    p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point /ip4/ADDRESS/tcp/PORT/p2p/<id> or /dns4/HOST/... (repeatable)")
     p.add_argument("--namespace", default="lobby", help="presence namespace (a run id, or 'lobby')")
     p.add_argument("--run", metavar="RUN_ID",
                    help="show this training run: peers, last committed step, loss, connection kinds")

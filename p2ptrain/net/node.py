@@ -45,7 +45,8 @@ class NodeConfig:
     announce: list[str] = field(default_factory=list)
     """Addresses to advertise instead of the listen addresses (public IP, port forward)."""
     bootstrap: list[str] = field(default_factory=list)
-    """Entry points, each /ip4/.../tcp/.../p2p/<peer id>."""
+    """Entry points, each /ip4/.../tcp/.../p2p/<peer id>, or /dns4, /dns6, /dns with a host name
+    (resolved at every dial attempt)."""
     bootstrap_timeout: float = 30.0
     """Seconds to keep retrying unreachable bootstraps (with backoff) before giving up."""
     dial_timeout: float = 5.0
