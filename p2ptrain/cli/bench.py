@@ -32,14 +32,14 @@ class _LazyParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._module = module
 
-    def parse_known_args(self, args=None, namespace=None):
+    def _parse_known_args(self, *args, **kwargs):  # every public parse path, in 3.11 to 3.13, comes here
         if self._module:
             module, self._module = self._module, ""
             try:
                 importlib.import_module(module).add_arguments(self)
             except Exception:  # a broken bench fails when it is run, never the other commands
                 pass
-        return super().parse_known_args(args, namespace)
+        return super()._parse_known_args(*args, **kwargs)
 
 
 def add_parser(sub) -> None:
