@@ -42,7 +42,9 @@ def checkpoint_dir(workdir: Path, run_id: str) -> Path:
 def make_writer(workdir: Path, run_id: str, events, cls=checkpoint.AsyncWriter) -> checkpoint.AsyncWriter:
     """The run's checkpoint directory, written in a background thread (newest 3 kept)."""
     return cls(checkpoint_dir(workdir, run_id), KEEP_CHECKPOINTS,
-               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)))
+               on_written=lambda step, sec, path: events.emit("checkpoint_written", step=step, seconds=round(sec, 4)),
+               on_failed=lambda step, reason, resume_from: events.emit(
+                   "checkpoint_failed", step=step, reason=reason, resume_from=resume_from))
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,12 @@ class NodeProcess:
     """A `p2ptrain ...` child whose stdout JSON events are collected by a reader thread."""
 
     def __init__(self, args: list[str], name: str, log_dir: Path, env: dict | None = None,
-                 module: str = "p2ptrain", stdin: bool = False, prefix: list[str] | None = None) -> None:
+                 module: str = "p2ptrain", stdin: bool = False, prefix: list[str] | None = None,
+                 on_event=None) -> None:
         self.name = name
+        # Called with each event as its line arrives, in the reader thread (`demo --json`
+        # forwards them live; collecting them all for the end held them back until exit).
+        self.on_event = on_event
         self.stderr_path = Path(log_dir) / f"{name}.stderr"
         self.events: "queue.Queue[dict]" = queue.Queue()
         self.all_events: list[dict] = []
@@ -67,6 +71,11 @@ class NodeProcess:
                 return
             self.all_events.append(ev)
             self.events.put(ev)
+            if self.on_event is not None:
+                try:
+                    self.on_event(ev)
+                except Exception:  # the reader must go on draining the pipe, or the child blocks
+                    self.on_event = None
 
     def send(self, obj: dict) -> None:
         """One JSON command line on the child's stdin (children started with stdin=True)."""
@@ -134,9 +143,9 @@ class ProcessGroup:
         self.procs: list[NodeProcess] = []
 
     def start(self, args: list[str], name: str, env: dict | None = None, module: str = "p2ptrain",
-              stdin: bool = False, prefix: list[str] | None = None) -> NodeProcess:
+              stdin: bool = False, prefix: list[str] | None = None, on_event=None) -> NodeProcess:
         """`prefix` wraps the command, e.g. ["ip", "netns", "exec", ns] to run inside a namespace."""
-        p = NodeProcess(args, name, self.log_dir, env, module, stdin, prefix)
+        p = NodeProcess(args, name, self.log_dir, env, module, stdin, prefix, on_event)
         self.procs.append(p)
         return p
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from p2ptrain.reduce import bulk
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.run import contribution
+from p2ptrain.run import contribution, influence
 from p2ptrain.reduce import control
 from p2ptrain.ckpt import fetch
 from p2ptrain.run import manifest
@@ -159,7 +159,7 @@ def test_contribution_headers(data):
     out = rejects(contribution.decode_header, data, contribution.BadContribution, 64 * 1024 + 8 * len(data))
     if isinstance(out, contribution.Header):
         assert out == H
-    ok, bad = rejects(lambda d: contribution.verify_headers(
+    ok, bad = rejects(lambda d: influence.verify_headers(
         {ID_A.peer_id_str: d, ID_B.peer_id_str: None}, H.run, H.step, H.attempt, H.roster,
         [ID_A.peer_id_str, ID_B.peer_id_str], {}), data, (), 64 * 1024 + 8 * len(data))
     assert set(ok) | set(bad) == {ID_A.peer_id_str, ID_B.peer_id_str}

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from p2ptrain.run import election
+from p2ptrain.run import influence as I
 
 H = [hashlib.sha256(bytes([i])).hexdigest() for i in range(8)]
 
@@ -140,7 +141,7 @@ def test_chunk_norms_must_add_up_to_the_signed_norm():
 
     raw, members, ids = _headers({"a": 1.0, "b": 1.1, "c": 0.9, "m": 1.0},
                                  {"m": (1e30, 1e30, 1e30, 1e30)})  # norm 1, frames may carry 1e30
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "chunk-norms-inconsistent"} and len(ok) == 3
 
 
@@ -148,20 +149,20 @@ def test_a_group_of_two_bounds_the_norm_too():
     from p2ptrain.run import contribution as C
 
     raw, members, ids = _headers({"a": 1.0, "m": 1e6})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-over-anchor"} and list(ok) == [ids["a"]]
     # a joiner's zero norm bounds nobody; the reference it signs (its own past norms) does
     raw, members, ids = _headers({"j": 0.0, "m": 1e6})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert not bad
     raw, members, ids = _headers({"j": 0.0, "m": 1e6}, refs={"j": 1.1})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-over-anchor"}
     # honest pairs within the factor pass: 3x without standing, 10x with it
     raw, members, ids = _headers({"a": 1.0, "b": 3.0})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+    assert not I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
     raw, members, ids = _headers({"a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+    assert not I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
 def test_joiners_zeros_do_not_set_the_norm_bar():
@@ -171,13 +172,13 @@ def test_joiners_zeros_do_not_set_the_norm_bar():
     from p2ptrain.run import contribution as C
 
     raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x anchor(a)
+    assert not I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x anchor(a)
     raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6}, refs={"j1": 1.0, "j2": 1.2})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-over-anchor"} and len(ok) == 3
     raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0},
                                  trusts={p: {"a", "b", "c", "m"} - {p} for p in "abc"})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 4  # median of 1.0, 1.2, 0.9, 12: 1.1
 
 
@@ -202,7 +203,7 @@ def test_an_honest_member_alone_with_sybils_rejects_their_norms():
     for k in (2, 4):
         sybils = [f"s{i}" for i in range(k)]
         raw, members, ids = _headers({"a": 1.0, **{s: 1e6 for s in sybils}})
-        ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+        ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
         assert list(ok) == [ids["a"]] and bad == {ids[s]: "norm-over-anchor" for s in sybils}
 
 
@@ -311,8 +312,8 @@ def test_members_with_different_standing_reach_the_same_verdict():
     assert all(v == verdicts[0] for v in verdicts)
     assert verdicts[0].bad == {s: "norm-over-anchor"} and verdicts[0].objections == {(b, s)}
     # whom each honest member leaves out: both leave S out (B convicts it, A cannot tell)
-    assert C.leave_out(a, verdicts[0].objections) == (set(), {s})
-    assert C.leave_out(b, verdicts[0].objections) == ({s}, set())
+    assert I.leave_out(a, verdicts[0].objections) == (set(), {s})
+    assert I.leave_out(b, verdicts[0].objections) == ({s}, set())
 
 
 def test_whom_each_member_leaves_out_after_an_objection():
@@ -325,13 +326,13 @@ def test_whom_each_member_leaves_out_after_an_objection():
     huge = frozenset((h, "s") for h in "abc")
     tiny = frozenset(("s", h) for h in "abc")
     for me in "abc":
-        assert C.leave_out(me, huge) == ({"s"}, set())
-        assert C.leave_out(me, tiny) == (set(), {"s"})
+        assert I.leave_out(me, huge) == ({"s"}, set())
+        assert I.leave_out(me, tiny) == (set(), {"s"})
     raw, members, ids = _headers({"a": 3.0, "b": 1.0, "s": 0.5})  # s's anchor bounds a (3 > 1.5), not b
-    v = C.judge_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    v = I.judge_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert v.objections == {(ids["s"], ids["a"])} and v.bad == {ids["a"]: "norm-over-anchor"}
-    assert C.leave_out(ids["b"], v.objections) == (set(), {ids["a"]})
-    assert C.leave_out(ids["a"], v.objections) == (set(), {ids["s"]})
+    assert I.leave_out(ids["b"], v.objections) == (set(), {ids["a"]})
+    assert I.leave_out(ids["a"], v.objections) == (set(), {ids["s"]})
 
 
 # -- issue 32, item 6: reputation counts only reporters with standing -----------------------
@@ -513,11 +514,11 @@ def test_fresh_identities_are_held_to_the_trusted_members_norms():
     norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{s: 8.0 for s in sybils}}
     trusts = {**{p: set(honest) - {p} for p in honest}, **{s: set(sybils) - {s} for s in sybils}}
     raw, members, ids = _headers(norms, trusts=trusts)
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids[s]: "norm-over-anchor" for s in sybils} and set(ok) == {ids[p] for p in honest}
     # an honest newcomer's ordinary norm passes probation
     raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6}, trusts={"a": {"b"}, "b": {"a"}})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+    assert not I.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
 # -- the red-team bench's arithmetic ---------------------------------------------------------
@@ -559,5 +560,5 @@ def test_zero_contributions_twice_are_not_a_replay_but_real_ones_are():
 
     raw, members, ids = _headers({"a": 1.0, "b": 1.0, "j": 0.0})
     history = {ids["j"]: {(H[2],)}, ids["a"]: {(H[0],)}}  # both sent these digests before
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, history)
+    ok, bad = I.verify_headers(raw, "run", 4, 0, "r" * 64, members, history)
     assert bad == {ids["a"]: "replay"} and ids["j"] in ok

@@ -6,9 +6,11 @@ bytes. Decoding checks the header size before parsing it, allows only plain nume
 and checks every array lies inside the buffer. The content hash is SHA-256 of the bytes.
 
 Files are written atomically (temporary file, fsync, rename, fsync of the directory), so a
-crash mid-write leaves the previous checkpoint intact. `AsyncWriter` does that in a thread
-of its own: training hands over the bytes of an in-memory snapshot and goes on; the writer
-keeps the last K files and removes temporary files a killed process left behind.
+crash mid-write leaves the previous checkpoint intact; a write that fails (a full disk)
+removes its temporary file and leaves the previous one intact too. `AsyncWriter` does that
+in a thread of its own: training hands over the bytes of an in-memory snapshot and goes on;
+the writer keeps the last K files, removes temporary files a killed process left behind, and
+reports a failed write (issue 33: a full disk used to stop checkpoints in silence).
 """
 
 from __future__ import annotations
@@ -112,14 +114,23 @@ def tmp_path(path: Path) -> Path:
 
 
 def write_atomic(path: Path, data: bytes) -> None:
+    """`path` holds `data` or, if this raises (a full disk), whatever it held before; the
+    temporary file is removed either way, so a failed write leaves nothing behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(memoryview(data))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(memoryview(data))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -132,15 +143,19 @@ class AsyncWriter:
 
     One write runs at a time; if training commits faster than the disk writes, only the
     newest waiting snapshot is written (an older one would be deleted right after anyway).
-    `on_written(step, seconds, path)` is called from the writer thread.
+    `on_written(step, seconds, path)` is called from the writer thread, and so is
+    `on_failed(step, reason, resume_from)` when a write fails (a full disk): training goes on,
+    but a restart resumes from `resume_from`, the newest step still on disk (None: none is).
+    The files already written are kept as they are.
     """
 
-    def __init__(self, directory: Path, keep: int = 3, on_written=None) -> None:
+    def __init__(self, directory: Path, keep: int = 3, on_written=None, on_failed=None) -> None:
         if keep < 1:
             raise ValueError("keep must be >= 1")
         self.dir = Path(directory)
         self.keep = keep
         self.on_written = on_written
+        self.on_failed = on_failed
         self._cond = threading.Condition()
         self._waiting: tuple[int, bytes] | None = None
         self._busy = False
@@ -198,12 +213,28 @@ class AsyncWriter:
                     old.unlink(missing_ok=True)
                 if self.on_written is not None:
                     self.on_written(step, time.perf_counter() - t0, str(self.path(step)))
-            except Exception:
-                log.exception("checkpoint for step %d could not be written", step)
+            except Exception as exc:
+                self._failed(step, exc)
             finally:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _failed(self, step: int, exc: Exception) -> None:
+        reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else repr(exc)
+        try:
+            on_disk = sorted(self.dir.glob("step-*.p2ck"))
+            resume_from = int(on_disk[-1].stem.split("-")[1]) if on_disk else None
+        except (OSError, ValueError):
+            resume_from = None
+        after = (f"a restart resumes from step {resume_from}" if resume_from is not None else
+                 "a restart cannot resume from this disk: no checkpoint is on it")
+        log.warning("checkpoint for step %d not written: %s; training goes on, but %s", step, reason, after)
+        if self.on_failed is not None:
+            try:
+                self.on_failed(step, reason, resume_from)
+            except Exception:
+                log.exception("checkpoint failure listener failed")
 
     def _write(self, step: int, data: bytes) -> None:
         """One step's file (in the writer thread); tests subclass this to stall midway."""

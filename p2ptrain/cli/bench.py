@@ -3,6 +3,7 @@ measured in the same run (these shared 2-core machines are too noisy for absolut
 
 from __future__ import annotations
 
+import argparse
 import importlib
 
 BENCHES = {
@@ -23,17 +24,32 @@ BENCHES = {
 }
 
 
+class _LazyParser(argparse.ArgumentParser):
+    """A bench's parser, given its arguments only when it is the one being parsed: the bench
+    modules import numpy, trio and libp2p, and `p2ptrain --help` (or `join`) must not wait
+    for thirteen of them (issue 33)."""
+
+    def __init__(self, *args, module: str = "", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._module = module
+
+    def _parse_known_args(self, *args, **kwargs):  # every public parse path, in 3.11 to 3.13, comes here
+        if self._module:
+            module, self._module = self._module, ""
+            try:
+                importlib.import_module(module).add_arguments(self)
+            except Exception:  # a broken bench fails when it is run, never the other commands
+                pass
+        return super()._parse_known_args(*args, **kwargs)
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="run a benchmark (" + ", ".join(BENCHES) + ")")
-    bsub = p.add_subparsers(dest="bench", metavar="NAME")
+    bsub = p.add_subparsers(dest="bench", metavar="NAME", parser_class=_LazyParser)
     bsub.required = True
     for name, module in BENCHES.items():
-        bp = bsub.add_parser(name, help=f"{name} benchmark")
+        bp = bsub.add_parser(name, help=f"{name} benchmark", module=module)
         bp.set_defaults(func=_runner(module))
-        try:
-            importlib.import_module(module).add_arguments(bp)
-        except Exception:  # a broken bench fails when it is run, never the other commands
-            pass
 
 
 def _runner(module: str):

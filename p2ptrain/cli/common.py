@@ -1,18 +1,19 @@
 """What every command shares: CLIError, the one place config is resolved, and the
-trio entry point that turns SIGINT/SIGTERM into a clean shutdown."""
+trio entry point that turns SIGINT/SIGTERM into a clean shutdown.
+
+Every command module imports this one while the parser is built, so `--help` costs what
+this module's imports cost: trio, libp2p and the config machinery load inside the functions
+that use them (issue 33: torch, numba and libp2p made every `--help` take 2-5 s)."""
 
 from __future__ import annotations
 
 import os
-import signal
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-import trio
-
-from p2ptrain.config import ConfigError, load_toml, resolve
-from p2ptrain.identity import Identity, IdentityError, load_or_create
-from p2ptrain.net.node import NodeConfig, NodeError
+if TYPE_CHECKING:
+    from p2ptrain.identity import Identity
+    from p2ptrain.net.node import NodeConfig
 
 DEFAULT_HOME = Path(os.environ.get("P2PTRAIN_HOME", "~/.p2ptrain")).expanduser()
 
@@ -36,6 +37,9 @@ def add_node_args(p, listen_default: str | None = None) -> None:
 
 def node_config(args, **extra: Any) -> tuple[NodeConfig, dict]:
     """NodeConfig from flags > env > TOML [node] > defaults; returns the TOML too."""
+    from p2ptrain.config import ConfigError, load_toml, resolve
+    from p2ptrain.net.node import NodeConfig, NodeError
+
     try:
         toml = load_toml(getattr(args, "config", None))
         flags = {"listen": args.listen, "announce": args.announce,
@@ -47,7 +51,20 @@ def node_config(args, **extra: Any) -> tuple[NodeConfig, dict]:
         raise CLIError(str(exc), "fix the flag, the P2PTRAIN_* variable or the config file") from None
 
 
+def run_id_arg(text: str) -> str:
+    """A `--run` value, checked before any network work (a typo would otherwise be looked up
+    in the DHT until the manifest wait gives up)."""
+    from p2ptrain.run import manifest as mf
+
+    try:
+        return mf.parse_run_id(text)
+    except mf.ManifestError as exc:
+        raise CLIError(str(exc), "copy the whole run id, or pass --manifest RUN_TOML") from None
+
+
 def section(cls, toml: dict, name: str, flags: dict | None = None):
+    from p2ptrain.config import ConfigError, resolve
+
     try:
         return resolve(cls, flags or {}, toml, name)
     except ConfigError as exc:
@@ -55,6 +72,8 @@ def section(cls, toml: dict, name: str, flags: dict | None = None):
 
 
 def load_identity(args, default_name: str = "node.key") -> Identity:
+    from p2ptrain.identity import IdentityError, load_or_create
+
     path = Path(args.key).expanduser() if getattr(args, "key", None) else DEFAULT_HOME / default_name
     try:
         return load_or_create(path)
@@ -67,6 +86,11 @@ def load_identity(args, default_name: str = "node.key") -> Identity:
 
 def run_service(main: Callable[[], Awaitable[Any]]) -> Any:
     """Run `main` under trio; SIGINT/SIGTERM cancel it cleanly (exit code 0)."""
+    import signal
+
+    import trio
+
+    from p2ptrain.net.node import NodeError
 
     async def wrapper() -> Any:
         result = None

@@ -5,15 +5,19 @@ separate processes (real libp2p on 127.0.0.1; the first publishes the run, the o
 by run id alone), trains for N outer steps, then reports per peer the outer steps committed
 and final losses, a single-worker baseline's validation loss at the same compute, and the
 bytes communicated against what data-parallel training would have sent. Writes a loss-curve
-PNG. With --json, every peer's event lines are forwarded, each with its own `peer` id.
+PNG. With --json, every peer's event lines are forwarded as they come, each with its own
+`peer` id.
 """
 
 from __future__ import annotations
 
+import _thread
 import json
 import math
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,19 +44,59 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    import subprocess
-
-    from p2ptrain.procs import ProcessGroup
-
     if not 1 <= args.peers <= 16:
         raise CLIError(f"--peers {args.peers} is out of range", "use 1 to 16 peers on one machine")
     if args.outer_steps < 1 or args.inner_steps < 1:
         raise CLIError("--outer-steps and --inner-steps must be >= 1")
+    from p2ptrain.cli import workdir as wd
+
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    # Absolute: init and every peer run with other working directories (issue 33).
+    work = wd.prepare(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-demo-"))
+    held = wd.lock(work)  # noqa: F841 - one demo per workdir (each peer locks its own peerN below)
     dash = None if args.no_dashboard else _dashboard_addr(args.dashboard, say)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="p2ptrain-demo-")).expanduser()
-    work.mkdir(parents=True, exist_ok=True)
     tty = sys.stderr.isatty() and not args.json
+    forward = _Forward() if args.json else None
+    try:
+        return _run(args, work, say, dash, tty, forward)
+    except KeyboardInterrupt:
+        if forward is not None and forward.closed:
+            print("demo: stdout was closed; all processes stopped", file=sys.stderr, flush=True)
+            return 141  # as a writer killed by SIGPIPE: `demo --json | head` ends the demo
+        raise
+
+
+class _Forward:
+    """`demo --json`: each child's event on stdout as its line arrives (called from the
+    children's reader threads). A reader that closed the pipe (`| head -n 1`) stops the demo
+    the way Ctrl-C does, so the pipeline ends instead of training on for minutes unread."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def __call__(self, ev: dict) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                sys.stdout.write(json.dumps(ev) + "\n")
+                sys.stdout.flush()
+            except (BrokenPipeError, ValueError):  # ValueError: stdout already closed here
+                self.closed = True
+                try:  # later writes (and the interpreter's exit flush) go nowhere, quietly
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, sys.stdout.fileno())
+                except (OSError, ValueError):
+                    pass
+                _thread.interrupt_main()
+
+
+def _run(args, work: Path, say, dash, tty: bool, forward) -> int:
+    import subprocess
+
+    from p2ptrain.procs import ProcessGroup
+
     say(f"demo: run, logs and plot in {work}")
     t0 = time.monotonic()
     init = subprocess.run(
@@ -68,7 +112,7 @@ def run(args) -> int:
     committed: dict[str, list[dict]] = {}
     with ProcessGroup(work / "logs") as group:
         boot = group.start(["bootstrap", "--listen", "/ip4/127.0.0.1/tcp/0", "--key", str(work / "bootstrap.key"),
-                            "--json"], "bootstrap")
+                            "--json"], "bootstrap", on_event=forward)
         baddr = boot.first_line(60)
         say(f"demo: bootstrap at {baddr}")
         peers = []
@@ -79,7 +123,7 @@ def run(args) -> int:
             peers.append(group.start(["join", "--bootstrap", baddr, "--listen", "/ip4/127.0.0.1/tcp/0",
                                       "--workdir", str(work / f"peer{i}"), *which, "--min-peers", str(args.peers),
                                       "--max-outer-steps", str(args.outer_steps), "--threads", "1", "--json"],
-                                     f"peer{i}"))
+                                     f"peer{i}", on_event=forward))
         if dash:  # the first peer serves it before its node starts listening
             url = peers[0].wait_event(lambda e: e["event"] == "dashboard_listening", 120)["url"]
             say(f"demo: live dashboard at {url} (open it in a browser while the demo runs)")
@@ -100,10 +144,6 @@ def run(args) -> int:
                     say(("\r" if tty else "") + line)
         for p in peers:
             p.proc.wait(30) if p.proc.poll() is None else None
-        if args.json:
-            for p in [boot, *peers]:
-                for ev in p.all_events:
-                    print(json.dumps(ev), flush=True)
     return report(args, work, rid, ids, committed, say, time.monotonic() - t0)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
@@ -137,5 +138,14 @@ def run(args) -> int:
     checkpoint.write_atomic(out / "genesis.p2ck", genesis)
     write_extras(out, args.prepared)
     rid = mf.write(signed, out)
-    print(rid)
+    print(rid, flush=True)  # stdout is the run id alone: scripts read it with RID=$(p2ptrain init ...)
+    _say_next(out, rid)
     return 0
+
+
+def _say_next(out: Path, rid: str) -> None:
+    """What to run next, on stderr (issue 33: init used to end in silence)."""
+    print(f"run {rid[:16]}... written to {out} (run.toml, genesis.p2ck). Next, with MADDR the address "
+          "`p2ptrain bootstrap` printed first:\n"
+          f"  on this machine:  p2ptrain join --bootstrap MADDR --manifest {out / 'run.toml'}\n"
+          f"  on the others:    p2ptrain join --bootstrap MADDR --run {rid}", file=sys.stderr)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2ptrain.cli.common import DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_service, section
+from p2ptrain.cli.common import (DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_id_arg,
+                                 run_service, section)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("join", help="join the network and (with --run/--manifest) a training run")
     p.add_argument("--bootstrap", action="append", metavar="MADDR", required=False,
-                   help="entry point /ip4/.../tcp/.../p2p/<id> (repeatable)")
-    p.add_argument("--workdir", metavar="DIR", help=f"state directory (default {DEFAULT_HOME})")
+                   help="entry point /ip4/ADDRESS/tcp/PORT/p2p/<id> or /dns4/HOST/tcp/PORT/p2p/<id> (repeatable)")
+    p.add_argument("--workdir", metavar="DIR", help=f"state directory: key, checkpoints (default {DEFAULT_HOME}); one join at a time")
     which = p.add_mutually_exclusive_group()
     # --run-id: the same, for torchrun, whose own parser takes `--run` for its --run-path
     which.add_argument("--run", "--run-id", dest="run", metavar="RUN_ID",
@@ -23,7 +24,7 @@ def add_parser(sub) -> None:
                    help="held-out batches (of 16 sequences) scored after each committed step (default 8)")
     p.add_argument("--min-peers", type=int, default=None, help="at a run's start, wait for this many trainers")
     p.add_argument("--dashboard", metavar="HOST:PORT", help="serve the live web dashboard here (e.g. 127.0.0.1:8080)")
-    from p2ptrain.train.device import add_device_args  # --device, --precision
+    from p2ptrain.train.devicecfg import add_device_args  # --device, --precision (torch-free)
 
     add_device_args(p)
     add_node_args(p)
@@ -36,12 +37,12 @@ def run(args) -> int:
     from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
+    args.run = run_id_arg(args.run) if args.run else None  # a typo must not cost a DHT lookup and a wait
     if isinstance(node_ranks := _ranks(args, toml), int):  # torchrun: rank 0's parts, or a rank's exit code
         return node_ranks
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
-    workdir = Path(args.workdir or DEFAULT_HOME).expanduser()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir, held = _hold_workdir(args)  # noqa: F841 - one process per workdir, until this one exits
     if not args.key:
         args.key = str(workdir / "node.key")
     identity = load_identity(args)
@@ -110,6 +111,15 @@ def run(args) -> int:
 
         ranks.leave(0)
     return 0
+
+
+def _hold_workdir(args) -> tuple:
+    """(the workdir, made usable; its lock file, held open by this process): two processes on
+    one workdir would be one peer id twice (issue 33)."""
+    from p2ptrain.cli import workdir as wd
+
+    work = wd.prepare(args.workdir or DEFAULT_HOME)
+    return work, wd.lock(work)
 
 
 def _ranks(args, toml) -> dict | int:

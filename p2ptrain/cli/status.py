@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import sys
 
-from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_service
+from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("status", help="show the peers the network knows about")
-    p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point (repeatable)")
+    p.add_argument("--bootstrap", action="append", metavar="MADDR", help="entry point /ip4/ADDRESS/tcp/PORT/p2p/<id> or /dns4/HOST/... (repeatable)")
     p.add_argument("--namespace", default="lobby", help="presence namespace (a run id, or 'lobby')")
     p.add_argument("--run", metavar="RUN_ID",
                    help="show this training run: peers, last committed step, loss, connection kinds")
@@ -35,7 +35,7 @@ def run(args) -> int:
     events = EventSink(identity.peer_id_str, False)
 
     if args.run:
-        args.namespace = args.run
+        args.run = args.namespace = run_id_arg(args.run)
     states: dict = {}
 
     async def main() -> dict:

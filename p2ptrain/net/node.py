@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 from dataclasses import dataclass, field
 
 import multiaddr
@@ -44,7 +45,8 @@ class NodeConfig:
     announce: list[str] = field(default_factory=list)
     """Addresses to advertise instead of the listen addresses (public IP, port forward)."""
     bootstrap: list[str] = field(default_factory=list)
-    """Entry points, each /ip4/.../tcp/.../p2p/<peer id>."""
+    """Entry points, each /ip4/.../tcp/.../p2p/<peer id>, or /dns4, /dns6, /dns with a host name
+    (resolved at every dial attempt)."""
     bootstrap_timeout: float = 30.0
     """Seconds to keep retrying unreachable bootstraps (with backoff) before giving up."""
     dial_timeout: float = 5.0
@@ -80,11 +82,51 @@ def parse_peer_maddr(text: str) -> tuple[bytes, str]:
         raise NodeError(f"multiaddr {text!r} has no /p2p/<peer id>",
                         "copy the full address the bootstrap printed on its first line")
     base, _, pid = str(maddr).rpartition("/p2p/")
+    if base.startswith("/dnsaddr/"):
+        raise NodeError(f"{text!r}: /dnsaddr/ addresses are not supported (they need DNS TXT lookups)",
+                        "use /dns4/HOST/tcp/PORT/p2p/<peer id> or /ip4/ADDRESS/tcp/PORT/p2p/<peer id>")
     try:
         return peer_id_from_str(pid), base
     except ValueError:
         raise NodeError(f"{pid!r} in {text!r} is not an Ed25519 peer id",
                         "copy the full address the bootstrap printed on its first line") from None
+
+
+_DNS_FAMILIES = {"dns4": socket.AF_INET, "dns6": socket.AF_INET6, "dns": socket.AF_UNSPEC}
+
+
+class ResolveError(OSError):
+    """A /dns4, /dns6 or /dns host name that did not resolve."""
+
+
+async def resolve_addr(addr: str, timeout: float) -> list[str]:
+    """A /dns4, /dns6 or /dns address as the /ip4 and /ip6 addresses its host has now (in the
+    resolver's order); any other address as it is.
+
+    py-libp2p 0.8.1's resolver hands a /dns4/HOST address back unresolved, and its TCP dial
+    of that fails: such a bootstrap was never dialled, and the error blamed the bootstrap
+    (issue 33). The system resolver answers instead, /etc/hosts included."""
+    proto, _, rest = addr.lstrip("/").partition("/")
+    if proto not in _DNS_FAMILIES:
+        return [addr]
+    host, _, tail = rest.partition("/")
+    try:
+        with trio.fail_after(timeout):
+            infos = await trio.socket.getaddrinfo(host, None, family=_DNS_FAMILIES[proto], type=socket.SOCK_STREAM)
+    except trio.TooSlowError:
+        raise ResolveError(f"cannot resolve {host!r}: no answer within {timeout:.0f}s") from None
+    except OSError as exc:
+        raise ResolveError(f"cannot resolve {host!r}: {exc.strerror or exc}") from None
+    out: list[str] = []
+    for family, *_, sockaddr in infos:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        ip = f"/{'ip4' if family == socket.AF_INET else 'ip6'}/{sockaddr[0]}" + (f"/{tail}" if tail else "")
+        if ip not in out:
+            out.append(ip)
+    if not out:
+        raise ResolveError(f"cannot resolve {host!r}: no {proto} address")
+    return out
 
 
 def _expand_unspecified(addrs: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
@@ -142,6 +184,7 @@ class Node:
         self.nat_config = nat  # p2ptrain.net.nat.NatConfig; None: no NAT traversal (bootstraps, clients)
         self.nat = None
         self.extra_addrs: list[str] = []
+        self._dialled: dict[str, list[str]] = {}  # bootstrap as given -> the addresses it resolved to
 
     @property
     def peer_id(self) -> str:
@@ -182,8 +225,10 @@ class Node:
                     if self.nat_config is not None and self.nat_config.enabled and self.config.bootstrap:
                         from p2ptrain.net.nat import NatService
 
-                        self.nat = NatService(self.host, self.events, self.nat_config,
-                                              [parse_peer_maddr(b) for b in self.config.bootstrap], self.extra_addrs)
+                        # Relay addresses as dialled: others dial them, and cannot dial a /dns4 one.
+                        relays = [(pid, self._dialled.get(b, [addr])[0]) for b, (pid, addr)
+                                  in zip(self.config.bootstrap, map(parse_peer_maddr, self.config.bootstrap))]
+                        self.nat = NatService(self.host, self.events, self.nat_config, relays, self.extra_addrs)
                         await nursery.start(self.nat.run)
                     if self.dht_server:
                         await nursery.start(self.dht.run)
@@ -206,17 +251,25 @@ class Node:
         deadline = trio.current_time() + self.config.bootstrap_timeout
         delay, attempt, met = 0.5, 0, []
         pending = list(zip(self.config.bootstrap, targets))
+        unresolved: dict[str, str] = {}  # bootstrap -> why its name did not resolve (last attempt)
         while pending:
             attempt += 1
             for text, (pid, addr) in list(pending):
                 try:
-                    await self.rpc.connect(pid, [addr], self.config.dial_timeout)
+                    addrs = await resolve_addr(addr, self.config.dial_timeout)
+                    unresolved.pop(text, None)
+                    await self.rpc.connect(pid, addrs, self.config.dial_timeout)
+                except ResolveError as exc:
+                    unresolved[text] = str(exc)
+                    log.warning("bootstrap %s unreachable (attempt %d): %s", text, attempt, exc)
+                    continue
                 except (Exception, trio.TooSlowError) as exc:
                     log.warning("bootstrap %s unreachable (attempt %d): %s", text, attempt,
                                 type(exc).__name__ if not str(exc) else str(exc)[:200])
                     continue
                 pending.remove((text, (pid, addr)))
-                met.append((pid, [addr]))
+                met.append((pid, addrs))
+                self._dialled[text] = addrs
                 self.events.emit("bootstrap_connected", remote=peer_id_to_str(pid), addr=text)
             if not pending or (met and attempt >= 2):
                 break
@@ -224,6 +277,9 @@ class Node:
                 break
             await trio.sleep(delay * (1 + 0.1 * random.random()))
             delay = min(delay * 2, 8.0)
+        if not met and len(unresolved) == len(pending):
+            raise NodeError(f"no bootstrap reachable: {'; '.join(sorted(set(unresolved.values())))}",
+                            "check the host name, or give the bootstrap as /ip4/ADDRESS/tcp/PORT/p2p/<peer id>")
         if not met:
             raise NodeError(
                 f"no bootstrap reachable after {attempt} attempts in {self.config.bootstrap_timeout:.0f}s",

@@ -82,7 +82,7 @@ class Ledger:
 
     def sit_out(self, t: int, peer: str, reason: str) -> None:
         """Leave `peer` out of step `t` without holding anything against it: a verdict that
-        cannot say which of two members lied (`contribution.leave_out`)."""
+        cannot say which of two members lied (`influence.leave_out`)."""
         if peer == self.me or peer in self.ignored or self.sitting_out.get(peer) == t:
             return
         self.sitting_out[peer] = t

@@ -52,6 +52,19 @@ def run_id(manifest: dict) -> str:
     return hashlib.sha256(canonical(manifest)).hexdigest()
 
 
+def parse_run_id(text: str) -> str:
+    """A run id as typed by a user, checked before any network work: a malformed one would
+    otherwise be looked up in the DHT until the manifest wait times out (issue 33)."""
+    rid = text.strip().lower()
+    wrong = (f"it has {len(rid)} characters" if len(rid) != 64 else
+             "it has characters other than 0-9 and a-f" if set(rid) - set("0123456789abcdef") else "")
+    if wrong:
+        shown = text if len(text) <= 20 else text[:16] + "..."
+        raise ManifestError(f"{shown!r} is not a run id ({wrong}): a run id is the 64 hex characters "
+                            "`p2ptrain init` printed")
+    return rid
+
+
 def sign(manifest: dict, identity: Identity) -> dict:
     m = dict(manifest)
     m["initiator"] = {"peer": identity.peer_id_str, "public_key": identity.public.hex()}
@@ -164,6 +177,12 @@ def read(path: Path) -> tuple[dict, str]:
             manifest = tomllib.load(f)
     except FileNotFoundError:
         raise ManifestError(f"no manifest at {path}: create one with `p2ptrain init --out DIR`") from None
+    except IsADirectoryError:
+        inside = Path(path) / "run.toml"
+        hint = f"; the manifest is the file {inside}" if inside.is_file() else ""
+        raise ManifestError(f"{path} is a directory, not a manifest file{hint}") from None
+    except OSError as exc:
+        raise ManifestError(f"cannot read manifest {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ManifestError(f"{path} is not valid TOML: {exc}") from None
     return manifest, verify_manifest(manifest)

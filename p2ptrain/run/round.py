@@ -25,7 +25,6 @@ import logging
 import math
 from dataclasses import dataclass, field
 from collections.abc import Awaitable, Callable
-from typing import Protocol
 
 import numpy as np
 import trio
@@ -35,44 +34,14 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, Verdict, chunk_norms, frame_digest,
-                                       judge_headers, leave_out, sign_header, streamed_material, trained_scale)
+from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
+                                       streamed_material, trained_scale)
+from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
+from p2ptrain.run.roundparts import Contributor, ReduceService  # noqa: F401 - the round's seams, re-exported
 
 log = logging.getLogger("p2ptrain.run.round")
 Vouch = Callable[[int, set[str]], Awaitable[set[str]]]
-
-
-class ReduceService(Protocol):
-    """The slice of `p2ptrain.reduce.service.AllReduceService` a round uses."""
-
-    async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
-                       timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False) -> dict[str, bytes | None]: ...
-
-    async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
-                        own=None, check=None, robust=None, on_own=None):
-        """Returns an object with `result`, `sent_bytes` and `scores`; raises RoundFailed.
-        `on_own(j, payload)` is called with each of our step-0 frames as it is encoded, then
-        `on_own(-1, None)` (`p2ptrain.reduce.ring.allreduce`)."""
-
-    async def abort(self, run_id: str, round_id: str, reason: str) -> None:
-        """Abort our running round `round_id` (it cannot commit): its data plane stops now."""
-
-
-class Contributor:
-    """What this peer puts into a round: its pseudo-gradient, under a true signed header, and
-    the ready time it claims."""
-
-    def payload(self, delta: np.ndarray) -> np.ndarray:
-        return delta
-
-    def sign(self, header: Header, identity) -> bytes:
-        return sign_header(header, identity)
-
-    def ready_at(self, now: float) -> float:
-        """The ready time this peer claims for a step (readers clamp it: `run.elect`)."""
-        return now
 
 
 @dataclass(frozen=True)
@@ -365,7 +334,7 @@ class ContributionRound:
             if reason not in ("missing-header", "norm-over-anchor"):
                 self.ledger.convict(t, peer, reason)
         verdict = got.get("verdict")
-        if verdict is not None and verdict.objections:  # whom we leave out: `contribution.leave_out`
+        if verdict is not None and verdict.objections:  # whom we leave out: `influence.leave_out`
             convicted, sitting = leave_out(self.me, verdict.objections)
             for peer in sorted(convicted):
                 self.ledger.outlier(t, peer, "norm-over-anchor")

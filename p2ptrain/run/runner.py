@@ -8,7 +8,6 @@ restarted peer resumes from its newest local checkpoint and catches up if the ru
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -28,16 +27,26 @@ from p2ptrain.train.trainer import TrainerConfig
 log = logging.getLogger("p2ptrain.run.runner")
 
 
-async def get_manifest(dht, run_id: str, timeout: float = 60.0) -> dict:
+async def get_manifest(dht, run_id: str, timeout: float = 60.0, progress_every: float = 5.0) -> dict:
+    """The run's manifest from the DHT, verified against its id. Says every `progress_every`
+    seconds what it still waits for: a run nobody serves used to mean a minute of silence."""
+    start = trio.current_time()
+    note_at = start + progress_every
     with trio.move_on_after(timeout):
         while True:
-            for rec in (await dht.get(keys.manifest(run_id))).values():
+            got = await dht.get(keys.manifest(run_id))
+            for rec in got.values():
                 try:
                     m = mf.decode(rec.value)
                     mf.verify_manifest(m, run_id)
                     return m
                 except mf.ManifestError as exc:
                     log.warning("manifest from a peer rejected: %s", exc)
+            if (now := trio.current_time()) >= note_at:
+                note_at = now + progress_every
+                log.info("waiting for run %s...'s manifest: %s (%.0fs of %.0fs; a peer of that run must be "
+                         "online)", run_id[:16], f"{len(got)} copies found, none valid" if got else
+                         "no peer has published it yet", now - start, timeout)
             await trio.sleep(1.0)
     raise NodeError(f"no peer served a valid manifest for run {run_id[:16]}... within {timeout:.0f}s",
                     "check the run id, and that a peer of that run is online")

@@ -11,7 +11,7 @@ It buys, once a peer has `rounds` committed rounds with us (`trusted`):
     (`p2ptrain.ckpt.providers.choose`), so Sybils cannot plant a state on a peer catching up;
   - contribution size: we list the members we trust in our signed header (`Header.trusts`),
     and every member holds each norm to `probation_factor` x our anchor (our own norm), or
-    10x for those we trust (`p2ptrain.run.contribution.objections`). A fresh identity can
+    10x for those we trust (`p2ptrain.run.influence.objections`). A fresh identity can
     therefore move the mean by at most 3x what each honest member of its round contributes,
     in every group, whoever else is in it;
   - reputation: only reports by peers we trust count (`p2ptrain.run.reputation.excluded`).

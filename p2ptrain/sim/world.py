@@ -38,6 +38,7 @@ from p2ptrain.sim import model as vmodel
 from p2ptrain.sim.host import SimHost
 from p2ptrain.sim.invariants import Monitor, WorldView
 from p2ptrain.sim.net import LinkConfig, Policy, SimDHTNetwork, SimNet
+from p2ptrain.sim.runtime import SimEvents, SimNode, SimWriter, deterministic_deadlines, inline_to_thread
 from p2ptrain.sim.service import Hub, SimReduceService
 from p2ptrain.train.trainer import TrainerConfig
 
@@ -132,75 +133,6 @@ class Report:
         d["violations"] = [dataclasses.asdict(v) for v in self.violations]
         d.pop("trace")
         return d
-
-
-class SimEvents:
-    """A peer's event sink (`p2ptrain.events.EventSink`'s interface) that feeds the world."""
-    json_mode = True
-
-    def __init__(self, world: "World", name: str) -> None:
-        self.world, self.peer = world, name
-
-    def emit(self, event: str, **fields) -> dict:
-        self.world.on_event(self.peer, event, fields)
-        return fields
-
-
-class SimNode:
-    """What `p2ptrain.peer.run_peer` needs of a node, on the simulated network."""
-
-    def __init__(self, identity: Identity, dht: DHTNode, host: SimHost, net: SimNet) -> None:
-        self.identity, self.dht, self.rpc, self.host = identity, dht, dht.transport, host
-        self.net = net
-        self.config = dataclasses.make_dataclass("Cfg", [("listen", list, field(default_factory=list))])()
-
-    def conn_counts(self) -> dict[str, int]:
-        return {"direct": 0}
-
-
-class SimWriter:
-    """The peer's checkpoint directory: kept across its restarts (its workdir)."""
-
-    def __init__(self, disk: dict, key: bytes) -> None:
-        self.disk, self.key = disk, key
-
-    def submit(self, step: int, data: bytes) -> None:
-        self.disk[self.key] = bytes(data)
-
-    def close(self, timeout: float = 0.0) -> bool:
-        return True
-
-
-async def _inline(fn, *args, **_kw):
-    """`trio.to_thread.run_sync` in the simulator: the call runs here, then its simulated cost."""
-    vmodel.take_cost()
-    out = fn(*args)
-    await trio.sleep(vmodel.take_cost())
-    return out
-
-
-def _deterministic_deadlines():
-    """trio breaks ties between equal deadlines by id(cancel scope), a memory address: two
-    peers waking at the same simulated instant would wake in another order in another run.
-    While the simulator runs, ties break by the order the scopes were first seen instead
-    (trio private API, trio 0.2x/0.3x; returns the original to restore)."""
-    import heapq
-    import itertools
-    import weakref
-
-    real = trio._core._run.Deadlines.add
-    order: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    counter = itertools.count()
-
-    def add(self, deadline, cancel_scope) -> None:
-        tie = order.get(cancel_scope)
-        if tie is None:
-            tie = order[cancel_scope] = next(counter)
-        heapq.heappush(self._heap, (deadline, tie, cancel_scope))
-        self._active += 1
-
-    trio._core._run.Deadlines.add = add
-    return real
 
 
 class World:
@@ -400,9 +332,9 @@ def simulate(world: World) -> Report:
     trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING = True
     trio._core._run._r.seed(seed)
     real = trio.to_thread.run_sync
-    trio.to_thread.run_sync = _inline
+    trio.to_thread.run_sync = inline_to_thread
     real_source, entropy.source = entropy.source, random.Random(seed ^ 0xE7)
-    real_add = _deterministic_deadlines()
+    real_add = deterministic_deadlines()
     quiet = logging.getLogger("p2ptrain")
     level = quiet.level
     quiet.setLevel(logging.ERROR)

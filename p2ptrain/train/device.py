@@ -18,29 +18,12 @@ the dtype of matmul inputs), so peers in different modes still average the same 
 from __future__ import annotations
 
 import contextlib
-import re
-from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
 
-DEVICE_HELP = "auto, cpu, cuda or cuda:N"
-PRECISIONS = ("auto", "fp32", "bf16")
-_DEVICE_RE = re.compile(r"^(auto|cpu|cuda|cuda:\d{1,3})$")
-
-
-@dataclass
-class DeviceConfig:
-    device: str = "auto"
-    """Where the model trains: auto (the first GPU if there is one), cpu, cuda or cuda:N."""
-    precision: str = "auto"
-    """Inner-step precision: auto (bf16 autocast on a GPU with bf16), fp32 or bf16."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.device, str) or not _DEVICE_RE.match(self.device):
-            raise ValueError(f"device must be {DEVICE_HELP}, got {self.device!r}")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+# The user's request and its flags live in a torch-free module (the CLI parser imports it).
+from p2ptrain.train.devicecfg import DEVICE_HELP, PRECISIONS, DeviceConfig, add_device_args  # noqa: F401
 
 
 def cuda_available() -> bool:
@@ -150,14 +133,6 @@ def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return batch
     return batch.pin_memory().to(device, non_blocking=True)
-
-
-def add_device_args(p) -> None:
-    """`join --device` and `--precision`."""
-    p.add_argument("--device", default="auto", metavar="DEV", help=f"where the model trains: {DEVICE_HELP} "
-                   "(auto: the first GPU if torch sees one)")
-    p.add_argument("--precision", default="auto", choices=PRECISIONS,
-                   help="inner steps: auto (bf16 autocast on a GPU with bf16, else fp32), fp32 or bf16")
 
 
 def config_from_args(args) -> DeviceConfig:

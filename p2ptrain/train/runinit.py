@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from p2ptrain.train.data import Dataset
+if TYPE_CHECKING:  # torch: not while `p2ptrain init --help` builds its parser
+    from p2ptrain.train.data import Dataset
 
 
 def add_init_args(p) -> None:

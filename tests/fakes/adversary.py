@@ -23,8 +23,9 @@ class PausingWriter(checkpoint.AsyncWriter):
     """Writes half of step `pause_step`'s file, says so, then stalls `seconds` (a real torn
     write, as a crash mid-write leaves it)."""
 
-    def __init__(self, directory, keep, on_written=None, *, events=None, pause_step: int, seconds: float) -> None:
-        super().__init__(directory, keep, on_written)
+    def __init__(self, directory, keep, on_written=None, on_failed=None, *, events=None, pause_step: int,
+                 seconds: float) -> None:
+        super().__init__(directory, keep, on_written, on_failed)
         self.events, self.pause_step, self.seconds = events, pause_step, seconds
 
     def _write(self, step: int, data: bytes) -> None:
