@@ -56,6 +56,16 @@ def test_a_bench_still_gets_its_own_arguments(tmp_path):
     assert "--nodes" in out.stdout
 
 
+def test_a_lazily_added_bench_option_left_out_takes_its_default():
+    """The lazy bench parsers once left out the defaults of the options they added (argparse
+    fills defaults in before the hook ran): `bench sim` without --no-faults died of
+    "'Namespace' object has no attribute 'no_faults'"."""
+    from p2ptrain.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "sim", "--peers", "3"])
+    assert args.peers == 3 and args.no_faults is False and args.rtt == 0.1 and args.sybils == 0
+
+
 # -- shared helpers ---------------------------------------------------------------------------
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"

@@ -40,6 +40,13 @@ class _LazyParser(argparse.ArgumentParser):
                 importlib.import_module(module).add_arguments(self)
             except Exception:  # a broken bench fails when it is run, never the other commands
                 pass
+            # parse_known_args filled in defaults before it came here: do it for the arguments
+            # just added, or an option left out is missing from the namespace
+            ns = args[1] if len(args) > 1 else kwargs.get("namespace")
+            for action in self._actions:
+                if (action.dest is not argparse.SUPPRESS and action.default is not argparse.SUPPRESS
+                        and ns is not None and not hasattr(ns, action.dest)):
+                    setattr(ns, action.dest, action.default)
         return super()._parse_known_args(*args, **kwargs)
 
 
