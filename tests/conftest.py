@@ -107,11 +107,15 @@ def run_user_scripts(script, argvs: list[list[str]], cwd, timeout: float = 240) 
     """Run `script` once per argv, all at once (a user's own training program per peer);
     each one's last stdout line as JSON, after checking it exited 0."""
     import json
+    import os
     import subprocess
     import sys
 
+    # HOME: the library's default workdirs (~/.p2ptrain/lib/...) land in the test's folder; in
+    # the real home a second run of the test would resume the first one's checkpoints
+    env = dict(os.environ, HOME=str(cwd))
     runs = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=cwd) for argv in argvs]
+                             text=True, cwd=cwd, env=env) for argv in argvs]
     outs = []
     for p in runs:
         try:
