@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from pathlib import Path
 
 import trio
+
+# Every process a test starts runs this checkout's code, as the test itself does (pyproject's
+# pytest `pythonpath`): children start in folders of their own, where an installed copy would
+# win, and the installed package leaves out the lab drivers (p2ptrain.bench) tests start.
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 import trio.testing
 
 
