@@ -1,12 +1,17 @@
 """The library entry point: bring your own `nn.Module`, optimizer and data.
 
     from p2ptrain import DiLoCo
-    diloco = DiLoCo(model, torch.optim.AdamW(model.parameters()), run="my-run",
-                    bootstrap=["/ip4/.../tcp/4001/p2p/12D3KooW..."], inner_steps=100)
+    torch.manual_seed(0)         # the same starting weights on every peer: they are part of the run id
+    model = MyModel()
+    opt = torch.optim.AdamW(model.parameters())
+    diloco = DiLoCo(model, opt, run="my-run", bootstrap=["/ip4/.../tcp/4001/p2p/12D3KooW..."],
+                    inner_steps=100)
     for batch in data:
         loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
         diloco.step(loss)        # every inner_steps calls: the outer step, over the network
     diloco.close()
+
+A runnable example (tested verbatim): the README's "The library" section.
 
 It runs the same network side as `p2ptrain join` (node, DHT, election, verified int8 ring,
 Nesterov outer step: `p2ptrain.train.trainer.Trainer`) in a background thread with its own trio
