@@ -60,6 +60,9 @@ def test_the_installed_package_leaves_the_lab_out_and_a_checkout_runs_it(tmp_pat
     outside = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True,
                              cwd=tmp_path, env=env, timeout=120)
     assert outside.stdout.startswith(str(site)) and "No module named 'p2ptrain.bench'" in outside.stderr, outside
+    cli = subprocess.run([sys.executable, "-P", "-m", "p2ptrain", "bench", "kernels"], capture_output=True,
+                         text=True, cwd=tmp_path, env=env, timeout=120)
+    assert cli.returncode == 2 and "source checkout" in cli.stderr, cli  # advice, not a traceback
     # in a checkout's root: `p2ptrain bench ...` finds the lab there, and the processes a bench
     # starts (in folders of their own) get the checkout on their path
     probe = "import p2ptrain.bench.readpause as r, os; print(r.__file__); print(os.environ['PYTHONPATH'])"
