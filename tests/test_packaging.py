@@ -28,6 +28,14 @@ def test_the_wheel_lists_every_package_but_the_lab():
         f"stale or lab {sorted(listed - tree_packages() | (listed & {'p2ptrain.bench'}))}")
 
 
+def _setuptools_builds_wheels() -> bool:
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    return tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (70, 1)
+
+
 def build_wheel(tmp: Path) -> Path:
     """The wheel pip builds, from a copy of the tree (setuptools' build/ folder keeps files of
     earlier builds and would put them in)."""
@@ -37,7 +45,10 @@ def build_wheel(tmp: Path) -> Path:
         shutil.copytree(ROOT / d, src / d, ignore=ignore)
     for f in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / f, src / f)
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+    # this interpreter's setuptools when it can build wheels by itself (bdist_wheel is built in
+    # since 70.1), else pip's isolated build (which fetches setuptools, as `pip install .` does)
+    isolation = ["--no-build-isolation"] if _setuptools_builds_wheels() else []
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
                           "-w", str(tmp / "whl"), str(src)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = (tmp / "whl").glob("p2ptrain-*.whl")
