@@ -18,10 +18,12 @@ import trio
 
 from p2ptrain.clock import wall_time
 from p2ptrain.dht import protocol
-from p2ptrain.dht.record import MAX_ADDRS, Record, RecordError, decode_and_validate, make_record, validate
+from p2ptrain.dht.record import (check_live, KEY_CLASSES, MAX_ADDRS, MAX_RECORD_BYTES, KeyClass, Record, RecordError,
+                                 SignatureCache, decode, key_class, make_record, validate)
 from p2ptrain.dht.routing import RoutingTable, dht_id, distance
-from p2ptrain.dht.storage import RecordStore
+from p2ptrain.dht.storage import RecordStore, StoreLimits
 from p2ptrain.dht.transport import RpcError, RpcReject, RpcTransport
+from p2ptrain import entropy
 from p2ptrain.identity import Identity, peer_id_to_str
 
 log = logging.getLogger("p2ptrain.dht")
@@ -39,26 +41,60 @@ class DHTConfig:
     """Seconds one DHT request may take before the peer counts as failed."""
     lookup_timeout: float = 10.0
     """Seconds a whole store/get/lookup may take."""
-    max_ttl: float = 24 * 3600.0
-    """Longest lifetime a record may claim; later expiries are 'far-future'."""
+    max_ttl: float = 2 * 3600.0
+    """Longest lifetime a record may claim under a key with no class in `key_classes`;
+    later expiries are 'far-future'."""
+    key_classes: dict[str, KeyClass] = field(default_factory=lambda: dict(KEY_CLASSES))
+    """Per kind of key (`record.key_class`): its expiry horizon and record size cap."""
     max_clock_skew: float = 60.0
     """Tolerance for writers whose clocks run ahead of ours."""
     refresh_interval: float = 60.0
     """Seconds between routing refreshes and republishing our own records."""
     max_records: int = 100_000
+    max_bytes: int = 256 << 20
+    """Bytes of records our store holds in all (a full store evicts from the heaviest sender)."""
+    max_subkeys_per_key: int = 4096
+    max_key_bytes: int = 8 << 20
     max_records_per_get: int = 256
     """Records per reply; keeps replies below the frame limit."""
+    max_reply_bytes: int = 256 * 1024
+    """Record bytes per reply (half a frame); which records fit: `RecordStore.select`."""
     max_records_per_writer: int = 1024
     """Live records one writer may hold in our store, over all keys (flood bound)."""
+    max_bytes_per_writer: int = 1 << 20
+    max_writers_per_sender: int = 16
+    """Identities one remote peer may store records for (honest peers store only their own)."""
+    max_bytes_per_sender: int = 4 << 20
+    max_records_per_sender: int = 2048
+    signature_cache: int = 16384
+    """Records whose verified signature we remember (`record.SignatureCache`)."""
 
     def __post_init__(self) -> None:
         for name in ("bucket_size", "replication", "alpha", "max_records", "max_records_per_get",
-                     "max_records_per_writer"):
+                     "max_records_per_writer", "max_bytes", "max_subkeys_per_key", "max_key_bytes",
+                     "max_reply_bytes", "max_bytes_per_writer", "max_writers_per_sender",
+                     "max_bytes_per_sender", "max_records_per_sender", "signature_cache"):
             if getattr(self, name) < 1:
                 raise ValueError(f"DHTConfig.{name} must be >= 1")
+        if self.max_reply_bytes > protocol.DEFAULT_MAX_FRAME // 2:
+            raise ValueError(f"DHTConfig.max_reply_bytes must be <= {protocol.DEFAULT_MAX_FRAME // 2}")
+        if not all(isinstance(c, KeyClass) for c in self.key_classes.values()):
+            raise ValueError("DHTConfig.key_classes maps key kinds to record.KeyClass")
         for name in ("rpc_timeout", "lookup_timeout", "max_ttl", "refresh_interval"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"DHTConfig.{name} must be > 0")
+
+    def store_limits(self) -> StoreLimits:
+        return StoreLimits(
+            max_records=self.max_records, max_bytes=self.max_bytes, max_subkeys_per_key=self.max_subkeys_per_key,
+            max_key_bytes=self.max_key_bytes, max_per_writer=self.max_records_per_writer,
+            max_bytes_per_writer=self.max_bytes_per_writer, max_writers_per_sender=self.max_writers_per_sender,
+            max_bytes_per_sender=self.max_bytes_per_sender, max_records_per_sender=self.max_records_per_sender)
+
+    def limits_for(self, key: str) -> tuple[float, int]:
+        """(expiry horizon, record byte cap) of `key`'s class."""
+        c = self.key_classes.get(key_class(key))
+        return (c.max_ttl, c.max_record_bytes) if c is not None else (self.max_ttl, MAX_RECORD_BYTES)
 
 
 @dataclass
@@ -81,7 +117,8 @@ class DHTNode:
         # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.net.peerguard).
         self.store_gate = store_gate
         self.routing = RoutingTable(identity.peer_id, self.config.bucket_size)
-        self.store_ = RecordStore(self.config.max_records, max_per_writer=self.config.max_records_per_writer)
+        self.store_ = RecordStore(limits=self.config.store_limits(), rng=entropy.rng())
+        self.sigcache = SignatureCache(self.config.signature_cache)
         self.stats = DHTStats()
         # key -> (value, ttl, when to republish): own records outlive the nodes holding them.
         self._own: dict[str, tuple[bytes, float, float]] = {}
@@ -140,7 +177,10 @@ class DHTNode:
         """Sign and store our entry under `key` on the closest nodes; returns replicas acked.
 
         The record is re-stored by `run` while a third of its lifetime is left, until
-        `forget(key)`, so it outlives the nodes that hold it now."""
+        `forget(key)`, so it outlives the nodes that hold it now. A `ttl` beyond the key's
+        horizon is cut to it (every node would refuse the record): an expiry only ever
+        comes earlier, which no reader's bound (`election.clamp`) takes as a later claim."""
+        ttl = min(ttl, self.config.limits_for(key)[0])
         rec = make_record(self.identity, key, value, wall_time() + ttl)
         self._own[key] = (value, ttl, trio.current_time() + ttl * 2 / 3)
         return await self.store_record(rec)
@@ -273,7 +313,12 @@ class DHTNode:
             try:
                 if not isinstance(item, bytes):
                     raise RecordError("malformed", "record is not bytes")
-                rec = decode_and_validate(item, now, self.config.max_ttl, self.config.max_clock_skew)
+                rec = self.sigcache.decoded(item)
+                if rec is None:
+                    rec = self._validate(decode(item), now)
+                    self.sigcache.remember(item, rec)
+                else:
+                    check_live(rec, now, *self._live_limits(rec.key))
                 if rec.key != key:
                     raise RecordError("wrong-key", f"asked for {key}, got {rec.key}")
             except RecordError as exc:
@@ -288,9 +333,22 @@ class DHTNode:
         log.warning("record rejected: reason=%s %s from=%s detail=%s",
                     exc.reason, where, peer_id_to_str(source), exc.detail)
 
+    def _live_limits(self, key: str) -> tuple[float, float, int]:
+        max_ttl, max_bytes = self.config.limits_for(key)
+        return max_ttl, self.config.max_clock_skew, max_bytes
+
+    def _validate(self, rec: Record, now: float) -> Record:
+        max_ttl, max_bytes = self.config.limits_for(rec.key)
+        return validate(rec, now, max_ttl, self.config.max_clock_skew, max_bytes, self.sigcache)
+
     def _accept(self, rec: Record, source: bytes) -> None:
-        validate(rec, wall_time(), self.config.max_ttl, self.config.max_clock_skew)
-        self.store_.put(rec, wall_time())
+        """Our own store of a record we store or relay: invalid ones raise (a caller's
+        mistake); a full budget here is logged, and the replicas still get it."""
+        self._validate(rec, wall_time())
+        try:
+            self.store_.put(rec, wall_time(), sender=source)
+        except RecordError as exc:
+            self._log_reject(exc, source, "local store")
 
     def _closer_peers(self, target: int, exclude: bytes) -> list[list]:
         peers = self.routing.closest(target, self.config.bucket_size, frozenset({exclude}))
@@ -313,22 +371,13 @@ class DHTNode:
             key = body.get("key")
             if not isinstance(key, str):
                 raise RpcReject("bad-key")
-            now = wall_time()
-            records = []
-            # Re-validate on the way out: a record that expired while stored is not served.
-            # Replies stay within half a frame; the rest of a huge key is not served here.
-            budget = protocol.DEFAULT_MAX_FRAME // 2
-            for rec in self.store_.get(key, now)[: self.config.max_records_per_get]:
-                try:
-                    validate(rec, now, self.config.max_ttl, self.config.max_clock_skew)
-                except RecordError:
-                    continue
-                raw = rec.encode()
-                budget -= len(raw)
-                if budget < 0:
-                    break
-                records.append(raw)
-            return {"records": records, "peers": self._closer_peers(dht_id(key), sender)}
+            # Stored records were verified on the way in, and `select` serves only live ones
+            # in an order no writer can game (see `RecordStore.select`). The salt is fresh
+            # per request: a key too big for one reply shows each reader another sample.
+            chosen = self.store_.select(key, wall_time(), self.config.max_records_per_get,
+                                        self.config.max_reply_bytes, entropy.source.randbytes(16))
+            return {"records": [rec.encode() for rec in chosen],
+                    "peers": self._closer_peers(dht_id(key), sender)}
         if method == "store":
             raw = body.get("records")
             if not isinstance(raw, list) or len(raw) > 16:
@@ -341,8 +390,8 @@ class DHTNode:
                 try:
                     if not isinstance(item, bytes):
                         raise RecordError("malformed", "record is not bytes")
-                    rec = decode_and_validate(item, wall_time(), self.config.max_ttl, self.config.max_clock_skew)
-                    self.store_.put(rec, wall_time())
+                    rec = self._validate(decode(item), wall_time())
+                    self.store_.put(rec, wall_time(), sender=sender)
                     results.append("ok")
                 except RecordError as exc:
                     self._log_reject(exc, sender, "store")

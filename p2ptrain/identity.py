@@ -11,6 +11,8 @@ record layer can verify them; tests check the result against libp2p's own `ID`.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import stat
 from dataclasses import dataclass
@@ -48,7 +50,9 @@ def public_from_peer_id_bytes(peer_id: bytes) -> bytes:
     return peer_id[len(_PEER_ID_PREFIX):]
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def peer_id_to_str(peer_id: bytes) -> str:
+    # cached: every record read names its writer this way, many times a second
     return base58.b58encode(peer_id).decode()
 
 

@@ -6,6 +6,7 @@ drive `p2ptrain.reduce.commit` directly. The real-libp2p tier is test_allreduce_
 from __future__ import annotations
 
 import trio
+import trio.testing
 from libp2p.peer.id import ID
 
 from p2ptrain.reduce.control import check_control_length, decode_control
@@ -91,3 +92,59 @@ def decode(msg: bytes) -> dict:
     """A packed control message back to its map (as the service's reader does)."""
     n = check_control_length(msg[:4])
     return decode_control(msg[4:4 + n])
+
+
+class PipeNet:
+    """Hosts whose streams are real two-way byte pipes (`trio.testing.memory_stream_pair`),
+    for protocols that ask and answer on one stream (blob fetches): the serving code runs
+    unchanged, only the sockets are in memory. `delay[peer]`: seconds before that peer's
+    streams open (a slow peer)."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.hosts: dict[bytes, PipeHost] = {}
+        self.delay: dict[bytes, float] = {}
+
+    def host(self, peer_id: bytes) -> "PipeHost":
+        h = self.hosts[peer_id] = PipeHost(self, peer_id)
+        return h
+
+
+class PipeHost:
+    def __init__(self, net: PipeNet, peer_id: bytes) -> None:
+        self.net, self.peer_id, self.handlers = net, peer_id, {}
+
+    def set_stream_handler(self, proto, handler) -> None:
+        self.handlers[proto] = handler
+
+    async def new_stream(self, peer: ID, protos) -> "_Pipe":
+        dst = self.net.hosts.get(peer.to_bytes())
+        if dst is None:
+            raise ConnectionError("no route")
+        await trio.sleep(self.net.delay.get(peer.to_bytes(), 0.0))
+        if protos[0] not in dst.handlers:
+            raise ConnectionError(f"protocol not supported: {protos[0]}")
+        mine, theirs = trio.testing.memory_stream_pair()
+        self.net.nursery.start_soon(dst.handlers[protos[0]], _Pipe(theirs, self.peer_id))
+        return _Pipe(mine, dst.peer_id)
+
+
+class _Pipe:
+    def __init__(self, stream, remote: bytes) -> None:
+        self._s, self.muxed_conn = stream, _Conn(remote)
+
+    async def read(self, n: int) -> bytes:
+        try:
+            return await self._s.receive_some(n)
+        except trio.ClosedResourceError:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self._s.send_all(bytes(data))
+
+    async def close(self) -> None:
+        with trio.move_on_after(1):
+            await self._s.send_eof()
+
+    async def reset(self) -> None:
+        await self._s.aclose()

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 import trio
 
-from conftest import LOOPBACK
+from conftest import LOOPBACK, trio_test
 from p2ptrain.ckpt import chunks
 from p2ptrain.ckpt import providers
 from fakes.adversary import CorruptBlobServer, flip_one_byte
@@ -98,6 +98,117 @@ def test_provider_record_decoder_is_bounded():
                                "members": ["m"] * 100})):
         with pytest.raises(providers.ProviderError):
             providers.decode("a", bad)
+
+
+# -- in-memory donors (fast tier) ------------------------------------------------------
+@trio_test()
+async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
+    """Two provider records copied by identities that accept the stream and never answer,
+    sorting first, each held the manifest fetch for its 60 s timeout: every newcomer spent
+    its 120 s budget. Providers are raced with a first-byte deadline now, and one that
+    says it lacks what its record names, or serves another manifest, is excluded."""
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    data = os.urandom(300_000)
+    ids = sorted((Identity.from_seed(bytes([40 + i]) * 32) for i in range(5)), key=lambda i: i.peer_id_str)
+    stall1, stall2, empty, liar, honest = ids
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x30" * 32).peer_id)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        for ident in (stall1, stall2):
+            net.host(ident.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
+        BlobServer(net.host(empty.peer_id))  # serves nothing, though its record names the manifest
+        m, _ = chunks.split(b"other" * 50_000, 64 << 10)
+        BlobServer(net.host(liar.peer_id)).add_known(digest, m.encode())  # another manifest under that hash
+        net.delay[honest.peer_id] = 1.0  # the others answer first
+        choice = providers.Choice(1, digest, hashlib.sha256(data).hexdigest(), H[0],
+                                  tuple(i.peer_id_str for i in ids), ())
+        t0 = trio.current_time()
+        got, rep = await download(fetcher, choice)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == data
+    assert took < 10, took  # the first-byte deadline (10 s); it was 2 x 60 s
+    assert set(rep.excluded) == {empty.peer_id_str, liar.peer_id_str}, rep.excluded
+    assert "does not serve" in rep.excluded[empty.peer_id_str]
+    assert "does not verify" in rep.excluded[liar.peer_id_str]
+    assert rep.per_donor[honest.peer_id_str] == len(chunks.split(data, 64 << 10)[0].chunks)
+
+
+@trio_test()
+async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    data = os.urandom(100_000)
+    staller, honest = Identity.from_seed(b"\x50" * 32), Identity.from_seed(b"\x51" * 32)
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x52" * 32).peer_id)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        net.host(staller.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
+        choice = providers.Choice(1, digest, hashlib.sha256(data).hexdigest(), H[0],
+                                  (staller.peer_id_str, honest.peer_id_str), (staller.peer_id_str,))
+        t0 = trio.current_time()  # attesters are asked first: the staller is
+        got, rep = await download(fetcher, choice, config=DownloadConfig(race_width=1))
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == data
+    cfg = DownloadConfig()
+    assert cfg.first_byte_timeout <= took < cfg.first_byte_timeout + 5
+    assert rep.per_donor[staller.peer_id_str] == 0
+
+
+@trio_test()
+async def test_data_records_copied_by_silent_peers_do_not_stall_the_tokenizer_fetch():
+    """The tokenizer was asked of one data-record holder at a time, 30 s each: six copied
+    records whose peers never answer held a join for three minutes."""
+    from types import SimpleNamespace
+
+    from fakehost import PipeNet
+    from p2ptrain.ckpt.fetch import PROTOCOL
+    from p2ptrain.dht.node import DHTNode
+    from p2ptrain.dht.transport import MemoryNetwork
+    from p2ptrain.run import keys
+    from p2ptrain.train import shards
+
+    tok = b'{"model": "a tokenizer"}' * 100
+    sha = hashlib.sha256(tok).hexdigest()
+    run = "r" * 16
+    dnet = MemoryNetwork()
+    ids = [Identity.from_seed(bytes([60 + i]) * 32) for i in range(8)]
+    dhts = [DHTNode(i, dnet.transport(i.peer_id)) for i in ids]
+    for d in dhts[1:]:
+        await d.bootstrap([(ids[0].peer_id, [])])
+    value = msgpack.packb({"manifest": H[1], "sha256": H[2], "tok": sha, "addrs": []})
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        for i in range(1, 7):  # the copies first
+            net.host(ids[i].peer_id).set_stream_handler(PROTOCOL, never_answer)
+            await dhts[i].store(keys.data(run), value, ttl=600)
+        BlobServer(net.host(ids[7].peer_id)).add(tok)
+        await dhts[7].store(keys.data(run), value, ttl=600)
+        me = SimpleNamespace(dht=dhts[0], host=net.host(ids[0].peer_id), identity=ids[0])
+        t0 = trio.current_time()
+        got = await shards.fetch_tokenizer(me, run, sha)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == tok
+    assert took < 15, took  # the honest peer is asked by the time the first 4 are given up on (10 s)
 
 
 # -- real libp2p donors ---------------------------------------------------------------

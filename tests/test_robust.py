@@ -254,15 +254,16 @@ def test_butterfly_members_catch_an_owner_that_publishes_more_than_the_copies_al
 def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
     from p2ptrain.run import reputation
 
-    assert reputation.excluded({"a": {"x": 3}}) == {}
-    assert reputation.excluded({"a": {"x": 3}, "b": {"x": 4}, "x": {"a": 4}}) == {"x": ["a", "b"]}
+    everyone = frozenset("abcxy")  # all reporters have standing with the reader
+    assert reputation.excluded({"a": {"x": 3}}, 3, everyone) == {}
+    assert reputation.excluded({"a": {"x": 3}, "b": {"x": 4}, "x": {"a": 4}}, 4, frozenset("abc")) == {"x": ["a", "b"]}
     # x and y (reported by honest a, b, c) try to get a excluded: their votes do not count
     reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "c": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
-    assert set(reputation.excluded(reports)) == {"x", "y"}
+    assert set(reputation.excluded(reports, 2, everyone)) == {"x", "y"}
     # two against two cannot be told apart by counting: nobody is excluded (conservative)
     reports = {"a": {"x": 1, "y": 1}, "b": {"x": 1, "y": 1}, "x": {"a": 2}, "y": {"a": 2}}
-    assert reputation.excluded(reports) == {}
-    assert reputation.excluded({"a": {"a": 1}, "b": {"b": 1}}) == {}  # nobody reports itself
+    assert reputation.excluded(reports, 2, frozenset("abxy")) == {}
+    assert reputation.excluded({"a": {"a": 1}, "b": {"b": 1}}, 1, everyone) == {}  # nobody reports itself
 
 
 def test_reputation_report_decoding_is_bounded():
@@ -304,7 +305,8 @@ def test_reputation_records_travel_through_the_dht():
             assert await reputation.publish(n, "run", {accused: 3}) >= 1
         reports = await reputation.read(nodes[5], "run")
         assert set(reports) == {nodes[0].identity.peer_id_str, nodes[1].identity.peer_id_str}
-        assert list(reputation.excluded(reports)) == [accused]
+        reporters = frozenset(n.identity.peer_id_str for n in nodes[:2])
+        assert list(reputation.excluded(reports, 3, reporters)) == [accused]
 
     scenario()
 

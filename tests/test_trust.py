@@ -116,16 +116,21 @@ def test_checkpoint_meta_never_sets_the_outer_hyperparameters():
 
 
 # -- hole 4: arbitrarily large values ------------------------------------------------------
-def _headers(norms: dict, chunk_norms: dict | None = None):
+def _headers(norms: dict, chunk_norms: dict | None = None, trusts: dict | None = None, refs: dict | None = None):
+    """Signed headers for members named by `norms` (in roster order); `trusts`: name -> the
+    names it has standing with, `refs`: name -> its signed reference norm."""
     from p2ptrain.identity import Identity
     from p2ptrain.run import contribution as C
 
     ids = {name: Identity.generate() for name in norms}
     members = [ids[n].peer_id_str for n in norms]
+    pos = {n: i for i, n in enumerate(norms)}
     raw = {}
     for name, norm in norms.items():
         cn = (chunk_norms or {}).get(name) or tuple([norm / math.sqrt(len(norms))] * len(norms))
-        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100)
+        anchor = (tuple(sorted(pos[x] for x in (trusts or {}).get(name, ()))), (refs or {}).get(name, 0.0)) \
+            if trusts or refs else ()
+        h = C.Header("run", 4, 0, "r" * 64, ids[name].peer_id_str, tuple(cn), (H[len(raw)],), norm, 10, 100, *anchor)
         raw[ids[name].peer_id_str] = C.sign_header(h, ids[name])
     return raw, members, {n: ids[n].peer_id_str for n in norms}
 
@@ -144,15 +149,18 @@ def test_a_group_of_two_bounds_the_norm_too():
 
     raw, members, ids = _headers({"a": 1.0, "m": 1e6})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
-    assert bad == {ids["m"]: "norm-outlier"} and list(ok) == [ids["a"]]
-    # a joiner's zero norm bounds nobody; the sender's own history does
+    assert bad == {ids["m"]: "norm-over-anchor"} and list(ok) == [ids["a"]]
+    # a joiner's zero norm bounds nobody; the reference it signs (its own past norms) does
     raw, members, ids = _headers({"j": 0.0, "m": 1e6})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert not bad
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
-    assert bad == {ids["m"]: "norm-outlier"}
-    # honest pairs within the factor pass
+    raw, members, ids = _headers({"j": 0.0, "m": 1e6}, refs={"j": 1.1})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-over-anchor"}
+    # honest pairs within the factor pass: 3x without standing, 10x with it
     raw, members, ids = _headers({"a": 1.0, "b": 3.0})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
+    raw, members, ids = _headers({"a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
     assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
@@ -162,15 +170,211 @@ def test_joiners_zeros_do_not_set_the_norm_bar():
     four made it 0: no bar at all, so a lone trainer's 1e6 passed."""
     from p2ptrain.run import contribution as C
 
-    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x ref(a)
-    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6})
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, norm_history={ids["m"]: [1.0, 1.2]})
-    assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 3
-    raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0})
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "a": 1.0, "b": 8.0}, trusts={"a": {"b"}})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]  # 8 <= 10 x anchor(a)
+    raw, members, ids = _headers({"j1": 0.0, "j2": 0.0, "j3": 0.0, "m": 1e6}, refs={"j1": 1.0, "j2": 1.2})
+    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert bad == {ids["m"]: "norm-over-anchor"} and len(ok) == 3
+    raw, members, ids = _headers({"j1": 0.0, "a": 1.0, "b": 1.2, "c": 0.9, "m": 12.0},
+                                 trusts={p: {"a", "b", "c", "m"} - {p} for p in "abc"})
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
     assert bad == {ids["m"]: "norm-outlier"} and len(ok) == 4  # median of 1.0, 1.2, 0.9, 12: 1.1
 
+
+
+# -- issue 32, item 1: an influence bound Sybils cannot move ---------------------------------
+def _scaled(d: np.ndarray, ratio: float, ref: np.ndarray) -> np.ndarray:
+    """`d`'s direction with `ratio` x the norm of `ref` (norms as the round signs them)."""
+    scale = ratio * np.linalg.norm(ref.astype(np.float64)) / np.linalg.norm(d.astype(np.float64))
+    return (d * scale).astype(np.float32)
+
+
+def _norms(outcome, a: str, s: str) -> float | None:
+    """The committed ratio of s's signed norm to a's, or None when s was not in the round."""
+    h = outcome.headers
+    return h[s].norm / h[a].norm if s in h and a in h else None
+
+
+def test_an_honest_member_alone_with_sybils_rejects_their_norms():
+    """On 43993a7 the Sybils set the 10x-median themselves: 1e6x passed."""
+    from p2ptrain.run import contribution as C
+
+    for k in (2, 4):
+        sybils = [f"s{i}" for i in range(k)]
+        raw, members, ids = _headers({"a": 1.0, **{s: 1e6 for s in sybils}})
+        ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
+        assert list(ok) == [ids["a"]] and bad == {ids[s]: "norm-over-anchor" for s in sybils}
+
+
+def test_an_honest_member_with_two_sybils_never_commits_their_contributions():
+    from test_round_memory import Hub, deltas, member, run_rounds
+
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ds = deltas(3)
+    ds[1:] = [_scaled(d, 1e6, ds[0]) for d in ds[1:]]
+    a = run_rounds(rounds, ds)[0]
+    assert a.members == [rounds[0].me] and not a.headers  # the Sybils are out of every round it commits
+    assert a.result is None or np.array_equal(a.result, ds[0])
+    assert all(r.me not in rounds[0].ledger.standing.rounds for r in rounds[1:])
+
+
+def test_a_pairs_allowed_norm_does_not_ratchet():
+    """A pair: honest A (norm 1 each step) and a Sybil S that signs just under what A lets
+    through. On 43993a7 S was held to 10x max(A's norm, median of its own accepted norms), so
+    each accepted norm raised the next bound: 9.9, 98, 534, ... 9,606x over 8 steps. Now S is
+    held to A's anchor this round: 3x on probation, 10x once it has standing with A."""
+    from test_round_memory import Hub, deltas, member, run_rounds
+
+    # 1. the old ratchet's schedule, played against the round: no committed ratio over 10
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(2)]
+    a, s = rounds[0].me, rounds[1].me
+    past: list[float] = []
+    for t in range(1, 9):
+        ratio = 0.99 * 10 * max(1.0, float(np.median(past)) if past else 0.0)
+        ds = deltas(t + 10)[:2]
+        o = run_rounds(rounds, [ds[0], _scaled(ds[1], ratio, ds[0])], t=t)[0]
+        got = _norms(o, a, s)
+        assert got is None or got <= 10 * 1.001, (t, got)
+        if got is not None:
+            past.append(got)
+
+    # 2. an attacker that probes A's exact rule every step and signs 0.99x the most it allows,
+    #    earning standing as it goes: the allowed ratio never exceeds the documented 10x
+    from p2ptrain.run import contribution as C
+    from p2ptrain.identity import Identity
+
+    hub = Hub()
+    rounds = [member(hub, i + 11)[0] for i in range(2)]
+    a, s = rounds[0].me, rounds[1].me
+    sid = Identity.from_seed(bytes([12]) * 32)
+    allowed = []
+    for t in range(1, 9):
+        roster = election.ring_order("ef" * 32, t, [a, s])
+        rh = election.roster_hash("ef" * 32, t, 0, roster)
+        mine = C.sign_header(rounds[0].header(t, 0, rh, roster, (0.6, 0.8), (H[0],), 4, 100), rounds[0].identity)
+
+        def passes(x: float) -> bool:
+            theirs = C.Header("ef" * 32, t, 0, rh, s, (x, 0.0), (H[t % 8],), x, 4, 100)
+            raw = {a: mine, s: C.sign_header(theirs, sid)}
+            return s not in rounds[0]._verify(raw, t, 0, rh, roster).bad
+
+        lo, hi = 1.0, 1e7
+        assert passes(lo) and not passes(hi)
+        for _ in range(60):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if passes(mid) else (lo, mid)
+        allowed.append(lo)
+        ds = deltas(t + 20)[:2]
+        o = run_rounds(rounds, [ds[0], _scaled(ds[1], 0.99 * lo, ds[0])], t=t)[0]
+        assert _norms(o, a, s) is not None, t  # within the bound it is a member like any other
+    assert max(allowed) <= 10.0 + 1e-6 and allowed[0] <= 3.0 + 1e-6, allowed
+    assert allowed[-1] > 9.9  # and standing earned the trusted 10x
+
+
+def test_members_with_different_standing_reach_the_same_verdict():
+    """A trusts S (2 committed steps with it), B does not. On 43993a7 each member applied
+    its own trusted set: S's 5x passed A's rule and failed B's. Now each member's trust is
+    signed in its header, every member applies every signed bound, and all three compute the
+    same verdict from the same headers."""
+    from test_round_memory import Hub, deltas, member, run_rounds
+    from p2ptrain.run import contribution as C
+
+    def group():
+        hub = Hub()
+        rounds = [member(hub, i + 1)[0] for i in range(3)]
+        a, b, s = (r.me for r in rounds)
+        for t in (1, 2):  # verified work, as `Ledger.remember` counts it
+            rounds[0].ledger.standing.committed(t, [b, s])
+            rounds[1].ledger.standing.committed(t, [a])
+            rounds[2].ledger.standing.committed(t, [a, b])
+        return rounds, a, b, s
+
+    # through the round: A and B commit the same mean, without S, at the first step
+    rounds, a, b, s = group()
+    ds = deltas(3)
+    ds[2] = _scaled(ds[2], 5.0, ds[0])
+    outs = run_rounds(rounds, ds, t=3)
+    assert sorted(outs[0].members) == sorted([a, b]) and outs[0].result is not None
+    assert np.array_equal(outs[0].result, outs[1].result)
+    assert np.allclose(outs[0].result, np.mean(ds[:2], axis=0), atol=1e-6)
+
+    # the verdict itself: the same on every member
+    rounds, a, b, s = group()
+    roster = election.ring_order("ef" * 32, 3, [a, b, s])
+    rh = election.roster_hash("ef" * 32, 3, 0, roster)
+    norms = {a: 1.0, b: 1.2, s: 5.0}
+    raw = {r.me: C.sign_header(r.header(3, 0, rh, roster, (norms[r.me], 0.0, 0.0), (H[i],), 4, 100), r.identity)
+           for i, r in enumerate(rounds)}
+    verdicts = [r._verify(raw, 3, 0, rh, roster) for r in rounds]
+    assert all(v == verdicts[0] for v in verdicts)
+    assert verdicts[0].bad == {s: "norm-over-anchor"} and verdicts[0].objections == {(b, s)}
+    # whom each honest member leaves out: both leave S out (B convicts it, A cannot tell)
+    assert C.leave_out(a, verdicts[0].objections) == (set(), {s})
+    assert C.leave_out(b, verdicts[0].objections) == ({s}, set())
+
+
+def test_whom_each_member_leaves_out_after_an_objection():
+    """`leave_out` from the shared objections: honest a, b, c that do not object to each other
+    leave out the same Sybil whether it signs a huge norm (they object to it) or a tiny anchor
+    (it objects to all of them); the limit DESIGN states: a Sybil objecting to a only makes
+    b, compatible with both, sit a out for the step (never a conviction)."""
+    from p2ptrain.run import contribution as C
+
+    huge = frozenset((h, "s") for h in "abc")
+    tiny = frozenset(("s", h) for h in "abc")
+    for me in "abc":
+        assert C.leave_out(me, huge) == ({"s"}, set())
+        assert C.leave_out(me, tiny) == (set(), {"s"})
+    raw, members, ids = _headers({"a": 3.0, "b": 1.0, "s": 0.5})  # s's anchor bounds a (3 > 1.5), not b
+    v = C.judge_headers(raw, "run", 4, 0, "r" * 64, members, {})
+    assert v.objections == {(ids["s"], ids["a"])} and v.bad == {ids["a"]: "norm-over-anchor"}
+    assert C.leave_out(ids["b"], v.objections) == (set(), {ids["a"]})
+    assert C.leave_out(ids["a"], v.objections) == (set(), {ids["s"]})
+
+
+# -- issue 32, item 6: reputation counts only reporters with standing -----------------------
+def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing_still_work():
+    """Over the in-memory DHT tier, through `Ledger.apply_reputation`. On 43993a7 any 2
+    reporters excluded any peer for the rest of the run: 2 Sybils named every honest peer."""
+    from conftest import trio_test
+    from test_dht_memory import join_all, make_swarm
+    from test_round_memory import Events
+
+    from p2ptrain.run import reputation
+    from p2ptrain.run.ledger import Ledger
+
+    @trio_test()
+    async def scenario():
+        _, nodes = make_swarm(9)
+        await join_all(nodes)
+        me, h1, h2, h3, h4, h5, s1, s2, x = (n.identity.peer_id_str for n in nodes)
+        ledger = Ledger(me, Events())
+        for t in (1, 2):  # verified work with the honest peers, none with the Sybils
+            ledger.standing.committed(t, [h1, h2, h3, h4, h5])
+        for sybil in nodes[6:8]:  # two Sybils name every honest peer (and the reader)
+            assert await reputation.publish(sybil, "run", {p: 3 for p in (me, h1, h2, h3, h4, h5)}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 3)
+        assert ledger.ignored == set()
+        # two reporters with standing exclude a peer without standing (x) ...
+        for honest in nodes[1:3]:
+            assert await reputation.publish(honest, "run", {x: 3, h3: 3}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 3)
+        # ... but not a peer with standing: that needs a majority of those with standing (3 of 4)
+        assert ledger.ignored == {x}
+        assert await reputation.publish(nodes[4], "run", {h3: 3}) >= 1
+        await ledger.apply_reputation(nodes[0], "run", 4)
+        assert ledger.ignored == {x, h3}
+        # an exclusion by reputation expires with its reports
+        await ledger.apply_reputation(nodes[0], "run", 3 + reputation.HORIZON + 1)
+        assert ledger.ignored == set()
+        # and our own verdict on a peer never expires
+        ledger.reject(3, s1, "bad-signature")
+        await ledger.apply_reputation(nodes[0], "run", 100)
+        assert ledger.ignored == {s1}
+
+    scenario()
 
 
 # -- hole 5: one state record is not the run's state ---------------------------------------
@@ -302,18 +506,18 @@ def test_standing_counts_contributed_committed_steps_once_each():
 def test_fresh_identities_are_held_to_the_trusted_members_norms():
     from p2ptrain.run import contribution as C
 
-    # 4 trusted honest (norm ~1) and 4 Sybils each signing 8x: under the general 10x-median
-    # rule all 8 pass; on probation each Sybil may sign at most 3x the trusted median.
-    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{f"s{i}": 8.0 for i in range(4)}}
-    raw, members, ids = _headers(norms)
+    # 4 honest (norm ~1) that trust each other and 4 Sybils each signing 8x that trust each
+    # other: under the 10x-median rule alone all 8 would pass; on probation with every honest
+    # member each Sybil may sign at most 3x that member's norm.
+    honest, sybils = ["a", "b", "c", "d"], [f"s{i}" for i in range(4)]
+    norms = {"a": 1.0, "b": 1.1, "c": 0.9, "d": 1.0, **{s: 8.0 for s in sybils}}
+    trusts = {**{p: set(honest) - {p} for p in honest}, **{s: set(sybils) - {s} for s in sybils}}
+    raw, members, ids = _headers(norms, trusts=trusts)
     ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})
-    assert not bad
-    trusted = frozenset(ids[n] for n in "abcd")
-    ok, bad = C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=trusted)
-    assert set(bad) == {ids[f"s{i}"] for i in range(4)} and set(ok) == set(trusted)
+    assert bad == {ids[s]: "norm-over-anchor" for s in sybils} and set(ok) == {ids[p] for p in honest}
     # an honest newcomer's ordinary norm passes probation
-    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6})
-    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {}, trusted=frozenset([ids["a"], ids["b"]]))[1]
+    raw, members, ids = _headers({"a": 1.0, "b": 1.1, "n": 1.6}, trusts={"a": {"b"}, "b": {"a"}})
+    assert not C.verify_headers(raw, "run", 4, 0, "r" * 64, members, {})[1]
 
 
 # -- the red-team bench's arithmetic ---------------------------------------------------------

@@ -6,8 +6,10 @@ checkpoint into chunks (`p2ptrain.ckpt.chunks`), serves them and the chunk manif
 signed provider record (`p2ptrain.ckpt.providers`).
 
 Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
-group attests, gets the chunk manifest (verified against the attested hash), then pulls
-chunks from every provider at once. Each donor has `per_donor` request slots; a free slot
+group attests, gets the chunk manifest (verified against the attested hash) by racing the
+providers (`fetch.race`: a few at a time, attesters first, in a random order, each with a short
+first-byte deadline: copied provider records cost nothing, so their order must not decide
+how long a fetch waits), then pulls chunks from every provider at once. Each donor has `per_donor` request slots; a free slot
 takes the next missing chunk, and once none is left it steals a chunk that has been in
 flight on another donor for over twice the typical chunk time (the first verified copy
 wins and the other request is cancelled), so a slow or dead donor never stalls the
@@ -20,17 +22,19 @@ from __future__ import annotations
 import hashlib
 
 import logging
+import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import trio
 
+from p2ptrain import entropy
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import chunks
 from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
-from p2ptrain.ckpt.fetch import BlobServer, FetchError, request
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, race, request
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 from p2ptrain.run import keys
 
@@ -45,10 +49,17 @@ class DownloadConfig:
     """Seconds one chunk request may take before the donor is counted as failing."""
     max_failures: int = 3
     """Failed (not wrong) requests after which a donor is dropped for this download."""
+    first_byte_timeout: float = 10.0
+    """Seconds a provider may take to start answering a manifest request (`fetch.race`)
+    before the next provider is asked in its place."""
+    race_width: int = 4
+    """Providers asked for the manifest at once."""
 
     def __post_init__(self) -> None:
-        if self.per_donor < 1 or self.chunk_timeout <= 0 or self.max_failures < 1:
-            raise ValueError("per_donor >= 1, chunk_timeout > 0 and max_failures >= 1 are required")
+        if (self.per_donor < 1 or self.chunk_timeout <= 0 or self.max_failures < 1
+                or self.first_byte_timeout <= 0 or self.race_width < 1):
+            raise ValueError("per_donor >= 1, chunk_timeout > 0, max_failures >= 1, first_byte_timeout > 0 "
+                             "and race_width >= 1 are required")
 
 
 @dataclass
@@ -133,20 +144,15 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     if not donors:
         raise FetchError("no providers")
     report = DownloadReport(per_donor={d: 0 for d in donors})
-    manifest = None
-    for donor in donors:  # the manifest: from the first donor that serves the attested one
-        try:
-            raw = await request(host, peer_id_from_str(donor), choice.manifest, chunks.MAX_MANIFEST_BYTES,
-                                config.chunk_timeout)
-        except FetchError as exc:
-            log.info("chunk manifest from %s failed: %s", donor, exc)
-            continue
-        try:
-            manifest = chunks.decode_manifest(raw, choice.manifest, max_bytes)
-        except chunks.ChunkError as exc:
-            _exclude(report, donor, f"chunk manifest rejected: {exc}", on_exclude)
-            continue
-        break
+    rng = entropy.rng()
+    attesting = set(choice.attesters)
+    order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
+    _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
+                                  lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
+                                  width=config.race_width, first_byte=config.first_byte_timeout,
+                                  timeout=config.chunk_timeout)
+    for donor, reason in bad.items():
+        _exclude(report, donor, reason, on_exclude)
     if manifest is None:
         raise FetchError(f"no provider served the chunk manifest {choice.manifest[:12]}...")
     if manifest.sha256 != choice.sha256:
@@ -157,6 +163,7 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     await fetcher.run()
     data = await trio.to_thread.run_sync(fetcher.asm.result)
     rep = fetcher.report
+    rep.per_donor = {**{d: 0 for d in donors}, **rep.per_donor}  # excluded ones too: every donor asked
     rep.bytes, rep.chunks, rep.seconds = len(data), len(manifest.chunks), time.perf_counter() - t0
     return data, rep
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from dataclasses import dataclass
 
 import msgpack
@@ -23,6 +24,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
 from p2ptrain.dht.libp2p_rpc import read_exactly
+from p2ptrain.identity import peer_id_from_str
 
 log = logging.getLogger("p2ptrain.ckpt.fetch")
 PROTOCOL = TProtocol("/p2ptrain/fetch/1.0.0")
@@ -36,6 +38,11 @@ MAX_REQUEST = 256
 
 class FetchError(Exception):
     pass
+
+
+class NotServed(FetchError):
+    """The peer answered that it does not hold the blob (for a provider, whose record says
+    it does: a record that does not match what it serves)."""
 
 
 @dataclass
@@ -143,19 +150,27 @@ class BlobServer:
                 await stream.reset()
 
 
-async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float) -> bytes:
+async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float,
+                  first_byte: float | None = None) -> bytes:
     """The bytes `peer` serves under `digest`, NOT verified (callers that need to tell a
-    lying donor from a failing one verify themselves); raises FetchError. A request
-    abandoned (cancelled) midway resets its stream, so the donor stops sending at once."""
+    lying donor from a failing one verify themselves); raises FetchError (NotServed when
+    the peer says it lacks it). `timeout` bounds the whole request; `first_byte`, if given,
+    the time until the peer's answer starts (its size header), so a peer that accepts the
+    stream and says nothing is given up on early. A request abandoned (cancelled) midway
+    resets its stream, so the donor stops sending at once."""
     stream = None
     try:
         with trio.fail_after(timeout):
-            stream = await host.new_stream(ID(peer), [PROTOCOL])
-            req = msgpack.packb({"sha256": digest})
-            await stream.write(len(req).to_bytes(2, "big") + req)
-            size = int.from_bytes(await read_exactly(stream, 8), "big", signed=True)
+            with trio.move_on_after(math.inf if first_byte is None else first_byte) as first:
+                stream = await host.new_stream(ID(peer), [PROTOCOL])
+                req = msgpack.packb({"sha256": digest})
+                await stream.write(len(req).to_bytes(2, "big") + req)
+                head = await read_exactly(stream, 8)
+            if first.cancelled_caught:
+                raise FetchError(f"no answer within {first_byte:g}s")
+            size = int.from_bytes(head, "big", signed=True)
             if size < 0:
-                raise FetchError("provider does not have it")
+                raise NotServed("provider does not have it")
             if size > max_bytes:
                 raise FetchError(f"provider offers {size} bytes, over the limit {max_bytes}")
             data = await read_exactly(stream, size)
@@ -173,3 +188,46 @@ async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float
                     await stream.reset()
                 except Exception:
                     pass
+
+
+async def race(host, donors: list[str], digest: str, max_bytes: int, accept, *, width: int,
+               first_byte: float, timeout: float) -> tuple[str | None, object, dict[str, str]]:
+    """Ask `donors` (in this order, `width` at a time) for blob `digest`; the first answer
+    `accept(bytes)` turns into a value wins and the requests still running are cancelled.
+    Returns (winner, value, bad): `bad` names each donor whose record does not match what it
+    serves, and why -- it said it lacks the blob, or served bytes `accept` refused (any
+    exception). (None, None, bad) if nobody served it. A donor that did not start answering
+    within `first_byte` seconds, or failed outright, is logged, not judged: it may be
+    loaded, and a download's chunk phase copes with slow donors. Either way it held one
+    slot for at most `first_byte` seconds, not the request's whole `timeout`, and the next
+    donor starts as soon as a slot frees up."""
+    slots = trio.Semaphore(width)
+    won: list[tuple[str, object]] = []
+    failed: dict[str, str] = {}
+
+    async def one(donor: str, nursery: trio.Nursery, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with slots:
+            task_status.started()
+            try:
+                raw = await request(host, peer_id_from_str(donor), digest, max_bytes, timeout, first_byte)
+            except NotServed:
+                failed[donor] = f"does not serve {digest[:12]}... that its record names"
+                return
+            except FetchError as exc:
+                log.info("%s did not serve %s...: %s", donor, digest[:12], exc)
+                return
+            try:
+                value = accept(raw)
+            except Exception as exc:  # whatever `accept` refuses: the donor lied
+                failed[donor] = f"served a {digest[:12]}... that does not verify: {exc}"
+                return
+            if not won:
+                won.append((donor, value))
+                nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for donor in donors:
+            await nursery.start(one, donor, nursery)  # in order: a slot is free before the next
+    if won:
+        return won[0][0], won[0][1], failed
+    return None, None, failed

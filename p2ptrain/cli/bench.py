@@ -19,6 +19,7 @@ BENCHES = {
     "utilization": "p2ptrain.bench.utilization",
     "exchange": "p2ptrain.bench.exchange",
     "readpause": "p2ptrain.bench.readpause",
+    "sim": "p2ptrain.bench.sim",
 }
 
 

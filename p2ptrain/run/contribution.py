@@ -34,9 +34,11 @@ from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_by
 
 MAX_HEADER_BYTES = 16 * 1024
 _F32_MAX_SQ = float(np.finfo(np.float32).max) ** 2
-_DOMAIN = b"p2ptrain-contribution-v2"
+_DOMAIN = b"p2ptrain-contribution-v3"
 """v2: ring frame digests are BLAKE3 (`frame_digest`), no longer SHA-256; a v1 header fails
-its signature check here instead of having its frames blamed for the other hash."""
+its signature check here instead of having its frames blamed for the other hash. v3: headers
+carry the signer's anchor (`trusts`, `ref`: issue 32), so every member judges every norm
+from the same signed data."""
 
 
 class BadContribution(Exception):
@@ -58,11 +60,24 @@ class Header:
     norm: float
     inner_steps: int
     tokens: int
+    trusts: tuple[int, ...] = ()
+    """The roster positions of the members the signer has standing with (`run.standing`):
+    it holds them to `norm_factor` x its anchor, everyone else to `probation_factor` x."""
+    ref: float = 0.0
+    """The signer's own reference norm: the median of the norms it signed in its last
+    committed steps (0: none). Its anchor when it did not train this round (a joiner)."""
 
     def body(self) -> dict:
         return {"run": self.run, "step": self.step, "attempt": self.attempt, "roster": self.roster,
                 "peer": self.peer, "chunk_norms": list(self.chunk_norms), "own_digests": list(self.own_digests),
-                "norm": self.norm, "inner_steps": self.inner_steps, "tokens": self.tokens}
+                "norm": self.norm, "inner_steps": self.inner_steps, "tokens": self.tokens,
+                "trusts": list(self.trusts), "ref": self.ref}
+
+    @property
+    def anchor(self) -> float:
+        """What the signer holds the others' norms to: its own norm when it trained (it
+        knows that one is honest), else its signed reference (0: it bounds nobody)."""
+        return self.norm if self.norm > 0 else self.ref
 
 
 def _payload(body: dict) -> bytes:
@@ -85,7 +100,7 @@ def decode_header(data: bytes) -> Header:
         h = Header(str(body["run"]), int(body["step"]), int(body["attempt"]), str(body["roster"]),
                    str(body["peer"]), tuple(float(x) for x in body["chunk_norms"]),
                    tuple(str(x) for x in body["own_digests"]), float(body["norm"]),
-                   int(body["inner_steps"]), int(body["tokens"]))
+                   int(body["inner_steps"]), int(body["tokens"]), _ints(body["trusts"]), float(body["ref"]))
     except Exception:
         raise BadContribution("?", "malformed header") from None
     try:
@@ -95,6 +110,12 @@ def decode_header(data: bytes) -> Header:
     if not isinstance(sig, bytes) or not verify(public, sig, _payload(body)):
         raise BadContribution(h.peer, "bad-signature")
     return h
+
+
+def _ints(xs) -> tuple[int, ...]:
+    if not isinstance(xs, list) or not all(type(x) is int for x in xs):
+        raise ValueError("not a list of ints")
+    return tuple(xs)
 
 
 def consistent(h: Header, rel: float = 1e-3) -> bool:
@@ -117,28 +138,73 @@ def trained_scale(norms: Iterable[float], world: int) -> float:
     return world / trained if 0 < trained < world else 1.0
 
 
-def _reference(peer: str, ok: dict[str, Header], norm_history: dict[str, list[float]] | None) -> float:
-    """What a member's norm is held to in a group too small for a median: the other
-    members' norms (when they trained) and its own median over past accepted steps. The
-    same on both members of a pair (given the same history), so they exclude the same peer."""
-    refs = [h.norm for p, h in ok.items() if p != peer and h.norm > 0]
-    past = [x for x in (norm_history or {}).get(peer, []) if x > 0]
-    if past:
-        refs.append(float(np.median(past)))
-    return max(refs) if refs else math.inf
+@dataclass(frozen=True)
+class Verdict:
+    """`judge_headers`' result: a pure function of the signed headers (and the replay
+    history), so every member of a round that holds the same headers computes the same."""
+    ok: dict[str, Header]
+    bad: dict[str, str]
+    objections: frozenset[tuple[str, str]] = frozenset()
+    """(i, j): member i's signed anchor bounds j's norm and j's norm exceeds it. Those j are
+    in `bad` as 'norm-over-anchor'; whom each member then leaves out is `leave_out`."""
 
 
-def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
-                   members: list[str], history: dict[str, set[tuple[str, ...]]],
-                   norm_factor: float = 10.0, norm_history: dict[str, list[float]] | None = None,
-                   trusted: frozenset[str] | None = None, probation_factor: float = 3.0,
-                   ) -> tuple[dict[str, Header], dict[str, str]]:
-    """(accepted headers, rejected peer -> reason) for the group `members`.
+def objections(ok: dict[str, Header], members: list[str], norm_factor: float,
+               probation_factor: float) -> frozenset[tuple[str, str]]:
+    """Every (i, j) where j's norm exceeds what i's signed header allows it: `norm_factor` x
+    i's anchor if i trusts j (lists its roster position in `trusts`), `probation_factor` x
+    otherwise. Read from the headers alone, so every member finds the same pairs, whatever
+    its own standing. Sybils control their own anchors, never an honest member's: an honest
+    trainer's anchor is its own norm this round, which no history can raise."""
+    pos = {p: i for i, p in enumerate(members)}
+    out = set()
+    for i, hi in ok.items():
+        a = hi.anchor
+        if not a > 0:
+            continue
+        trusts = set(hi.trusts)
+        for j, hj in ok.items():
+            if j != i and hj.norm > (norm_factor if pos[j] in trusts else probation_factor) * a:
+                out.add((i, j))
+    return frozenset(out)
 
-    Groups where 3 or more trained (norm > 0): a norm over `norm_factor` x their median is an
-    outlier. Otherwise (no median): a norm over `norm_factor` x the reference (`_reference`)
-    is. With `trusted` (p2ptrain.run.standing), a member outside it is on probation: its norm is held to
-    `probation_factor` x the trusted members' median norm (when any trusted member trained)."""
+
+def leave_out(me: str, pairs: frozenset[tuple[str, str]]) -> tuple[set[str], set[str]]:
+    """Whom `me` leaves out of the step after a verdict with objections: (convicted, sitting
+    out). Nobody can tell from the headers which side of a pair lies (a Sybil can sign a
+    huge norm, or a tiny anchor that objects to an honest norm), so:
+      - members we object to: our own bound says no; a conviction (`Ledger.outlier`:
+        forgiven once, the second rejects), as for the median rule;
+      - members that object to us: we do not commit with them this step (no conviction: an
+        honest member that does not trust us yet objects rightly);
+      - a pair that does not involve us, where we are compatible with both ends: the member
+        objected to sits out the step (no conviction). That keeps every bound in every
+        round we commit; a Sybil with a tiny anchor can cost an honest member that step.
+    Never `me`. The round never commits with a pair in it: `verify_headers` rejects the
+    objected member for everyone, and a commit needs every member's vote."""
+    against_me = {i for i, j in pairs if j == me}
+    mine = {j for i, j in pairs if i == me}
+    incompatible = against_me | mine
+    third = {j for i, j in pairs if me not in (i, j) and i not in incompatible and j not in incompatible}
+    return mine - {me}, (against_me | third) - mine - {me}
+
+
+def judge_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
+                  members: list[str], history: dict[str, set[tuple[str, ...]]],
+                  norm_factor: float = 10.0, probation_factor: float = 3.0) -> Verdict:
+    """The verdict on the group `members`' headers. Nothing in it depends on the caller's
+    own state except `history` (replays): the trust that decides each bound is signed in
+    the headers (`Header.trusts`, `Header.ref`), so members with different standing reach
+    the same verdict (issue 32).
+
+    Two norm rules, in this order:
+      1. groups where 3 or more trained (norm > 0): a norm over `norm_factor` x their median
+         is a 'norm-outlier' (a clear outlier among mostly honest members);
+      2. anchors (`objections`): each member bounds every other member's norm by its own
+         anchor, x `norm_factor` if it trusts that member, else x `probation_factor`; an
+         objected member is 'norm-over-anchor'. This is the bound Sybils cannot move: it
+         holds for an honest member alone with any number of them, and in a pair (no
+         history: the anchor is this round's own norm, so it cannot ratchet)."""
     ok: dict[str, Header] = {}
     bad: dict[str, str] = {}
     for peer in members:
@@ -159,8 +225,10 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
             bad[peer] = "wrong-roster"
         elif len(h.chunk_norms) != len(members):
             bad[peer] = "wrong-chunk-count"
-        elif not all(math.isfinite(x) and x >= 0 for x in (*h.chunk_norms, h.norm)):
+        elif not all(math.isfinite(x) and x >= 0 for x in (*h.chunk_norms, h.norm, h.ref)):
             bad[peer] = "non-finite"
+        elif len(set(h.trusts)) != len(h.trusts) or not all(0 <= x < len(members) for x in h.trusts):
+            bad[peer] = "malformed-trusts"
         elif not consistent(h):
             bad[peer] = "chunk-norms-inconsistent"
         elif h.norm > 0 and h.own_digests in history.get(peer, set()):
@@ -172,20 +240,24 @@ def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: i
     trained = [h.norm for h in ok.values() if h.norm > 0]
     if len(trained) >= 3:  # joiners' zeros are no norm to judge by (they only pulled the median down)
         limit = norm_factor * float(np.median(trained))
-        limits = {p: limit for p in ok}
-    else:
-        limits = {p: norm_factor * _reference(p, ok, norm_history) for p in ok}
-    vouched = [h.norm for p, h in ok.items() if trusted and p in trusted and h.norm > 0]
-    if vouched:
-        cap = probation_factor * float(np.median(vouched))
-        for p in ok:
-            if p not in trusted:
-                limits[p] = min(limits.get(p, math.inf), cap)
-    for peer, h in list(ok.items()):
-        if h.norm > limits.get(peer, math.inf):
-            bad[peer] = "norm-outlier"
-            del ok[peer]
-    return ok, bad
+        for peer, h in list(ok.items()):
+            if h.norm > limit:
+                bad[peer] = "norm-outlier"
+                del ok[peer]
+    pairs = objections(ok, members, norm_factor, probation_factor)
+    for _, j in pairs:
+        bad[j] = "norm-over-anchor"
+        ok.pop(j, None)
+    return Verdict(ok, bad, pairs)
+
+
+def verify_headers(raw: dict[str, bytes | None], run: str, step: int, attempt: int, roster: str,
+                   members: list[str], history: dict[str, set[tuple[str, ...]]],
+                   norm_factor: float = 10.0, probation_factor: float = 3.0,
+                   ) -> tuple[dict[str, Header], dict[str, str]]:
+    """(accepted headers, rejected peer -> reason) for the group `members`: `judge_headers`."""
+    v = judge_headers(raw, run, step, attempt, roster, members, history, norm_factor, probation_factor)
+    return v.ok, v.bad
 
 
 def sumsq64(x: np.ndarray) -> float:

@@ -3,7 +3,7 @@
 A member caught cheating (a bad header, a blamed frame, a robust-rule outlier) is rejected:
 logged (`contribution_rejected`), ignored for the rest of the run, and its standing lost. The
 ledger also keeps every member's signed digests (a replayed header is caught by
-`verify_headers`), its accepted norms (what a pair's member is held to next time), its
+`verify_headers`), its accepted norms (ours make the reference we sign: `own_reference`), its
 standing (verified work: `p2ptrain.run.standing`), the checkpoints that did not load, and the
 peers the robust rule flagged, which it reports in our DHT reputation entry; peers enough
 others report are left out of our groups (`p2ptrain.run.reputation`).
@@ -12,6 +12,8 @@ others report are left out of our groups (`p2ptrain.run.reputation`).
 from __future__ import annotations
 
 import logging
+
+import numpy as np
 
 from p2ptrain.run import reputation
 from p2ptrain.run.standing import Standing
@@ -26,16 +28,18 @@ class Ledger:
         self.ignored: set[str] = set()
         self.history: dict[str, set[tuple[str, ...]]] = {}
         self.flagged: dict[str, int] = {}  # peers the robust rule flagged -> step (our report)
-        self.norm_history: dict[str, list[float]] = {}  # accepted header norms per peer (last 16)
+        self.norm_history: dict[str, list[float]] = {}  # our own committed norms (last 16): own_reference
         self.standing = Standing(me)
         self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
         self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
         self.outliers: dict[str, int] = {}  # headers each peer signed that the norm rule held too large
         self.sitting_out: dict[str, int] = {}  # peer -> the step it sits out (its contribution dropped)
+        self.reputed: dict[str, list[str]] = {}  # peers ignored only on others' reports -> reporters
 
     def reject(self, t: int, peer: str, reason: str) -> None:
-        if peer == self.me or peer in self.ignored:
+        if peer == self.me or (peer in self.ignored and peer not in self.reputed):
             return
+        self.reputed.pop(peer, None)  # our own verdict now: it no longer expires with the reports
         self.ignored.add(peer)
         self.standing.forget(peer)
         log.warning("contribution rejected: step=%d peer=%s reason=%s", t, peer, reason)
@@ -57,7 +61,7 @@ class Ledger:
         else:
             self.reject(t, peer, reason)
 
-    def outlier(self, t: int, peer: str) -> None:
+    def outlier(self, t: int, peer: str, reason: str = "norm-outlier") -> None:
         """`peer` signed a norm the group's rule holds too large (`verify_headers`): a
         statistical verdict, not proof. An honest newcomer can earn it once (its fresh AdamW
         state makes its first deltas larger than the others'), and rejecting it, as before,
@@ -69,12 +73,28 @@ class Ledger:
             return
         self.outliers[peer] = self.outliers.get(peer, 0) + 1
         if self.outliers[peer] >= 2 and peer != self.me:
-            self.reject(t, peer, "norm-outlier")
+            self.reject(t, peer, reason)
             return
         self.sitting_out[peer] = t
-        log.warning("contribution dropped: step=%d peer=%s reason=norm-outlier (first time)", t, peer)
-        self.events.emit("contribution_dropped", step=t, remote=peer, reason="norm-outlier",
+        log.warning("contribution dropped: step=%d peer=%s reason=%s (first time)", t, peer, reason)
+        self.events.emit("contribution_dropped", step=t, remote=peer, reason=reason,
                          outliers=self.outliers[peer])
+
+    def sit_out(self, t: int, peer: str, reason: str) -> None:
+        """Leave `peer` out of step `t` without holding anything against it: a verdict that
+        cannot say which of two members lied (`contribution.leave_out`)."""
+        if peer == self.me or peer in self.ignored or self.sitting_out.get(peer) == t:
+            return
+        self.sitting_out[peer] = t
+        log.info("member sits out: step=%d peer=%s reason=%s", t, peer, reason)
+        self.events.emit("member_sits_out", step=t, remote=peer, reason=reason)
+
+    def own_reference(self) -> float:
+        """The median of the norms we signed in our last committed steps (0.0: none): our
+        anchor in a round where we did not train (`Header.ref`). Only our own norms, which
+        we know to be honest, so nobody else can move it."""
+        past = [x for x in self.norm_history.get(self.me, []) if x > 0]
+        return float(np.median(past)) if past else 0.0
 
     def left_out(self, t: int) -> set[str]:
         """Peers out of step `t`'s rounds: those we ignore and those sitting it out."""
@@ -86,7 +106,7 @@ class Ledger:
         (a joiner's zeros do not count)."""
         for peer, h in headers.items():
             self.history.setdefault(peer, set()).add(h.own_digests)
-            if h.norm > 0:
+            if h.norm > 0 and peer == self.me:
                 self.norm_history[peer] = [*self.norm_history.get(peer, [])[-15:], h.norm]
         self.standing.committed(t, [p for p, h in headers.items() if h.norm > 0])
 
@@ -102,8 +122,20 @@ class Ledger:
             self.events.emit("reputation_published", step=t, flagged=sorted(self.flagged), replicas=acked)
 
     async def apply_reputation(self, dht, run_id: str, t: int) -> None:
-        """Leave out of our groups the peers that enough others reported."""
-        for peer, reporters in reputation.excluded(await reputation.read(dht, run_id)).items():
+        """Leave out of our groups the peers that enough reporters with standing reported
+        (`reputation.excluded`), and take back those whose reports aged out or whose
+        reporters lost standing: an exclusion by reputation is never our own verdict."""
+        self.reputation_verdict(t, await reputation.read(dht, run_id))
+
+    def reputation_verdict(self, t: int, reports: dict[str, dict[str, int]]) -> None:
+        """`apply_reputation` on reports already read (pure bookkeeping)."""
+        now = reputation.excluded(reports, t, self.standing.trusted())
+        for peer in [p for p in self.reputed if p not in now]:
+            del self.reputed[peer]
+            self.ignored.discard(peer)
+            self.events.emit("peer_readmitted", step=t, remote=peer, reason="reputation")
+        for peer, reporters in now.items():
             if peer != self.me and peer not in self.ignored:
                 self.ignored.add(peer)
+                self.reputed[peer] = reporters
                 self.events.emit("peer_excluded", step=t, remote=peer, reason="reputation", reporters=reporters)

@@ -7,14 +7,21 @@ Each member then publishes what it saw as one signed DHT entry under
 /p2ptrain/<run>/reputation (the DHT signs it with the reporter's key; one entry per reporter,
 replaced as it grows): {peer id: outer step it was last flagged at}.
 
-Peers in other groups and later joiners read those entries when they elect a group
-(`excluded`): a peer named by at least MIN_REPORTERS distinct reporters is left out. One
-reporter is not enough, so a single hostile peer cannot get an honest one excluded by
-publishing lies; a peer that is itself excluded does not count as a reporter.
+Peers read those entries when they elect a group (`excluded`). Identities are free, so a
+report counts only when its reporter has standing with the reader (`p2ptrain.run.standing`:
+committed rounds of verified work with us; issue 32, item 6: before, two Sybil reports
+excluded every honest peer for the rest of the run). A peer is left out when
+  - it has no standing with us: at least MIN_REPORTERS reporters with standing name it;
+  - it has standing with us: a strict majority of all the peers with standing with us
+    (itself aside), and at least MIN_REPORTERS, name it. Our own verified work with it
+    outweighs any minority's word, whatever they published.
+Only entries flagged within the last HORIZON outer steps count (an entry claiming a later
+step than the reader's counts as now), and the verdict is taken again before every election,
+so an exclusion by reputation ends once its reports age out (`Ledger.apply_reputation`).
+A reporter that the first count excludes does not count in the second.
 
-Known limit: the DHT has no admission control, so an attacker with MIN_REPORTERS identities
-(a Sybil) could still publish false reports; trust in reporters (e.g. only those that shared a
-committed round with the accused) is left for later.
+Known limit: a newcomer (standing with nobody) counts no report at all, and k Sybils that
+earned standing by verified work count like anyone else.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ log = logging.getLogger("p2ptrain.run.reputation")
 MAX_REPORT_BYTES = 8 * 1024
 MAX_FLAGGED = 64
 MIN_REPORTERS = 2
+HORIZON = 16
+"""Outer steps a flag counts for after the step it names."""
 TTL = 3600.0
 
 
@@ -56,19 +65,24 @@ def decode_report(data: bytes) -> dict[str, int]:
     return out
 
 
-def excluded(reports: dict[str, dict[str, int]], min_reporters: int = MIN_REPORTERS) -> dict[str, list[str]]:
-    """Peers named by >= min_reporters distinct reporters: {peer: its reporters}. Two passes:
-    reporters that the first pass excludes do not count in the second, so liars outnumbered by
-    honest reporters lose their votes; an even standoff excludes nobody (conservative)."""
+def excluded(reports: dict[str, dict[str, int]], step: int, standing: frozenset[str],
+             min_reporters: int = MIN_REPORTERS, horizon: int = HORIZON) -> dict[str, list[str]]:
+    """Peers to leave out at outer step `step`: {peer: the reporters that named it}. Only
+    reporters in `standing` (peers with standing with us) count, only flags of the last
+    `horizon` steps; a peer needs `min_reporters`, and one in `standing` also a strict
+    majority of `standing` (less itself). Two passes: reporters that the first pass excludes
+    do not count in the second, so liars outnumbered by honest reporters lose their votes;
+    an even standoff excludes nobody (conservative)."""
 
     def tally(skip) -> dict[str, list[str]]:
         votes: dict[str, list[str]] = {}
         for reporter, flagged in sorted(reports.items()):
-            if reporter not in skip:
-                for peer in flagged:
-                    if peer != reporter:
+            if reporter in standing and reporter not in skip:
+                for peer, at in flagged.items():
+                    if peer != reporter and step - min(at, step) <= horizon:
                         votes.setdefault(peer, []).append(reporter)
-        return {p: r for p, r in votes.items() if len(r) >= min_reporters}
+        return {p: r for p, r in votes.items()
+                if len(r) >= max(min_reporters, len(standing - {p}) // 2 + 1 if p in standing else 0)}
 
     return tally(set(tally(set())))
 

@@ -35,8 +35,8 @@ from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
 from p2ptrain.run import election
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
-                                       sign_header, streamed_material, trained_scale, verify_headers)
+from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, Verdict, chunk_norms, frame_digest,
+                                       judge_headers, leave_out, sign_header, streamed_material, trained_scale)
 from p2ptrain.run.ledger import Ledger
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -273,8 +273,7 @@ class ContributionRound:
         subs = [len(s) for s in lay]
 
         def sign(digests: tuple[str, ...], norms: tuple[float, ...]) -> bytes:
-            norm = math.sqrt(math.fsum(x * x for x in norms))
-            header = Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens)
+            header = self.header(t, attempt, rh, roster, norms, digests, inner_steps, tokens)
             return self.contributor.sign(header, self.identity)
 
         def sign_streamed() -> bytes:  # blocking: our frames' digests as the ring encodes them, beside the norms
@@ -307,7 +306,8 @@ class ContributionRound:
                 # aborts the round in ~1 s instead of holding every frame check for the timeout.
                 raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
                                               self.config.exchange_timeout, unreachable_silent=True)
-                got["ok"], got["bad"] = self._verify(raw, t, attempt, rh, roster)
+                got["verdict"] = v = self._verify(raw, t, attempt, rh, roster)
+                got["ok"], got["bad"] = v.ok, v.bad
             finally:
                 out.took("headers", h0)
                 if held is not None:
@@ -333,14 +333,23 @@ class ContributionRound:
                     out.took("reduce", t0)
         return self._conclude(out, t, attempt, rank, lay, got, res, failed)
 
-    def _verify(self, raw: dict[str, bytes | None], t: int, attempt: int, rh: str,
-                roster: list[str]) -> tuple[dict[str, Header], dict[str, str]]:
+    def header(self, t: int, attempt: int, rh: str, roster: list[str], norms: tuple[float, ...],
+               digests: tuple[str, ...], inner_steps: int, tokens: int) -> Header:
+        """Our header for this attempt: our norms and digests, and our anchor (issue 32): the
+        roster positions of the members we trust (standing: verified work with us) and our
+        own reference norm. Signed, they let every member apply our bound as we would."""
+        norm = math.sqrt(math.fsum(x * x for x in norms))
+        trusted = self.ledger.standing.trusted()
+        trusts = tuple(i for i, p in enumerate(roster) if p in trusted and p != self.me)
+        return Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens,
+                      trusts, self.ledger.own_reference())
+
+    def _verify(self, raw: dict[str, bytes | None], t: int, attempt: int, rh: str, roster: list[str]) -> Verdict:
+        # Robust runs bound every member's influence whatever its norm: no norm rule.
         robust = self.config.robust is not None
-        # Robust runs bound every member's influence whatever its norm: no norm filter.
-        # Peers on probation (no verified work with us yet) are held to the trusted members' norms.
-        return verify_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
-                              norm_factor=math.inf if robust else 10.0, norm_history=self.ledger.norm_history,
-                              trusted=None if robust else self.ledger.standing.trusted())
+        return judge_headers(raw, self.run_id, t, attempt, rh, roster, self.ledger.history,
+                             norm_factor=math.inf if robust else 10.0,
+                             probation_factor=math.inf if robust else self.ledger.standing.config.probation_factor)
 
     def _conclude(self, out: Outcome, t: int, attempt: int, rank: int, lay: list, got: dict, res,
                   failed: RoundFailed | None) -> bool:
@@ -353,8 +362,15 @@ class ContributionRound:
         # mid-run). A member that confirms and then withholds its header is an unexplained
         # abort like a withheld vote: left out, struck, rejected (`rosters.LeaveOneOut`).
         for peer, reason in bad.items():
-            if reason != "missing-header":
+            if reason not in ("missing-header", "norm-over-anchor"):
                 self.ledger.convict(t, peer, reason)
+        verdict = got.get("verdict")
+        if verdict is not None and verdict.objections:  # whom we leave out: `contribution.leave_out`
+            convicted, sitting = leave_out(self.me, verdict.objections)
+            for peer in sorted(convicted):
+                self.ledger.outlier(t, peer, "norm-over-anchor")
+            for peer in sorted(sitting):
+                self.ledger.sit_out(t, peer, "norm-over-anchor")
         if bad:  # their headers, not the data plane, decided this attempt
             self._unexplained = all(r == "missing-header" for r in bad.values())
             return False

@@ -70,7 +70,12 @@ async def starting_state(node, spec: RunSpec, run_id: str, manifest_path: str | 
         if checkpoint.sha256(data) != genesis:
             raise NodeError(f"{path} does not match the manifest's genesis hash", "re-run `p2ptrain init`")
         return data
-    with trio.move_on_after(120):
+    return await fetch_state(node, run_id, spec, events)
+
+
+async def fetch_state(node, run_id: str, spec: RunSpec, events, timeout: float = 120.0) -> bytes:
+    """A newcomer's starting state: the run's best-attested checkpoint, from its peers."""
+    with trio.move_on_after(timeout):
         while True:
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events)
@@ -80,7 +85,7 @@ async def starting_state(node, spec: RunSpec, run_id: str, manifest_path: str | 
             if got is not None and got[1] is not None:
                 return got[1]
             await trio.sleep(1.0)
-    raise NodeError("could not fetch the run's state from any peer within 120s", "try again later")
+    raise NodeError(f"could not fetch the run's state from any peer within {timeout:.0f}s", "try again later")
 
 
 async def run_training(node, manifest: dict | None, run_id: str, manifest_path: str | None, workdir: Path,

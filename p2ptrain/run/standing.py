@@ -9,10 +9,12 @@ units per peer, locally; nobody can write to it but our own commits.
 It buys, once a peer has `rounds` committed rounds with us (`trusted`):
   - checkpoint choice: attesters we trust outrank any number we do not
     (`p2ptrain.ckpt.providers.choose`), so Sybils cannot plant a state on a peer catching up;
-  - contribution size: a peer on probation (not yet trusted) may sign a norm of at most
-    `probation_factor` x the median of the trusted members' norms in its group, instead of
-    the general 10x-median outlier bound (`p2ptrain.run.contribution.verify_headers`). Each
-    fresh identity can therefore move the mean by about as much as one honest peer, no more.
+  - contribution size: we list the members we trust in our signed header (`Header.trusts`),
+    and every member holds each norm to `probation_factor` x our anchor (our own norm), or
+    10x for those we trust (`p2ptrain.run.contribution.objections`). A fresh identity can
+    therefore move the mean by at most 3x what each honest member of its round contributes,
+    in every group, whoever else is in it;
+  - reputation: only reports by peers we trust count (`p2ptrain.run.reputation.excluded`).
 What it cannot do: a newcomer with no history trusts nobody, and Sybils that train honestly
 for `rounds` steps earn standing like anyone else (they then cost that much compute each).
 """
@@ -27,7 +29,7 @@ class StandingConfig:
     rounds: int = 2
     """Committed rounds with us before a peer is trusted."""
     probation_factor: float = 3.0
-    """A peer on probation signs at most this x the trusted members' median norm."""
+    """A peer on probation signs at most this x each other member's anchor (its own norm)."""
 
     def __post_init__(self) -> None:
         if self.rounds < 1 or not self.probation_factor >= 1:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import random
 from pathlib import Path
 
 import msgpack
@@ -26,10 +27,10 @@ import numpy as np
 import trio
 
 from p2ptrain.ckpt import checkpoint, chunks
-from p2ptrain.ckpt.download import download
-from p2ptrain.ckpt.fetch import FetchError, request
+from p2ptrain.ckpt.download import DownloadConfig, download
+from p2ptrain.ckpt.fetch import FetchError, race
 from p2ptrain.ckpt.providers import Choice
-from p2ptrain.identity import peer_id_from_str, peer_id_to_str
+from p2ptrain.identity import peer_id_to_str
 from p2ptrain.net.node import NodeError
 from p2ptrain.run import keys
 from p2ptrain.train.data import Dataset, _hash
@@ -109,24 +110,29 @@ async def _records(node, run_id: str) -> list[tuple[str, dict]]:
 
 
 # -- fetching --------------------------------------------------------------------------------
-async def fetch_tokenizer(node, run_id: str, sha: str, timeout: float = 120.0) -> bytes:
-    tried: set[str] = set()
+async def fetch_tokenizer(node, run_id: str, sha: str, timeout: float = 120.0,
+                          config: DownloadConfig | None = None) -> bytes:
+    """The tokenizer by its signed hash, raced among the peers whose data record names it
+    (`fetch.race`: a few at a time in a random order, each with a first-byte deadline),
+    so records copied by peers that never answer cannot hold the join for their timeouts."""
+    config = config or DownloadConfig()
+
+    def check(data: bytes) -> bytes:
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise ValueError("does not match its hash")
+        return data
+
     with trio.move_on_after(timeout):
         while True:
-            for peer, r in await _records(node, run_id):
-                if r["tok"] != sha or peer in tried:
-                    continue
-                tried.add(peer)
-                try:
-                    data = await request(node.host, peer_id_from_str(peer), sha, MAX_TOKENIZER_BYTES, 30.0)
-                except FetchError as exc:
-                    log.info("tokenizer from %s failed: %s", peer, exc)
-                    continue
-                if hashlib.sha256(data).hexdigest() == sha:
-                    return data
-                log.warning("tokenizer from %s does not match its hash; ignoring that peer", peer)
-            tried.clear()  # peers that failed may serve it on the next round
-            await trio.sleep(1.0)
+            peers = [peer for peer, r in await _records(node, run_id) if r["tok"] == sha]
+            random.shuffle(peers)
+            _, data, bad = await race(node.host, peers, sha, MAX_TOKENIZER_BYTES, check, width=config.race_width,
+                                      first_byte=config.first_byte_timeout, timeout=30.0)
+            for peer, why in bad.items():
+                log.warning("tokenizer from %s: %s", peer, why)
+            if data is not None:
+                return data
+            await trio.sleep(1.0)  # peers that failed may serve it on the next round
     raise NodeError(f"no peer served the run's tokenizer {sha[:16]}... within {timeout:.0f}s",
                     "try again when a peer of the run is online, or keep tokenizer.json next to run.toml")
 

@@ -1,0 +1,129 @@
+"""`p2ptrain bench sim`: the protocol in the simulator, over many seeds (issue 30).
+
+    p2ptrain bench sim [--peers N] [--seeds S] [--first-seed K] [--json]   # random worlds
+    p2ptrain bench sim --scenario lone_start --seed 3 --trace              # one world, every event
+
+Each seed draws a world (`p2ptrain.sim.scenarios.random_world`: 5-300 ms links around a
+100 ms median RTT, slow peers, clock skew, late joiners, churn, a partition) and runs the
+real peers in it; a quarter as many fault-free worlds measure the committed fraction. The
+last JSON line, `bench_sim_summary`, totals the invariant violations (each with its seed:
+`--seed S --trace` replays it event for event), the fault-free committed fraction, the most
+outer steps any world needed after its last fault to hold one state, and simulated events
+per wall second. Replays are exact only under one PYTHONHASHSEED (set iteration order), so
+this command re-executes itself with PYTHONHASHSEED=0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--peers", type=int, default=8, help="peers per world (default 8)")
+    p.add_argument("--seeds", type=int, default=20, help="worlds with faults (default 20)")
+    p.add_argument("--first-seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None, help="run this one seed only (replay)")
+    p.add_argument("--scenario", default="random",
+                   help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils")
+    p.add_argument("--no-faults", action="store_true", help="random worlds without faults")
+    p.add_argument("--sybils", type=int, default=0, help="adversaries per random world (scripted attacks)")
+    p.add_argument("--rtt", type=float, default=0.1, help="median RTT in seconds (default 0.1)")
+    p.add_argument("--duration", type=float, default=None, help="simulated seconds per world")
+    p.add_argument("--trace", action="store_true", help="print every event of the world (with --seed)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--json", action="store_true")
+
+
+def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, duration: float | None, sybils: int = 0):
+    from p2ptrain.sim import scenarios
+
+    if name == "random":
+        return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration, sybils=sybils)
+    if name not in scenarios.NAMED:
+        raise SystemExit(f"p2ptrain: error: no scenario {name!r} (choose random, {', '.join(scenarios.NAMED)})")
+    return scenarios.NAMED[name]()
+
+
+def _one(job: tuple) -> dict:
+    from p2ptrain.sim import scenarios, world
+
+    name, seed, peers, faults, rtt, duration, trace, sybils = job
+    sc = _scenario(name, seed, peers, faults, rtt, duration, sybils)
+    rep = world.run(sc, seed, trace=trace)
+    out = rep.to_dict()
+    out["describe"] = scenarios.describe(sc)
+    out["faults"] = faults
+    out["median_rtt"] = sc.links.median_rtt
+    if trace:
+        out["trace"] = rep.trace
+    return out
+
+
+def run(args) -> int:
+    if os.environ.get("PYTHONHASHSEED") != "0":  # exact replays need one set order
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        os.execve(sys.executable, [sys.executable, "-m", "p2ptrain", *sys.argv[1:]], env)
+    say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
+    faults = not args.no_faults
+    if args.seed is not None:
+        jobs = [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace, args.sybils)]
+    elif args.scenario != "random":
+        jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0)
+                for s in range(args.first_seed, args.first_seed + args.seeds)]
+    else:
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
+        jobs = ([("random", s, args.peers, True, args.rtt, args.duration, False, args.sybils) for s in seeds]
+                + [("random", s, args.peers, False, args.rtt, args.duration, False, 0) for s in calm])
+    t0 = time.perf_counter()
+    results = []
+    if len(jobs) == 1 or args.workers <= 1:
+        it = map(_one, jobs)
+    else:
+        pool = ProcessPoolExecutor(max_workers=min(args.workers, len(jobs)))
+        it = pool.map(_one, jobs)
+    for r in it:
+        results.append(r)
+        for line in r.pop("trace", []):
+            print(line, flush=True)
+        bad = sum(r["counts"].values())
+        say(f"seed {r['seed']:>6} {r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
+            f"committed {r['commit_fraction']:.3f}, converged in {r['steps_to_converge']} steps, "
+            f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}")
+        if args.json:
+            print(json.dumps({"event": "bench_sim_seed", **{k: v for k, v in r.items() if k != "final_steps"}}),
+                  flush=True)
+    wall = time.perf_counter() - t0
+    summary = summarize(results, wall)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        say(json.dumps(summary, indent=1))
+    return 0
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    from p2ptrain.sim.invariants import NAMES
+
+    counts = {name: sum(r["counts"][name] for r in results) for name in NAMES}
+    calm = [r for r in results if not r["faults"]]
+    conv = [r["steps_to_converge"] for r in results if r["faults"]]
+    return {
+        "event": "bench_sim_summary",
+        "peers_max": max((r["peers"] for r in results), default=0),
+        "seeds": len(results),
+        "invariant_violations_total": sum(counts.values()),
+        **{f"violations_{k}": v for k, v in counts.items()},
+        "violating_seeds": sorted({r["seed"] for r in results if sum(r["counts"].values())})[:50],
+        "commit_fraction_nofault": round(min((r["commit_fraction"] for r in calm), default=1.0), 4),
+        "steps_to_converge_max": (None if any(c is None for c in conv) else max(conv, default=0)),
+        "worlds_never_converged": sum(c is None for c in conv),
+        "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
+        "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
+        "simulated_seconds": sum(r["sim_seconds"] for r in results),
+        "wall_seconds": round(wall, 1),
+    }

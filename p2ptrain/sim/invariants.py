@@ -1,0 +1,172 @@
+"""The invariants the simulator checks after every event (pure logic: no I/O, no trio).
+
+Fed the trainers' own events (`run_joined`, `group_formed`, `outer_step_started`,
+`outer_step_committed`, `outer_step_skipped`, `caught_up`) and every decided round's
+contributions, with a view of the world (who is honest, alive, joined, reachable). Steps
+are the step a round trains (a commit event's `step` is the state it produced: t + 1).
+
+  1. commit-or-abort: no two honest peers elected into one group for step t commit
+     different states for t, and no honest member of a committed roster that stays up skips
+     the step its roster committed;
+  2. no lone lineage: no honest peer commits alone twice in a row while another live honest
+     peer it can reach is in the run;
+  3. convergence: at the end (faults over), live honest peers hold states within K steps of
+     each other and agree on every step from K below the newest that two of them hold;
+  4. liveness: honest peers commit at least `min_commit_fraction` of the steps they
+     started training, retries counted once (checked only in scenarios without faults);
+  5. bounded influence: in a committed round with 3 or more trained contributions, none is
+     longer than 10x their median (the bound docs/DESIGN.md states for headers).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+NAMES = ("commit_or_abort", "no_lone_lineage", "convergence", "liveness", "bounded_influence")
+INFLUENCE_BOUND = 10.0
+
+
+@dataclass
+class WorldView:
+    honest: set[str]
+    alive: Callable[[str], bool]
+    reachable: Callable[[str, str], bool]
+    """Both ways, now."""
+
+
+@dataclass(frozen=True)
+class Violation:
+    invariant: str
+    time: float
+    detail: str
+
+
+@dataclass
+class Monitor:
+    world: WorldView
+    converge_within: int = 3
+    min_commit_fraction: float = 0.95
+    violations: list[Violation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.joined: set[str] = set()
+        self.groups: dict[tuple[str, int], tuple[str, ...]] = {}
+        self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
+        self.skips: dict[int, set[str]] = {}
+        self.history: dict[str, dict[int, str]] = {}  # peer -> state step -> params hash
+        self.latest: dict[str, int] = {}
+        self.lone: dict[str, int] = {}
+        self.trained: dict[tuple[str, int], float] = {}  # (peer, step) -> when it started training it
+        self.committed: set[tuple[str, int]] = set()
+        self.rounds = 0
+        self._seen: set[tuple] = set()
+
+    def _flag(self, inv: str, now: float, detail: str, key: tuple | None = None) -> None:
+        if key is not None:
+            if key in self._seen:
+                return
+            self._seen.add(key)
+        self.violations.append(Violation(inv, round(now, 3), detail))
+
+    def on_event(self, now: float, peer: str, event: str, f: dict) -> None:
+        honest = peer in self.world.honest
+        if event == "run_joined":
+            self.joined.add(peer)
+            self.latest[peer] = int(f.get("step", 0))
+        elif event == "group_formed":
+            self.groups[(peer, int(f["step"]))] = tuple(f["members"])
+        elif event == "outer_step_started" and honest and not f.get("joining"):
+            self.trained.setdefault((peer, int(f["step"])), now)
+        elif event == "outer_step_skipped":
+            self.skips.setdefault(int(f["step"]), set()).add(peer)
+        elif event == "caught_up":
+            self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
+            self.latest[peer] = int(f["step"])
+        elif event == "outer_step_committed":
+            self._commit(now, peer, int(f["step"]) - 1, f["params_sha256"], tuple(f.get("members") or ()),
+                         f.get("loss") is not None)
+
+    def _commit(self, now: float, peer: str, t: int, h: str, roster: tuple[str, ...], trained: bool) -> None:
+        self.history.setdefault(peer, {})[t + 1] = h
+        self.latest[peer] = t + 1
+        if peer not in self.world.honest:
+            return
+        if trained:
+            self.committed.add((peer, t))
+        mine = self.commits.setdefault(t, {})
+        mine[peer] = (h, roster)
+        group = set(self.groups.get((peer, t), ()))
+        for q, (hq, _) in mine.items():
+            if q != peer and hq != h and (q in group or peer in self.groups.get((q, t), ())):
+                self._flag("commit_or_abort", now, f"step {t}: {_s(peer)} and {_s(q)} were elected into one "
+                           f"group and committed different states", ("coa", t, *sorted((peer, q))))
+        # lone lineage: alone while a live honest peer we can reach is in the run
+        if roster == (peer,):
+            self.lone[peer] = self.lone.get(peer, 0) + 1
+            others = [q for q in self.joined if q != peer and q in self.world.honest and self.world.alive(q)
+                      and self.world.reachable(peer, q)]
+            if self.lone[peer] >= 2 and others:
+                self._flag("no_lone_lineage", now, f"step {t}: {_s(peer)} committed alone "
+                           f"{self.lone[peer]} steps in a row while {len(others)} reachable honest peer(s) "
+                           f"were in the run", ("lone", peer))
+        else:
+            self.lone[peer] = 0
+
+    def on_round(self, now: float, members: tuple[str, ...], vecs: dict[str, np.ndarray], committed: bool) -> None:
+        if not committed:
+            return
+        self.rounds += 1
+        norms = {m: float(np.linalg.norm(v.astype(np.float64))) for m, v in vecs.items()}
+        trained = [n for n in norms.values() if n > 0]
+        if len(trained) >= 3:
+            med = statistics.median(trained)
+            for m, n in norms.items():
+                if n > INFLUENCE_BOUND * med * (1 + 1e-6):
+                    self._flag("bounded_influence", now, f"{_s(m)} contributed {n / med:.1f}x the median norm")
+
+    def finish(self, now: float, faults: bool, horizon: float = 0.0) -> None:
+        """End-of-run checks: partial commits, convergence, liveness (over the steps started
+        at least `horizon` seconds before the end: later ones had no time to commit)."""
+        self.horizon = now - horizon
+        for t, got in self.commits.items():
+            for peer, (_, roster) in got.items():
+                for q in (self.skips.get(t, set()) & set(roster)) - {peer}:
+                    if q in self.world.honest and self.world.alive(q) and q not in got:
+                        self._flag("commit_or_abort", now, f"step {t}: {_s(q)} skipped the step its roster "
+                                   f"committed", ("partial", t, q))
+        live = sorted(p for p in self.joined if p in self.world.honest and self.world.alive(p) and p in self.latest)
+        if len(live) >= 2:
+            top = max(self.latest[p] for p in live)
+            behind = [p for p in live if self.latest[p] < top - self.converge_within]
+            if behind:
+                self._flag("convergence", now, f"{len(behind)} live honest peer(s) more than "
+                           f"{self.converge_within} steps behind step {top}")
+            for s in range(max(0, top - self.converge_within), top + 1):
+                held = {self.history.get(p, {}).get(s) for p in live} - {None}
+                if len(held) > 1:
+                    self._flag("convergence", now, f"step {s}: live honest peers hold {len(held)} different states")
+                    break
+        if not faults and self.trained and self.commit_fraction() < self.min_commit_fraction:
+            self._flag("liveness", now, f"honest peers committed {self.commit_fraction():.2f} of the steps they "
+                       f"trained (< {self.min_commit_fraction})")
+
+    def commit_fraction(self) -> float:
+        """Of the steps honest peers started training (before the horizon), those they committed."""
+        end = getattr(self, "horizon", math.inf)
+        started = [k for k, when in self.trained.items() if when <= end]
+        return sum(k in self.committed for k in started) / len(started) if started else 1.0
+
+    def counts(self) -> dict[str, int]:
+        out = {name: 0 for name in NAMES}
+        for v in self.violations:
+            out[v.invariant] += 1
+        return out
+
+
+def _s(peer: str) -> str:
+    return peer[-6:]
