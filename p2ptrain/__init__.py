@@ -27,6 +27,18 @@ if not os.path.isdir(os.path.join(_here, "dht")) and all(
         os.path.isfile(os.path.join(_root, sub, "__init__.py")) for sub in ("dht", "kernels", "bootstrap")):
     __path__.append(_root)  # noqa: F821 - a package module's own search path
 
+# The lab drivers (p2ptrain/bench: benchmarks, hivemind baselines, attack tools) are left out
+# of the installed package (issue 33: a user of the network never runs them). An installed
+# copy started in a checkout's root (`p2ptrain bench ...` there) finds them in the checkout;
+# only what the installed copy lacks resolves there, the rest stays the installed code.
+if not os.path.isdir(os.path.join(_here, "bench")):
+    try:
+        _checkout = os.path.join(os.getcwd(), "p2ptrain")
+    except OSError:  # the working directory was removed
+        _checkout = ""
+    if _checkout and os.path.isfile(os.path.join(_checkout, "bench", "__init__.py")):
+        __path__.append(_checkout)  # noqa: F821
+
 
 def __getattr__(name: str):
     # `from p2ptrain import DiLoCo` without making `import p2ptrain` load torch and libp2p.

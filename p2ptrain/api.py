@@ -1,12 +1,17 @@
 """The library entry point: bring your own `nn.Module`, optimizer and data.
 
     from p2ptrain import DiLoCo
-    diloco = DiLoCo(model, torch.optim.AdamW(model.parameters()), run="my-run",
-                    bootstrap=["/ip4/.../tcp/4001/p2p/12D3KooW..."], inner_steps=100)
+    torch.manual_seed(0)         # the same starting weights on every peer: they are part of the run id
+    model = MyModel()
+    opt = torch.optim.AdamW(model.parameters())
+    diloco = DiLoCo(model, opt, run="my-run", bootstrap=["/ip4/.../tcp/4001/p2p/12D3KooW..."],
+                    inner_steps=100)
     for batch in data:
         loss = model.loss(batch); loss.backward(); opt.step(); opt.zero_grad()
         diloco.step(loss)        # every inner_steps calls: the outer step, over the network
     diloco.close()
+
+A runnable example (tested verbatim): the README's "The library" section.
 
 It runs the same network side as `p2ptrain join` (node, DHT, election, verified int8 ring,
 Nesterov outer step: `p2ptrain.train.trainer.Trainer`) in a background thread with its own trio
@@ -26,7 +31,9 @@ why an active OpenMP wait policy makes torch ~27x slower next to the ring's numb
 from __future__ import annotations
 
 import functools
+import logging
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -128,7 +135,8 @@ class DiLoCo:
                  listen: str = "/ip4/0.0.0.0/tcp/0", key: str | Path | None = None,
                  workdir: str | Path | None = None, evaluate=None, tokens_per_step: int = 0,
                  json_events: bool = False, min_peers: int = 1, timeout: float = 120.0) -> None:
-        from p2ptrain.identity import Identity, load_or_create
+        from p2ptrain import workdir as wd
+        from p2ptrain.identity import load_or_create
 
         self.inner_optimizer = inner_optimizer
         self.tokens_per_step = tokens_per_step
@@ -141,8 +149,15 @@ class DiLoCo:
                                  outer_lr=outer_lr, outer_momentum=outer_momentum, allreduce=allreduce,
                                  aggregation=aggregation, join_window=join_window)
         self.run_id = mf.run_id(self.spec.to_dict())
-        self.identity = load_or_create(Path(key)) if key else Identity.generate()
-        self.workdir = Path(workdir) if workdir else Path.home() / ".p2ptrain" / "lib" / self.run_id[:16]
+        # The run id is the same every time the script runs: a rerun is the same peer (its key
+        # and checkpoints in its workdir) and resumes where it stopped, as `p2ptrain join` does.
+        # With a fresh key and step 0 it took its own last run's records for others' (issue 33).
+        if workdir:
+            self.workdir, self._lock = Path(workdir), wd.claim(Path(workdir))
+        else:  # one slot per process at once: two scripts on one machine are two peers
+            self.workdir, self._lock = wd.claim_slot(Path.home() / ".p2ptrain" / "lib" / self.run_id[:16])
+        self.identity = load_or_create(Path(key) if key else self.workdir / "node.key")
+        self._resume()
         self._bootstrap, self._listen, self._json = list(bootstrap), listen, json_events
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -155,6 +170,18 @@ class DiLoCo:
             raise TimeoutError(f"p2ptrain node did not start within {timeout:.0f}s")
         if self._error is not None:
             raise self._error
+
+    def _resume(self) -> None:
+        """Load the newest checkpoint of this run in the workdir into the model, if any."""
+        from p2ptrain.run.runner import newest_local_checkpoint
+
+        if type(self.local) is not _UserModel:
+            return  # a torchrun node's rank 0: applying it needs the other ranks, still in __init__
+        saved = newest_local_checkpoint(self.workdir, self.run_id)
+        if saved is not None:
+            self.local.load_state_at(saved)
+            logging.getLogger("p2ptrain.api").info("run %s resumed at outer step %d from %s", self.run_id[:16],
+                                                   self.local.step, self.workdir)
 
     def _multirank(self, model, inner_steps: int, outer: OuterConfig) -> bool:
         """Under torchrun with N > 1 ranks (p2ptrain.api_ranks): rank 0 gets a LeaderUserModel
@@ -214,6 +241,9 @@ class DiLoCo:
             except Exception:
                 pass
         self._thread.join(30)
+        if getattr(self, "_lock", None) is not None:
+            os.close(self._lock)  # the workdir is free for the next DiLoCo (the writer has finished)
+            self._lock = None
         if hasattr(self.local, "release"):
             self.local.release()  # rank 0 of a multi-rank node: no rank waits for it after this
 

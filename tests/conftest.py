@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+from pathlib import Path
 
 import trio
+
+# Every process a test starts runs this checkout's code, as the test itself does (pyproject's
+# pytest `pythonpath`): children start in folders of their own, where an installed copy would
+# win, and the installed package leaves out the lab drivers (p2ptrain.bench) tests start.
+ROOT = str(Path(__file__).resolve().parent.parent)
+if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
 import trio.testing
 
 
@@ -107,11 +116,15 @@ def run_user_scripts(script, argvs: list[list[str]], cwd, timeout: float = 240) 
     """Run `script` once per argv, all at once (a user's own training program per peer);
     each one's last stdout line as JSON, after checking it exited 0."""
     import json
+    import os
     import subprocess
     import sys
 
+    # HOME: the library's default workdirs (~/.p2ptrain/lib/...) land in the test's folder; in
+    # the real home a second run of the test would resume the first one's checkpoints
+    env = dict(os.environ, HOME=str(cwd))
     runs = [subprocess.Popen([sys.executable, str(script), *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=cwd) for argv in argvs]
+                             text=True, cwd=cwd, env=env) for argv in argvs]
     outs = []
     for p in runs:
         try:

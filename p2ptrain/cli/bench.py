@@ -61,6 +61,16 @@ def add_parser(sub) -> None:
 
 def _runner(module: str):
     def run(args) -> int:
-        return importlib.import_module(module).run(args)
+        try:
+            bench = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("p2ptrain.bench", module):
+                raise
+            # the lab is left out of the installed package (issue 33): it runs from a checkout
+            from p2ptrain.cli.common import CLIError
+
+            raise CLIError("the benchmarks are not installed with the package",
+                           "run `p2ptrain bench ...` in the root of a p2ptrain source checkout") from None
+        return bench.run(args)
 
     return run

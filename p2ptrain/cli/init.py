@@ -15,7 +15,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="directory for run.toml and genesis.p2ck")
     p.add_argument("--name", default="", help="a human-readable name for the run")
     p.add_argument("--preset", default="tiny", choices=["tiny", "small", "base"])
-    p.add_argument("--data", default="stdlib", metavar="SPEC", help="'stdlib', 'glob:path/*.txt' or 'bin:file'")
+    p.add_argument("--data", default="stdlib", metavar="SPEC",
+                   help="'stdlib' (default), 'glob:path/*.txt' (bytes), 'bin:file' (uint16 token ids), "
+                        "'jsonl:GLOB' (a \"text\" field per line), 'parquet:GLOB' (a \"text\" column) or "
+                        "'hf:DIR' (datasets save_to_disk); text kinds use --tokenizer")
     p.add_argument("--inner-steps", type=int, default=20, metavar="H")
     p.add_argument("--group-size", type=int, default=4, metavar="G")
     p.add_argument("--outer-lr", type=float, default=None,
