@@ -145,8 +145,8 @@ def test_workdir_lock_is_exclusive_names_its_holder_and_is_released(tmp_path):
         wd.lock(work)
     assert f"in use by process {os.getpid()}" in str(exc.value) and exc.value.code == 2
     assert "--workdir" in exc.value.advice
-    held.close()
-    wd.lock(work).close()
+    os.close(held)
+    os.close(wd.lock(work))
 
 
 @pytest.mark.integration

@@ -1,20 +1,14 @@
 """A peer's state directory: made usable (or refused with advice), and held by one process.
 
 The workdir holds the node's key, so two processes on one workdir would be one peer id
-twice (issue 33): each would answer for the other's records and rounds. `join` takes an
-exclusive `flock` on `<workdir>/lock` for its whole life and writes its pid there; a second
-process is refused and told which pid holds it. The kernel drops the lock when the holder's
-file is closed, so a crashed or SIGKILLed holder never leaves a stale lock behind (the pid
-left in the file is only read while the lock is held by someone).
+twice (issue 33): each would answer for the other's records and rounds. `join` holds it with
+`p2ptrain.workdir.claim` (the library does too) for its whole life; a second process is
+refused and told which pid holds it.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import os
 from pathlib import Path
-from typing import IO
 
 from p2ptrain.cli.common import CLIError
 
@@ -38,46 +32,17 @@ def prepare(path: str | Path, flag: str = "--workdir") -> Path:
     return work
 
 
-def lock(work: Path, flag: str = "--workdir") -> IO[str]:
-    """Hold `work` for this process: the open lock file (keep it open; closing releases).
+def lock(work: Path, flag: str = "--workdir") -> int:
+    """Hold `work` for this process (`p2ptrain.workdir.claim`): the lock's descriptor, kept
+    open for the process's life. CLIError naming the holder's pid, or why `work` cannot be
+    held, with advice."""
+    from p2ptrain import workdir
 
-    CLIError if another process holds it (naming its pid), or if `work` is not writable:
-    creating the lock file is the first write into it, so a read-only workdir is refused here
-    and not after the node has started."""
-    path = Path(work) / LOCK_NAME
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise CLIError(f"{flag} {work} is not writable ({exc.strerror})",
-                       f"pass a {flag} you can write to") from None
-    f = os.fdopen(fd, "r+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        holder = _holder(f)
-        f.close()
-        if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise CLIError(f"cannot lock {flag} {work}: {exc.strerror}",
-                           f"pass a {flag} on a local filesystem") from None
-        who = f"process {holder}" if holder else "another process"
+        return workdir.claim(Path(work))
+    except workdir.WorkdirInUse as exc:
+        who = f"process {exc.pid}" if exc.pid else "another process"
         raise CLIError(f"{flag} {work} is in use by {who}: two processes on one workdir would run as "
                        "the same peer", f"stop that process, or pass another {flag}") from None
-    try:
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
-    except OSError as exc:  # a full disk: refused now, not after training started
-        f.close()
-        raise CLIError(f"cannot write to {flag} {work}: {exc.strerror}",
-                       f"free space there, or pass another {flag}") from None
-    return f
-
-
-def _holder(f: IO[str]) -> int | None:
-    try:
-        f.seek(0)
-        text = f.read(32).strip()
-        return int(text) if text.isdigit() else None
-    except (OSError, ValueError):
-        return None
+    except workdir.WorkdirError as exc:
+        raise CLIError(f"{flag}: {exc}", exc.advice.replace("directory", flag, 1)) from None
