@@ -3,7 +3,7 @@
 Before a group reduces, each member signs a header describing its pseudo-gradient: run,
 step, attempt, roster hash, its norm per ring chunk, the BLAKE3 of each sub-chunk payload
 it will send first (its own chunk, quantized: the exact bytes its successor will receive),
-inner steps and tokens. Members exchange headers and each one runs `verify_headers` on the
+inner steps and tokens. Members exchange headers and each one runs `influence.verify_headers` on the
 same set, so they exclude the same peers. The data plane then holds every frame to these
 claims (`FrameChecker`): the first hop must match the signed digests, and every partial sum
 must be finite and no larger than the claimed norms allow. A peer caught either way is
@@ -216,7 +216,7 @@ class HeldChecker:
 
     def settle_verified(self, ok: dict[str, Header] | None, bad: dict[str, str] | None, members: list[str],
                         rank: int, sub_counts: list[int]) -> None:
-        """`settle` with `verify_headers`' result (None, None: the exchange never finished)."""
+        """`settle` with `influence.verify_headers`' result (None, None: the exchange never finished)."""
         bad = {"?": "no headers"} if ok is None and not bad else bad or {}
         self.settle(None if bad else FrameChecker(members, ok, rank, sub_counts),
                     ", ".join(f"{p}: {r}" for p, r in sorted(bad.items())))
