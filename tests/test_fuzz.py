@@ -191,16 +191,23 @@ def test_control_length(n):
 
 # -- bulk frames -------------------------------------------------------------------------
 class BytesIO:
-    """The bytes a peer sent, as a channel's IO (recv_into/sendall/close)."""
+    """The bytes a peer sent, as a channel's IO (recv_wait/recv_into/sendall/close)."""
 
     def __init__(self, data: bytes) -> None:
         self.data, self.pos = memoryview(data), 0
 
-    def recv_into(self, view: memoryview) -> None:
+    def recv_into(self, view: memoryview, limit: float | None = None) -> None:
         if self.pos + len(view) > len(self.data):
             raise RingError("peer closed the connection")
         view[:] = self.data[self.pos:self.pos + len(view)]
         self.pos += len(view)
+
+    def recv_wait(self, view: memoryview) -> int:
+        n = min(len(view), len(self.data) - self.pos)
+        if n == 0:
+            raise RingError("peer closed the connection")
+        self.recv_into(view[:n])
+        return n
 
     def sendall(self, parts) -> None:
         self.data = memoryview(b"".join(bytes(p) for p in parts))

@@ -110,7 +110,8 @@ class BulkSessions:
                 frame = bytearray(OPEN_LEN)
                 # Abandoned if a fresh session wins meanwhile: closing the link (below) ends
                 # the read, where waiting for it could take frame_timeout on a partial frame.
-                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), abandon_on_cancel=True)
+                budget = self.config.frame_budget().seconds(OPEN_LEN)  # a trickled OPEN ends here
+                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), budget, abandon_on_cancel=True)
                 key = check_open(link, self.identity.peer_id, inb.tag, bytes(frame))
             except (LinkError, RingError, OSError) as exc:
                 # Closed by the peer, or out of step (a round it abandoned): a fresh session
@@ -120,7 +121,7 @@ class BulkSessions:
             if not inb.ready.is_set():
                 link.io.set_timeout(self.config.frame_timeout)
                 inb.key, inb.link = key, link
-                inb.channel = FrameChannel(self._wrap(link.io), key, inb.tag, ID(inb.prev).to_base58())
+                inb.channel = self._channel(self._wrap(link.io), key, inb.tag, ID(inb.prev).to_base58())
                 inb.ready.set()
 
         try:
@@ -156,7 +157,7 @@ class BulkSessions:
         sock.setblocking(True)
         io = SocketIO(sock, self.config.frame_timeout)
         inb.link = Link(inb.prev, io, secret)
-        inb.channel = FrameChannel(self._wrap(io), inb.key, inb.tag, ID(inb.prev).to_base58())
+        inb.channel = self._channel(self._wrap(io), inb.key, inb.tag, ID(inb.prev).to_base58())
         done.set()
 
     async def _handle_bulk(self, stream) -> None:
@@ -185,8 +186,8 @@ class BulkSessions:
                     await stream.close()
                 else:
                     self._tokens.pop(token, None)
-                    inb.channel = FrameChannel(StreamIO(stream, self.config.frame_timeout), inb.key,
-                                               tag, ID(sender).to_base58())
+                    inb.channel = self._channel(StreamIO(stream, self.config.frame_timeout), inb.key,
+                                                tag, ID(sender).to_base58())
             inb.ready.set()
         except Exception as exc:
             log.warning("bulk session from %s refused: %s", ID(sender), exc)
@@ -207,7 +208,7 @@ class BulkSessions:
                 except RingError as exc:
                     log.info("bulk link to %s failed (%s): opening a new session", name, exc)
                 else:
-                    return FrameChannel(self._wrap(link.io), key, tag, name), "direct", link
+                    return self._channel(self._wrap(link.io), key, tag, name), "direct", link
             self.close(link)
         stream = await self.host.new_stream(ID(nxt), [BULK_PROTOCOL])
         await stream.write(pack({"tag": tag}))
@@ -233,10 +234,10 @@ class BulkSessions:
                 with trio.move_on_after(1):
                     await stream.close()
                 io = SocketIO(sock, self.config.frame_timeout)
-                return FrameChannel(self._wrap(io), key, tag, name), "direct", Link(nxt, io, secret)
+                return self._channel(self._wrap(io), key, tag, name), "direct", Link(nxt, io, secret)
         await stream.write(pack({"path": "libp2p"}))
         io = self._wrap(StreamIO(stream, self.config.frame_timeout))
-        return FrameChannel(io, key, tag, name), "libp2p", None
+        return self._channel(io, key, tag, name), "libp2p", None
 
     # -- links -------------------------------------------------------------------------
     def keep(self, out_links: list, in_links: list) -> None:
@@ -250,6 +251,9 @@ class BulkSessions:
     def close(link: Link) -> None:
         trio.lowlevel.notify_closing(link.sock)
         link.close()
+
+    def _channel(self, io, key: bytes, tag: bytes, peer: str) -> FrameChannel:
+        return FrameChannel(io, key, tag, peer, budget=self.config.frame_budget())
 
     def _wrap(self, io):
         return RateLimitedIO(io, self.config.send_rate_mbps) if self.config.send_rate_mbps else io
