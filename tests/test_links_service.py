@@ -66,7 +66,6 @@ def test_a_failed_round_closes_its_links_and_the_retry_opens_new_ones():
             # that round survives in their link tables.
             out = await _round(svcs[:2], vecs[:2], members, "r1")
             assert all(isinstance(r, RoundFailed) for r in out), out
-            print([str(r) for r in out], took)
             assert len(svcs[0].sessions.out_links) == 0 and len(svcs[1].sessions.in_links) == 0
             retry = await _round(svcs, vecs, members, "r2")
             assert len({r.digest for r in retry}) == 1, retry
