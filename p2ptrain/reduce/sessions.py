@@ -36,8 +36,9 @@ BULK_PROTOCOL = TProtocol("/p2ptrain/bulk/1.0.0")
 TOKEN_LEN = 16
 
 
-async def read_msg(stream) -> dict:
-    n = check_control_length(await read_exactly(stream, 4))
+async def read_msg(stream, head: bytes = b"") -> dict:
+    """One control message; `head`: its first bytes, already read (at most its 4-byte length)."""
+    n = check_control_length(head + await read_exactly(stream, 4 - len(head)))
     return decode_control(await read_exactly(stream, n))
 
 
