@@ -91,3 +91,89 @@ def decode(msg: bytes) -> dict:
     """A packed control message back to its map (as the service's reader does)."""
     n = check_control_length(msg[:4])
     return decode_control(msg[4:4 + n])
+
+
+# -- byte streams with flow control (serving blobs) -------------------------------------------
+class _Pipe:
+    """One direction of an in-memory stream: a writer waits while `cap` bytes are unread, as a
+    libp2p stream's writer waits for its window."""
+
+    def __init__(self, cap: int) -> None:
+        self.buf, self.cap, self.eof, self.broken = bytearray(), cap, False, False
+        self._changed = trio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def write(self, data: bytes) -> None:
+        data = memoryview(bytes(data))
+        while len(data):
+            if self.broken:
+                raise ConnectionResetError("stream reset")
+            room = self.cap - len(self.buf)
+            if room <= 0:
+                await self._changed.wait()
+                continue
+            self.buf += data[:room]
+            data = data[room:]
+            self._notify()
+
+    async def read(self, n: int) -> bytes:
+        while not self.buf or self.broken:  # a reset drops what was not read yet
+            if self.broken:
+                raise ConnectionResetError("stream reset")
+            if self.eof:
+                return b""
+            await self._changed.wait()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        self._notify()
+        return out
+
+
+class PipeStream:
+    def __init__(self, peer: bytes, inbound: _Pipe, outbound: _Pipe) -> None:
+        self.muxed_conn, self.inbound, self.outbound = _Conn(peer), inbound, outbound
+
+    async def read(self, n: int) -> bytes:
+        return await self.inbound.read(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.outbound.write(data)
+
+    async def close(self) -> None:
+        self.outbound.eof = True
+        self.outbound._notify()
+
+    async def reset(self) -> None:
+        for pipe in (self.inbound, self.outbound):
+            pipe.broken = True
+            pipe._notify()
+
+
+class PipeNet:
+    """Hosts whose streams carry bytes with flow control (`cap` unread bytes per direction)."""
+
+    def __init__(self, nursery: trio.Nursery, cap: int = 64 << 10) -> None:
+        self.nursery, self.cap, self.hosts = nursery, cap, {}
+
+    def host(self, peer_id: bytes) -> "PipeHost":
+        h = self.hosts[peer_id] = PipeHost(self, peer_id)
+        return h
+
+
+class PipeHost:
+    def __init__(self, net: PipeNet, peer_id: bytes) -> None:
+        self.net, self.peer_id, self.handlers = net, peer_id, {}
+
+    def set_stream_handler(self, proto, handler) -> None:
+        self.handlers[proto] = handler
+
+    async def new_stream(self, peer: ID, protos) -> PipeStream:
+        dst = self.net.hosts.get(peer.to_bytes())
+        if dst is None or protos[0] not in dst.handlers:
+            raise ConnectionError("no route or protocol not supported")
+        there, back = _Pipe(self.net.cap), _Pipe(self.net.cap)
+        self.net.nursery.start_soon(dst.handlers[protos[0]], PipeStream(self.peer_id, there, back))
+        return PipeStream(peer.to_bytes(), back, there)
