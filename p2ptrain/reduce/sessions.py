@@ -216,7 +216,7 @@ class BulkSessions:
         reply = await read_msg(stream)
         secret, port, token = reply.get("secret"), reply.get("port"), reply.get("token")
         if not (isinstance(secret, bytes) and len(secret) == 32 and isinstance(token, bytes)
-                and isinstance(port, int)):
+                and type(port) is int and 0 <= port < 65536):
             raise RingError("malformed bulk session reply")
         key = derive_key(secret, me, nxt, tag)
         remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
