@@ -120,8 +120,9 @@ class TricklingService(AllReduceService):
         self.board.abort = no_abort
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_is_blamed(world):
+@pytest.mark.parametrize("world, direct", [(2, True), (3, True), (2, False)],
+                         ids=["pair", "ring-of-3", "pair-libp2p-fallback"])
+def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_is_blamed(world, direct):
     """Slowloris (issue 32): the last member sends its frames a byte every 0.1 s, below any
     per-read timeout (3 s here). Before, its successor waited as long as the trickle lasted
     (~1,000 s for these 10 KB frames), and nobody was blamed. Now the frame's budget (1 s +
@@ -131,9 +132,9 @@ def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_
         async with trio.open_nursery() as nursery:
             nodes, svcs = await service_cluster(nursery, [AllReduceService] * (world - 1) + [TricklingService],
                                                 frame_timeout=3.0, setup_timeout=5.0, frame_allowance=1.0,
-                                                frame_min_rate_mbps=1.0)
+                                                frame_min_rate_mbps=1.0, direct=direct)
             # The Sybil itself waits as long as it likes (its own send timeout would end its round).
-            svcs[-1].config = AllReduceConfig(frame_timeout=600.0, setup_timeout=5.0)
+            svcs[-1].config = AllReduceConfig(frame_timeout=600.0, setup_timeout=5.0, direct=direct)
             members = [n.identity.peer_id_str for n in nodes]
             sybil = members[-1]
             vecs = [np.full(20_000, float(i + 1), np.float32) for i in range(world)]
