@@ -315,7 +315,8 @@ def _parse_vote(msg: dict) -> dict:
     ok, digest = msg.get("ok"), msg.get("digest")
     blame, reason, sig = msg.get("blame") or "", msg.get("reason") or "", msg.get("sig") or b""
     if not isinstance(ok, bool) or not isinstance(digest, str) or not isinstance(blame, str) \
-            or not isinstance(reason, str) or not isinstance(sig, bytes) or (ok and (len(digest) != 64 or len(sig) != SIGNATURE)):
+            or not isinstance(reason, str) or not isinstance(sig, bytes) \
+            or (ok and (len(digest) != 64 or len(sig) != SIGNATURE)):
         raise ValueError("malformed vote")
     # The reason is the voter's own words: it reaches our events and logs, as one line.
     return {"ok": ok, "digest": digest, "sig": sig, "blame": blame[:100], "reason": clean(reason, 200)}

@@ -19,9 +19,9 @@ Receiver (`serve`): reads messages in order, the length checked before the body
 a message that does not decode (logged: the framing can no longer be trusted),
 `idle_close` seconds without a message, or a message not whole `message_timeout` seconds
 after its first byte (logged: a sender trickling it a byte at a time would otherwise hold
-its reader for `idle_close` a byte, as a partial read restarted the wait). One inbound stream per peer: a newer one replaces
-the older (its sender reopened, so the old one is dead to it), so a peer holds at most one
-reader and `handlers` message tasks here.
+its reader for `idle_close` a byte, as a partial read restarted the wait). One inbound
+stream per peer: a newer one replaces the older (its sender reopened, so the old one is
+dead to it), so a peer holds at most one reader and `handlers` message tasks here.
 
 A sender never writes to a stream idle for `idle_reopen` seconds or more, and that is less
 than `idle_close`: a receiver that stopped reading for idleness would drop a message with

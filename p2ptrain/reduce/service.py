@@ -34,7 +34,7 @@ from p2ptrain import kernels as K
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce import butterfly, reach, ringvote, roundtrace
 from p2ptrain.reduce.blame import BlameLedger
-from p2ptrain.reduce.bulk import FrameBudget, session_tag
+from p2ptrain.reduce.bulk import session_tag
 from p2ptrain.reduce.commit import CommitBoard, CommitConfig, Round
 from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
@@ -64,11 +64,8 @@ class AllReduceConfig:
     frame_timeout: float = 20.0
     """Seconds without a frame (or a vote) before the round gives up."""
     frame_allowance: float = 10.0
-    """Seconds a frame may take, once its first byte is in, on top of its size at
-    `frame_min_rate_mbps`; past that its sender is blamed (`bulk.FrameBudget`). However it
-    trickles: a partial read does not restart it."""
-    frame_min_rate_mbps: float = 0.125
-    """The slowest (MB/s) a begun frame may arrive: 1 Mbit/s, below any uplink that can train."""
+    """Seconds a begun frame may take beyond its size at `frame_min_rate_mbps` (`bulk.FrameBudget`)."""
+    frame_min_rate_mbps: float = 0.125  # MB/s (1 Mbit/s): a begun frame arriving slower blames its sender
     commit_timeout: float = 10.0
     """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
     missing votes) after our own data plane finished."""
@@ -86,15 +83,12 @@ class AllReduceConfig:
     """Seconds a member's vote or exchange message for a round not started here is kept
     (`run.spec.TimeoutsSpec.early_ttl`). Read when the service starts."""
 
-    def frame_budget(self) -> FrameBudget:
-        return FrameBudget(self.frame_allowance, self.frame_min_rate_mbps * 1e6)
-
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
-        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe"):
+        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe", "frame_allowance",
+                     "frame_min_rate_mbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        self.frame_budget()
         if self.send_rate_mbps < 0:
             raise ValueError("send_rate_mbps must be >= 0")
         if not self.early_ttl > 0:

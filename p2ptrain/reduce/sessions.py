@@ -23,7 +23,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from p2ptrain.reduce.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret
+from p2ptrain.reduce.bulk import FrameBudget, FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret
 from p2ptrain.reduce.control import check_control_length, decode_control, pack
 from p2ptrain.dht.libp2p_rpc import read_exactly
 from p2ptrain.reduce.links import OPEN_LEN, Link, LinkError, LinkTable, check_open, seal_open
@@ -111,7 +111,7 @@ class BulkSessions:
                 frame = bytearray(OPEN_LEN)
                 # Abandoned if a fresh session wins meanwhile: closing the link (below) ends
                 # the read, where waiting for it could take frame_timeout on a partial frame.
-                budget = self.config.frame_budget().seconds(OPEN_LEN)  # a trickled OPEN ends here
+                budget = self._budget().seconds(OPEN_LEN)  # a trickled OPEN ends here
                 await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), budget, abandon_on_cancel=True)
                 key = check_open(link, self.identity.peer_id, inb.tag, bytes(frame))
             except (LinkError, RingError, OSError) as exc:
@@ -253,8 +253,11 @@ class BulkSessions:
         trio.lowlevel.notify_closing(link.sock)
         link.close()
 
+    def _budget(self) -> FrameBudget:
+        return FrameBudget(self.config.frame_allowance, self.config.frame_min_rate_mbps * 1e6)
+
     def _channel(self, io, key: bytes, tag: bytes, peer: str) -> FrameChannel:
-        return FrameChannel(io, key, tag, peer, budget=self.config.frame_budget())
+        return FrameChannel(io, key, tag, peer, budget=self._budget())
 
     def _wrap(self, io):
         return RateLimitedIO(io, self.config.send_rate_mbps) if self.config.send_rate_mbps else io

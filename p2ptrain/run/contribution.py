@@ -75,10 +75,8 @@ def sign_header(h: Header, identity: Identity) -> bytes:
 
 
 def _strict(x, kind: type):
-    """`x` if it is of `kind` (float: an int too; never a bool for a number); else TypeError."""
-    ok = (isinstance(x, (int, float)) if kind is float else isinstance(x, kind)) and \
-        not (kind in (int, float) and isinstance(x, bool))
-    if not ok:
+    """`x` if of `kind` (a float may be an int; a number is never a bool); else TypeError."""
+    if isinstance(x, bool) and kind is not bool or not isinstance(x, (int, float) if kind is float else kind):
         raise TypeError(f"{type(x).__name__} where {kind.__name__} belongs")
     return x
 
@@ -91,8 +89,7 @@ def decode_header(data: bytes) -> Header:
         obj = msgpack.unpackb(data, raw=False, max_array_len=4096, max_map_len=32, max_bin_len=128,
                               max_str_len=1024)
         body, sig = obj["h"], obj["sig"]
-        # Each field of its own type: int("7"), float(True) or str([..]) would accept a
-        # header its signer never meant (the signature covers the loose value as sent).
+        # Each field of its own type: int("7"), float(True), str([..]) took what a signer never meant.
         h = Header(_strict(body["run"], str), _strict(body["step"], int), _strict(body["attempt"], int),
                    _strict(body["roster"], str), _strict(body["peer"], str),
                    tuple(float(_strict(x, float)) for x in _strict(body["chunk_norms"], list)),
