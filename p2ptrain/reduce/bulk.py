@@ -200,7 +200,10 @@ class SocketIO:
             raise RingError(f"recv: {exc or type(exc).__name__}") from None
         finally:
             if short:
-                self._kernel_timeout(socket.SO_RCVTIMEO, self.timeout)
+                try:
+                    self._kernel_timeout(socket.SO_RCVTIMEO, self.timeout)
+                except OSError:
+                    pass  # closed meanwhile (an abort): the read's own outcome stands
 
     def close(self, graceful: bool = False) -> None:
         # Either way what we already sent is delivered before the FIN (links carry no
