@@ -59,8 +59,10 @@ def decode_presence(value: bytes) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("addrs"), list):
         return None
-    conns = obj.get("conns") if isinstance(obj.get("conns"), dict) else {}
-    return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": str(obj.get("role", "")),
+    role, conns = obj.get("role", ""), obj.get("conns", {})
+    if not isinstance(role, str) or not isinstance(conns, dict):  # str() made a role of anything
+        return None
+    return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": role,
             "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in CONN_KINDS}}
 
 

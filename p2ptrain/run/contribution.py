@@ -89,6 +89,13 @@ def sign_header(h: Header, identity: Identity) -> bytes:
     return msgpack.packb({"h": body, "sig": identity.sign(_payload(body))}, use_bin_type=True)
 
 
+def _strict(x, kind: type):
+    """`x` if of `kind` (a float may be an int; a number is never a bool); else TypeError."""
+    if isinstance(x, bool) and kind is not bool or not isinstance(x, (int, float) if kind is float else kind):
+        raise TypeError(f"{type(x).__name__} where {kind.__name__} belongs")
+    return x
+
+
 def decode_header(data: bytes) -> Header:
     """Parse and check the signature; raises BadContribution(peer='?' when unknown)."""
     if len(data) > MAX_HEADER_BYTES:
@@ -97,10 +104,14 @@ def decode_header(data: bytes) -> Header:
         obj = msgpack.unpackb(data, raw=False, max_array_len=4096, max_map_len=32, max_bin_len=128,
                               max_str_len=1024)
         body, sig = obj["h"], obj["sig"]
-        h = Header(str(body["run"]), int(body["step"]), int(body["attempt"]), str(body["roster"]),
-                   str(body["peer"]), tuple(float(x) for x in body["chunk_norms"]),
-                   tuple(str(x) for x in body["own_digests"]), float(body["norm"]),
-                   int(body["inner_steps"]), int(body["tokens"]), _ints(body["trusts"]), float(body["ref"]))
+        # Each field of its own type: int("7"), float(True), str([..]) took what a signer never meant.
+        h = Header(_strict(body["run"], str), _strict(body["step"], int), _strict(body["attempt"], int),
+                   _strict(body["roster"], str), _strict(body["peer"], str),
+                   tuple(float(_strict(x, float)) for x in _strict(body["chunk_norms"], list)),
+                   tuple(_strict(x, str) for x in _strict(body["own_digests"], list)),
+                   float(_strict(body["norm"], float)), _strict(body["inner_steps"], int),
+                   _strict(body["tokens"], int), _ints(_strict(body["trusts"], list)),
+                   float(_strict(body["ref"], float)))
     except Exception:
         raise BadContribution("?", "malformed header") from None
     try:
