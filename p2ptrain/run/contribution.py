@@ -236,6 +236,10 @@ class HeldChecker:
         """Not settled yet: the ring reads frames ahead meanwhile (`ring._RingRound.read_ahead`)."""
         return not self._event.is_set()
 
+    def passed(self) -> bool:
+        """Settled with verified headers (every frame will be checked against them)."""
+        return self._event.is_set() and self._checker is not None
+
     def wait(self, timeout: float) -> bool:
         """Until settled or `timeout` seconds (the ring's read-ahead waits here for a frame)."""
         return self._event.wait(timeout)
