@@ -24,7 +24,7 @@ from p2ptrain.identity import Identity, peer_id_bytes_from_public, verify
 
 VERSION = 1
 NAMESPACE = "/p2ptrain/"
-"""Every key starts here; the names under it are built in one place, `p2ptrain.run.keys`."""
+"""Every key starts here; the names under it are built in one place, `p2ptrain.records.keys`."""
 MAX_ADDRS = 16
 """Most addresses one peer advertises in any record or reply (DHT contacts, presence, ready,
 state, providers): enough for every interface and relay, small enough to bound a record."""
@@ -46,7 +46,7 @@ class KeyClass:
 
 
 KEY_CLASSES: dict[str, KeyClass] = {
-    # The names are the `<what>` of `p2ptrain.run.keys` (a test checks every key it builds
+    # The names are the `<what>` of `p2ptrain.records.keys` (a test checks every key it builds
     # has a class). Horizons are a few times the writers' own TTLs (presence 90 s, ready
     # `election.ready_ttl`: 600 s at the default 30 s window, state and providers 600 s,
     # the rest 3,600 s); byte caps are the value limit of the key's decoder plus 2-4 KiB

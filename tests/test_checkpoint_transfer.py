@@ -17,6 +17,7 @@ from libp2p.peer.id import ID
 from p2ptrain.ckpt import fetch
 from p2ptrain.ckpt import chunks
 from p2ptrain.ckpt import providers
+from p2ptrain.records import codecs
 from fakes.adversary import CorruptBlobServer, flip_one_byte
 from p2ptrain.ckpt.download import CheckpointServer, DownloadConfig, download
 from p2ptrain.events import EventSink
@@ -93,14 +94,14 @@ def test_step_zero_needs_the_genesis_hash():
 
 
 def test_provider_record_decoder_is_bounded():
-    v = providers.encode(4, H[1], H[2], H[3], ["b", "a"], ["/ip4/127.0.0.1/tcp/1"])
-    p = providers.decode("a", v)
+    v = codecs.encode_provider(4, H[1], H[2], H[3], ["b", "a"], ["/ip4/127.0.0.1/tcp/1"])
+    p = codecs.decode_provider("a", v)
     assert (p.step, p.members) == (4, ("a", "b"))
     for bad in (b"\x00" * 10000, msgpack.packb({"step": -1}), msgpack.packb({"step": 1, "manifest": "x"}),
                 msgpack.packb({"step": 1, "manifest": H[1], "sha256": H[1], "params": H[1],
                                "members": ["m"] * 100})):
-        with pytest.raises(providers.ProviderError):
-            providers.decode("a", bad)
+        with pytest.raises(codecs.RecordError):
+            codecs.decode_provider("a", bad)
 
 
 # -- in-memory donors (fast tier) ------------------------------------------------------
@@ -182,7 +183,7 @@ async def test_data_records_copied_by_silent_peers_do_not_stall_the_tokenizer_fe
     from p2ptrain.ckpt.fetch import PROTOCOL
     from p2ptrain.dht.node import DHTNode
     from p2ptrain.dht.transport import MemoryNetwork
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
     from p2ptrain.train import shards
 
     tok = b'{"model": "a tokenizer"}' * 100

@@ -15,7 +15,7 @@ from p2ptrain.dht.node import DHTConfig, DHTNode
 from p2ptrain.dht.record import make_record
 from p2ptrain.dht.transport import MemoryNetwork
 from p2ptrain.identity import Identity
-from p2ptrain.run import keys
+from p2ptrain.records import keys
 from test_dht_memory import join_all, make_swarm
 
 
@@ -189,13 +189,14 @@ def test_dht_config_checks_every_bound():
 
 def test_every_key_has_a_class_whose_horizon_covers_its_writers_ttl():
     from p2ptrain.net.presence import PresenceConfig
-    from p2ptrain.run import election, reputation, states
+    from p2ptrain.records import board
+    from p2ptrain.run import election
     from p2ptrain.run.spec import TimeoutsSpec
 
     run = "r" * 16
     ttl = {keys.manifest(run): 3600, keys.ready(run, 5): election.ready_ttl(TimeoutsSpec().join_window),
-           keys.state(run): states.STATE_TTL, keys.providers(run): 600.0, keys.data(run): 3600,
-           keys.reputation(run): reputation.TTL, keys.presence(run): PresenceConfig().ttl}
+           keys.state(run): board.STATE_TTL, keys.providers(run): 600.0, keys.data(run): 3600,
+           keys.reputation(run): board.REPUTATION_TTL, keys.presence(run): PresenceConfig().ttl}
     for key, t in ttl.items():
         c = record_mod.KEY_CLASSES[record_mod.key_class(key)]
         assert t <= c.max_ttl / 2, key

@@ -9,7 +9,8 @@ import pytest
 import trio
 
 from conftest import trio_test
-from p2ptrain.run import election, elect, keys, records, states
+from p2ptrain.records import RunRecords, codecs as records, keys
+from p2ptrain.run import election, elect, states
 from test_dht_memory import join_all, make_swarm
 
 RUN = "ab" * 32
@@ -54,7 +55,7 @@ async def test_step_closes_at_the_deadline_and_a_late_peer_is_left_out():
 async def test_step_closes_early_once_every_expected_peer_is_ready():
     a, b, c, *_ = await swarm(6)
     for node in (a, b):  # both published a state at step 2: they are training it
-        await states.publish(node, RUN, records.State(2, "p" * 64, "c" * 64))
+        await RunRecords(node, RUN).publish_state(records.State(2, "p" * 64, "c" * 64))
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
         nursery.start_soon(ready_later, a, 2, 0.0)
@@ -109,11 +110,12 @@ async def test_latest_state_prefers_the_newest_step_then_the_most_providers():
     nodes = await swarm(6)
     for i, node in enumerate(nodes[:5]):
         step, ckpt = (5, "x" * 64) if i < 2 else (5, "y" * 64) if i < 3 else (4, "z" * 64)
-        await states.publish(node, RUN, records.State(step, "p" * 64, ckpt, loss=1.5, addrs=("/ip4/1.2.3.4/tcp/9",)))
+        await RunRecords(node, RUN).publish_state(records.State(step, "p" * 64, ckpt, loss=1.5,
+                                                                addrs=("/ip4/1.2.3.4/tcp/9",)))
     step, ckpt, providers = await states.latest_state(nodes[5], RUN)
     assert (step, ckpt, len(providers)) == (5, "x" * 64, 2)
     assert await states.peers_at_step(nodes[5], RUN, 4) == {me(nodes[3]), me(nodes[4])}
-    view = await states.run_states(nodes[5], RUN)
+    view = await RunRecords(nodes[5], RUN).state_view()
     assert view[me(nodes[0])]["loss"] == 1.5 and view[me(nodes[0])]["addrs"] == ["/ip4/1.2.3.4/tcp/9"]
 
 

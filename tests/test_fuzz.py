@@ -355,16 +355,14 @@ def test_msgpack_limits_hold_for_declared_huge_containers():
 
 
 # -- decoders added with checkpoints, NAT presence and reputation --------------------------
-from p2ptrain.run import reputation  # noqa: E402
+from p2ptrain.records import codecs  # noqa: E402
 from p2ptrain.ckpt import chunks
-from p2ptrain.net import presence
-from p2ptrain.ckpt import providers
 
 VALID_CHUNKS = chunks.split(bytes(range(256)) * 64, 4096)[0].encode()
-VALID_PROVIDER = providers.encode(3, "ab" * 32, "cd" * 32, "ef" * 32, [ID_A.peer_id_str, ID_B.peer_id_str],
-                                  ["/ip4/127.0.0.1/tcp/1"])
-VALID_REPORT = reputation.encode_report({ID_B.peer_id_str: 4})
-VALID_PRESENCE = presence.encode_presence(["/ip4/127.0.0.1/tcp/1"], "trainer", {ID_B.peer_id_str: "relayed"})
+VALID_PROVIDER = codecs.encode_provider(3, "ab" * 32, "cd" * 32, "ef" * 32, [ID_A.peer_id_str, ID_B.peer_id_str],
+                                        ["/ip4/127.0.0.1/tcp/1"])
+VALID_REPORT = codecs.encode_report({ID_B.peer_id_str: 4})
+VALID_PRESENCE = codecs.encode_presence(["/ip4/127.0.0.1/tcp/1"], "trainer", {ID_B.peer_id_str: "relayed"})
 
 
 @FUZZ
@@ -383,26 +381,27 @@ def test_chunk_manifest_oversize_rejected_before_parsing():
 @FUZZ
 @given(inputs(VALID_PROVIDER))
 def test_provider_records(data):
-    out = rejects(lambda d: providers.decode(ID_A.peer_id_str, d), data, providers.ProviderError, 256 * 1024)
-    assert isinstance(out, (providers.Provider, providers.ProviderError))
+    out = rejects(lambda d: codecs.decode_provider(ID_A.peer_id_str, d), data, codecs.RecordError, 256 * 1024)
+    assert isinstance(out, (codecs.Provider, codecs.RecordError))
 
 
 @FUZZ
 @given(inputs(VALID_REPORT))
 def test_reputation_reports(data):
-    out = rejects(reputation.decode_report, data, ValueError, 256 * 1024)
+    out = rejects(codecs.decode_report, data, ValueError, 256 * 1024)
     assert isinstance(out, (dict, ValueError))
 
 
 @FUZZ
 @given(inputs(VALID_PRESENCE))
 def test_presence_records(data):
-    out = rejects(presence.decode_presence, data, (), 256 * 1024)
-    assert out is None or isinstance(out, dict)
+    out = rejects(codecs.decode_presence, data, codecs.RecordError, 256 * 1024)
+    assert isinstance(out, (codecs.RecordError, dict))
 
 
 # -- loose types (issue 32): a field of the wrong type is rejected, never coerced ----------
-from p2ptrain.run import records, roster as roster_codec  # noqa: E402
+from p2ptrain.records import codecs as records  # noqa: E402
+from p2ptrain.run import roster as roster_codec  # noqa: E402
 from p2ptrain.reduce import commit as commit_codec  # noqa: E402
 from p2ptrain.events import EventSink, SafeFormatter, clean  # noqa: E402
 
@@ -460,11 +459,11 @@ def _provider(**change) -> bytes:
 
 
 @pytest.mark.parametrize("decoder, good, bad, error", [
-    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(step=True), providers.ProviderError),
-    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(members=ID_B.peer_id_str),
-     providers.ProviderError),
-    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(addrs=ADDR), providers.ProviderError),
-    (reputation.decode_report, VALID_REPORT, msgpack.packb({"flagged": {ID_B.peer_id_str: True}}), ValueError),
+    (lambda d: codecs.decode_provider(ID_A.peer_id_str, d), _provider(), _provider(step=True), codecs.RecordError),
+    (lambda d: codecs.decode_provider(ID_A.peer_id_str, d), _provider(), _provider(members=ID_B.peer_id_str),
+     codecs.RecordError),
+    (lambda d: codecs.decode_provider(ID_A.peer_id_str, d), _provider(), _provider(addrs=ADDR), codecs.RecordError),
+    (codecs.decode_report, VALID_REPORT, msgpack.packb({"flagged": {ID_B.peer_id_str: True}}), ValueError),
     (records.decode_state, records.encode_state(records.State(4, "a" * 64, "b" * 64)),
      msgpack.packb({"step": 4, "params": "a" * 64, "ckpt": "b" * 64, "loss": "0.5"}), records.RecordError),
     (records.decode_state, records.encode_state(records.State(4, "a" * 64, "b" * 64)),
@@ -489,9 +488,11 @@ def test_decoders_refuse_a_field_of_the_wrong_type(decoder, good, bad, error):
 
 
 def test_presence_and_roster_confirmations_of_loose_types_are_dropped():
-    assert presence.decode_presence(VALID_PRESENCE)["role"] == "trainer"
-    assert presence.decode_presence(msgpack.packb({"addrs": [ADDR], "role": 5})) is None  # was "5"
-    assert presence.decode_presence(msgpack.packb({"addrs": [ADDR], "conns": "direct"})) is None
+    assert codecs.decode_presence(VALID_PRESENCE)["role"] == "trainer"
+    with pytest.raises(codecs.RecordError):  # was role "5"
+        codecs.decode_presence(msgpack.packb({"addrs": [ADDR], "role": 5}))
+    with pytest.raises(codecs.RecordError):
+        codecs.decode_presence(msgpack.packb({"addrs": [ADDR], "conns": "direct"}))
     view = [ID_A.peer_id_str, ID_B.peer_id_str]
     from p2ptrain.run import election
 

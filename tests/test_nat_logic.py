@@ -7,7 +7,7 @@ import msgpack
 import pytest
 
 from p2ptrain.net.nat import NatConfig
-from p2ptrain.net.presence import MAX_CONNS, decode_presence, encode_presence
+from p2ptrain.records.codecs import MAX_CONNS, RecordError, decode_presence, encode_presence
 
 
 def test_nat_config_rejects_nonsense():
@@ -31,7 +31,9 @@ def test_presence_drops_hostile_connection_kinds():
     raw = msgpack.packb({"addrs": [], "role": "x", "conns": {"a": "direct", "b": "teleport", "c": 7}})
     assert decode_presence(raw)["conns"] == {"a": "direct"}
     too_many = msgpack.packb({"addrs": [], "conns": {str(i): "direct" for i in range(MAX_CONNS + 1)}})
-    assert decode_presence(too_many) is None
+    with pytest.raises(RecordError):
+        decode_presence(too_many)
     # A list where a map belongs is malformed, the record dropped (issue 32: no loose types);
     # an unknown kind inside the map is only left out (a newer peer may know more kinds).
-    assert decode_presence(msgpack.packb({"addrs": [], "conns": ["direct"]})) is None
+    with pytest.raises(RecordError):
+        decode_presence(msgpack.packb({"addrs": [], "conns": ["direct"]}))

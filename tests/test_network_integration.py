@@ -17,7 +17,7 @@ from p2ptrain.dht.libp2p_rpc import Libp2pRpc
 from p2ptrain.dht.record import Record, make_record, signing_payload
 from p2ptrain.identity import Identity, peer_id_from_str
 from p2ptrain.net.node import NodeConfig, build_host, parse_peer_maddr
-from p2ptrain.run.keys import presence as presence_key
+from p2ptrain.records.keys import presence as presence_key
 
 pytestmark = pytest.mark.integration
 N = 10

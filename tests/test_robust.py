@@ -267,7 +267,7 @@ def test_reputation_needs_two_reporters_and_liars_lose_their_votes():
 
 
 def test_reputation_report_decoding_is_bounded():
-    from p2ptrain.run import reputation
+    from p2ptrain.records import codecs as reputation
 
     flagged = {f"peer{i}": i for i in range(100)}
     data = reputation.encode_report(flagged)
@@ -294,6 +294,7 @@ def test_reputation_records_travel_through_the_dht():
     from conftest import trio_test
     from test_dht_memory import join_all, make_swarm
 
+    from p2ptrain.records import RunRecords
     from p2ptrain.run import reputation
 
     @trio_test()
@@ -302,8 +303,8 @@ def test_reputation_records_travel_through_the_dht():
         await join_all(nodes)
         accused = nodes[7].identity.peer_id_str
         for n in nodes[:2]:
-            assert await reputation.publish(n, "run", {accused: 3}) >= 1
-        reports = await reputation.read(nodes[5], "run")
+            assert await RunRecords(n, "run").publish_reputation({accused: 3}) >= 1
+        reports = await RunRecords(nodes[5], "run").read_reputation()
         assert set(reports) == {nodes[0].identity.peer_id_str, nodes[1].identity.peer_id_str}
         reporters = frozenset(n.identity.peer_id_str for n in nodes[:2])
         assert list(reputation.excluded(reports, 3, reporters)) == [accused]

@@ -13,7 +13,7 @@ import pytest
 from p2ptrain.cli import init as init_cli
 from p2ptrain.dht.record import NAMESPACE
 from p2ptrain.identity import Identity
-from p2ptrain.run import keys, records
+from p2ptrain.records import codecs as records, keys
 from p2ptrain.run import manifest as mf
 from p2ptrain.run.spec import RunSpec, SpecError, TrainSpec
 
@@ -134,7 +134,7 @@ def test_state_record_codec_round_trips_and_bounds():
 
 
 def test_status_and_dashboard_decode_records_without_the_trainer(tmp_path):
-    code = ("import sys, p2ptrain.cli.status, p2ptrain.run.states, p2ptrain.dashboard.server; "
+    code = ("import sys, p2ptrain.cli.status, p2ptrain.records, p2ptrain.run.states, p2ptrain.dashboard.server; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('numba', 'torch') "
             "or m.startswith(('p2ptrain.reduce', 'p2ptrain.train', 'p2ptrain.kernels'))]; print(bad)")
     # cwd: not the checkout, whose p2ptrain/ (without dht/ etc.) would shadow the installed package

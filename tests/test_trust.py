@@ -343,6 +343,7 @@ def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing
     from test_dht_memory import join_all, make_swarm
     from test_round_memory import Events
 
+    from p2ptrain.records import RunRecords
     from p2ptrain.run import reputation
     from p2ptrain.run.ledger import Ledger
 
@@ -355,16 +356,16 @@ def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing
         for t in (1, 2):  # verified work with the honest peers, none with the Sybils
             ledger.standing.committed(t, [h1, h2, h3, h4, h5])
         for sybil in nodes[6:8]:  # two Sybils name every honest peer (and the reader)
-            assert await reputation.publish(sybil, "run", {p: 3 for p in (me, h1, h2, h3, h4, h5)}) >= 1
+            assert await RunRecords(sybil, "run").publish_reputation({p: 3 for p in (me, h1, h2, h3, h4, h5)}) >= 1
         await ledger.apply_reputation(nodes[0], "run", 3)
         assert ledger.ignored == set()
         # two reporters with standing exclude a peer without standing (x) ...
         for honest in nodes[1:3]:
-            assert await reputation.publish(honest, "run", {x: 3, h3: 3}) >= 1
+            assert await RunRecords(honest, "run").publish_reputation({x: 3, h3: 3}) >= 1
         await ledger.apply_reputation(nodes[0], "run", 3)
         # ... but not a peer with standing: that needs a majority of those with standing (3 of 4)
         assert ledger.ignored == {x}
-        assert await reputation.publish(nodes[4], "run", {h3: 3}) >= 1
+        assert await RunRecords(nodes[4], "run").publish_reputation({h3: 3}) >= 1
         await ledger.apply_reputation(nodes[0], "run", 4)
         assert ledger.ignored == {x, h3}
         # an exclusion by reputation expires with its reports
@@ -386,7 +387,8 @@ def test_latest_state_ignores_a_step_only_one_peer_claims():
     from p2ptrain.dht.node import DHTConfig, DHTNode
     from p2ptrain.dht.transport import MemoryNetwork
     from p2ptrain.identity import Identity
-    from p2ptrain.run import keys, records, states
+    from p2ptrain.records import codecs as records, keys
+    from p2ptrain.run import states
 
     @trio_test()
     async def main():

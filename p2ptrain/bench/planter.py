@@ -41,14 +41,13 @@ async def plant(args) -> None:
     import trio
 
     from p2ptrain.ckpt.download import CheckpointServer
-    from p2ptrain.ckpt import providers
     from p2ptrain.ckpt.fetch import BlobServer
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity
     from p2ptrain.net.node import Node, NodeConfig
-    from p2ptrain.run import keys, records
+    from p2ptrain.records import codecs, keys
 
     ident = Identity.generate()
     node = Node(ident, NodeConfig(listen=["/ip4/127.0.0.1/tcp/0"], bootstrap=[args.bootstrap]),
@@ -61,12 +60,12 @@ async def plant(args) -> None:
         m = await server.publish(node.dht, args.run, data, FAKE_STEP, "ab" * 32, [ident.peer_id_str], addrs)
 
         def state(sha: str) -> bytes:
-            return records.encode_state(records.State(FAKE_STEP, "ab" * 32, sha, addrs=tuple(addrs)))
+            return codecs.encode_state(codecs.State(FAKE_STEP, "ab" * 32, sha, addrs=tuple(addrs)))
         await node.dht.store(keys.state(args.run), state(m.sha256), ttl=600)
         sybils = [Identity.generate() for _ in range(args.sybils)]
         names = [s.peer_id_str for s in sybils]
         for s in sybils:  # records only: signed by identities that cost nothing to make
-            value = providers.encode(FAKE_STEP, "cd" * 32, "ef" * 32, "ab" * 32, names, addrs)
+            value = codecs.encode_provider(FAKE_STEP, "cd" * 32, "ef" * 32, "ab" * 32, names, addrs)
             await node.dht.store_record(make_record(s, keys.providers(args.run), value, wall_time() + 600))
             await node.dht.store_record(make_record(s, keys.state(args.run), state("ef" * 32),
                                                     wall_time() + 600))

@@ -3,7 +3,7 @@
 Serving side (`CheckpointServer`): after each committed outer step a member splits its
 checkpoint into chunks (`p2ptrain.ckpt.chunks`), serves them and the chunk manifest through its
 `BlobServer` (bounded, rate-limited), drops the previous step's chunks, and stores its
-signed provider record (`p2ptrain.ckpt.providers`).
+signed provider record (`p2ptrain.records.RunRecords.publish_provider`).
 
 Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
 group attests, gets the chunk manifest (verified against the attested hash) by racing the
@@ -35,8 +35,9 @@ from p2ptrain.ckpt import chunks
 from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
 from p2ptrain.ckpt.fetch import BlobServer, FetchError, race, request
-from p2ptrain.identity import peer_id_from_str, peer_id_to_str
-from p2ptrain.run import keys
+from p2ptrain.identity import peer_id_from_str
+from p2ptrain.records import RunRecords
+from p2ptrain.records.board import PROVIDER_TTL
 
 log = logging.getLogger("p2ptrain.ckpt.download")
 
@@ -105,13 +106,12 @@ class CheckpointServer:
         return manifest, digest
 
     async def publish(self, dht, run_id: str, data: bytes, step: int, params: str, members: list[str],
-                      addrs: list[str], ttl: float = 600.0, blocking=None) -> chunks.ChunkManifest:
+                      addrs: list[str], ttl: float = PROVIDER_TTL, blocking=None) -> chunks.ChunkManifest:
         """Serve `data` as chunks and advertise it; returns its chunk manifest (whose
         `sha256` is the whole checkpoint's hash). `blocking(fn, *args)` runs the chunking and
         hashing (default `trio.to_thread.run_sync`)."""
         manifest, digest = await (blocking or trio.to_thread.run_sync)(self.serve, data)
-        value = providers.encode(step, digest, manifest.sha256, params, members, addrs)
-        await dht.store(keys.providers(run_id), value, ttl=ttl)
+        await RunRecords(dht, run_id).publish_provider(step, digest, manifest.sha256, params, members, addrs, ttl)
         self.current = (step, digest)
         return manifest
 
@@ -121,15 +121,7 @@ async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
                reject: frozenset[str] | set[str] = frozenset()) -> providers.Choice | None:
     """The newest attested checkpoint of the run (see `providers.choose`); providers'
     addresses go to the address book so their chunks can be fetched."""
-    recs = []
-    for sub, rec in (await dht.get(keys.providers(run_id))).items():
-        try:
-            p = providers.decode(peer_id_to_str(sub), rec.value)
-        except providers.ProviderError as exc:
-            log.info("provider record from %s dropped: %s", peer_id_to_str(sub), exc)
-            continue
-        dht.transport.learn_addrs(sub, list(p.addrs))
-        recs.append(p)
+    recs = await RunRecords(dht, run_id).read_providers()
     return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject)
 
 

@@ -1,10 +1,11 @@
-"""Checkpoint provider records and the quorum rule a newcomer trusts (pure: no I/O).
+"""The quorum rule a newcomer trusts among checkpoint provider records (pure: no I/O).
 
 After each committed outer step, every member of a group stores a provider record under
 `/p2ptrain/<run>/providers` in the DHT. DHT records are multi-writer and signed by their
 writer (`p2ptrain.dht.record`), so each record is one peer's signed statement: "after step
 `step`, the checkpoint whose chunk manifest hashes to `manifest` (whole blob `sha256`,
-parameters `params`) is what my group `members` committed, and I serve it".
+parameters `params`) is what my group `members` committed, and I serve it" (its codec:
+`p2ptrain.records.codecs.Provider`; read and written through `p2ptrain.records.RunRecords`).
 
 A newcomer must not trust one peer's word (a single hostile peer could advertise any
 state). `choose` accepts a (step, manifest) only when at least half of the group that
@@ -27,25 +28,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import msgpack
+from p2ptrain.records.codecs import MAX_MEMBERS, Provider
 
-MAX_MEMBERS = 64
-MAX_VALUE_BYTES = 8 * 1024
-
-
-class ProviderError(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class Provider:
-    peer: str                 # the signer (the DHT record's subkey), as a peer id string
-    step: int
-    manifest: str             # SHA-256 of the chunk manifest (p2ptrain.ckpt.chunks)
-    sha256: str               # SHA-256 of the whole checkpoint blob
-    params: str               # params_sha256 after the step (for logs and tests)
-    members: tuple[str, ...]  # the group that committed `step` (empty at step 0)
-    addrs: tuple[str, ...]
+__all__ = ["Choice", "Provider", "MAX_MEMBERS", "choose", "best_state"]
 
 
 @dataclass(frozen=True)
@@ -56,43 +41,6 @@ class Choice:
     params: str
     providers: tuple[str, ...]   # every peer advertising this manifest (attesters or not)
     attesters: tuple[str, ...]   # members that signed it (empty at step 0)
-
-
-def encode(step: int, manifest: str, sha256: str, params: str, members: list[str], addrs: list[str]) -> bytes:
-    value = msgpack.packb({"step": int(step), "manifest": manifest, "sha256": sha256, "params": params,
-                           "members": sorted(members)[:MAX_MEMBERS], "addrs": list(addrs)[:16]})
-    if len(value) > MAX_VALUE_BYTES:
-        raise ProviderError("provider record is too large")
-    return value
-
-
-def _hex64(x: object) -> str:
-    if not isinstance(x, str) or len(x) != 64:
-        raise ProviderError("not a sha256 hex digest")
-    bytes.fromhex(x)
-    return x
-
-
-def decode(peer: str, value: bytes) -> Provider:
-    """One provider record's value, signed by `peer` (already checked by the DHT layer)."""
-    if len(value) > MAX_VALUE_BYTES:
-        raise ProviderError("provider record is too large")
-    try:
-        v = msgpack.unpackb(value, raw=False, max_array_len=MAX_MEMBERS, max_map_len=16, max_str_len=512)
-        step = v["step"]
-        if type(step) is not int or step < 0:  # not a bool
-            raise ProviderError("bad step")
-        members, addrs = v.get("members", []), v.get("addrs", [])
-        # A string is not a list (iterating one gave its characters as members).
-        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in (members, addrs)):
-            raise ProviderError("members and addrs must be lists of strings")
-        members, addrs = tuple(members), tuple(addrs[:16])
-        return Provider(peer, step, _hex64(v["manifest"]), _hex64(v["sha256"]), _hex64(v["params"]),
-                        members, addrs)
-    except ProviderError:
-        raise
-    except Exception:
-        raise ProviderError("provider record is malformed") from None
 
 
 def choose(records: list[Provider], genesis_sha256: str, min_step: int = 0,

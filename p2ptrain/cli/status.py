@@ -24,7 +24,7 @@ def run(args) -> int:
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity
     from p2ptrain.net.node import Node
-    from p2ptrain.net.presence import read_peers
+    from p2ptrain.records import RunRecords
 
     if not args.listen:
         args.listen = ["/ip4/127.0.0.1/tcp/0"]  # a client needs no reachable address
@@ -42,11 +42,9 @@ def run(args) -> int:
         node = Node(identity, cfg, events, dht_server=False)
         async with trio.open_nursery() as nursery:
             await nursery.start(node.run)
-            peers = await read_peers(node.dht, args.namespace)
+            peers = await RunRecords(node.dht, args.namespace).read_presence()
             if args.run:
-                from p2ptrain.run.states import run_states
-
-                states.update(await run_states(node.dht, args.run))
+                states.update(await RunRecords(node.dht, args.run).state_view())
             nursery.cancel_scope.cancel()
         return peers
 

@@ -231,8 +231,7 @@ class Dashboard:
             server.server_close()
 
     async def _poll(self) -> None:
-        from p2ptrain.net.presence import read_peers
-        from p2ptrain.run.states import run_states
+        from p2ptrain.records import RunRecords
 
         tick = 0
         while True:
@@ -241,8 +240,8 @@ class Dashboard:
                 self.hub.set_network(connections=connection_kinds(node.host))
                 if node.dht is not None and self.namespace and tick % 2 == 0:
                     try:
-                        presence = await read_peers(node.dht, self.namespace)
-                        states = await run_states(node.dht, self.run_id) if self.run_id else {}
+                        presence = await RunRecords(node.dht, self.namespace).read_presence()
+                        states = await RunRecords(node.dht, self.run_id).state_view() if self.run_id else {}
                     except Exception as exc:  # a DHT hiccup must not take the node down
                         log.info("dashboard: DHT read failed: %s", exc)
                     else:

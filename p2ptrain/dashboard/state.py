@@ -11,7 +11,7 @@ import math
 import time
 from typing import Any
 
-from p2ptrain.run.keys import MAX_ADDRS
+from p2ptrain.records.keys import MAX_ADDRS
 
 MAX_STEPS = 2000  # curve points kept; a long run shows its most recent part
 MAX_REJECTED = 200

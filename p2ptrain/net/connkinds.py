@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from p2ptrain.net.nat import DIRECT, HOLE_PUNCHED, RELAYED, connection_kinds
 # Decoding published counts is the state record's codec (no libp2p needed to read one).
-from p2ptrain.run.records import parse_counts
+from p2ptrain.records.codecs import parse_counts
 
 __all__ = ["KINDS", "connection_kinds", "kind_counts", "parse_counts"]
 KINDS = (DIRECT, HOLE_PUNCHED, RELAYED)

@@ -88,14 +88,14 @@ async def _send(node, events, cmd: dict) -> None:
 
     from p2ptrain.identity import peer_id_from_str
     from p2ptrain.net.nat import connection_kinds
-    from p2ptrain.net.presence import read_peers
+    from p2ptrain.records import RunRecords
 
     target, size = str(cmd["send_to"]), int(cmd.get("bytes", 1 << 20))
     namespace = cmd.get("namespace", "lobby")
     t0 = trio.current_time()
     with trio.fail_after(float(cmd.get("find_timeout", 60))):
         while True:
-            peers = await read_peers(node.dht, namespace)
+            peers = await RunRecords(node.dht, namespace).read_presence()
             if target in peers:
                 break
             await trio.sleep(0.5)

@@ -2,7 +2,8 @@
 
 Every peer writes its own subkey under `/p2ptrain/<namespace>/peers` and keeps it alive by
 re-storing it well before it expires; peers that leave or die simply age out. The same
-record is how `status` and later the group election see who is around.
+record is how `status` and later the group election see who is around. Its codec and I/O
+are `p2ptrain.records` (`RunRecords.publish_presence`, `read_presence`).
 """
 
 from __future__ import annotations
@@ -11,18 +12,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgpack
 import trio
 
 from p2ptrain.dht.node import DHTNode
 from p2ptrain.events import EventSink
-from p2ptrain.identity import peer_id_to_str
-from p2ptrain.run import keys
+from p2ptrain.records import RunRecords
 
 log = logging.getLogger("p2ptrain.net.presence")
-MAX_PRESENCE_BYTES = 4096
-MAX_CONNS = 32  # neighbours listed in a record: keeps it well under MAX_PRESENCE_BYTES
-CONN_KINDS = ("direct", "hole-punched", "relayed")
 
 
 @dataclass
@@ -40,42 +36,6 @@ class PresenceConfig:
             raise ValueError("namespace must be a non-empty string without '/'")
         if self.ttl < 3 or self.poll_interval <= 0 or self.poll_max < self.poll_interval:
             raise ValueError("need ttl >= 3 and 0 < poll_interval <= poll_max")
-
-
-def encode_presence(addrs: list[str], role: str, conns: dict[str, str] | None = None) -> bytes:
-    """`conns`: neighbour peer id -> connection kind (p2ptrain.net.nat.connection_kinds)."""
-    obj = {"addrs": addrs[:keys.MAX_ADDRS], "role": role}
-    if conns:
-        obj["conns"] = dict(sorted(conns.items())[:MAX_CONNS])
-    return msgpack.packb(obj, use_bin_type=True)
-
-
-def decode_presence(value: bytes) -> dict | None:
-    if len(value) > MAX_PRESENCE_BYTES:
-        return None
-    try:
-        obj = msgpack.unpackb(value, raw=False, max_array_len=keys.MAX_ADDRS, max_map_len=MAX_CONNS, max_str_len=512)
-    except Exception:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("addrs"), list):
-        return None
-    role, conns = obj.get("role", ""), obj.get("conns", {})
-    if not isinstance(role, str) or not isinstance(conns, dict):  # str() made a role of anything
-        return None
-    return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": role,
-            "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in CONN_KINDS}}
-
-
-async def read_peers(dht: DHTNode, namespace: str) -> dict[str, dict]:
-    """peer id (str) -> {"addrs", "role"} for every live, verified presence record."""
-    out = {}
-    for subkey, rec in (await dht.get(keys.presence(namespace))).items():
-        info = decode_presence(rec.value)
-        if info is None:
-            log.warning("presence of %s dropped: malformed value", peer_id_to_str(subkey))
-            continue
-        out[peer_id_to_str(subkey)] = info
-    return out
 
 
 class Presence:
@@ -103,15 +63,15 @@ class Presence:
 
     async def _publish(self) -> None:
         conns = self._neighbour_conns()
-        await self.dht.store(keys.presence(self.config.namespace), encode_presence(self.addrs, self.role, conns),
-                             self.config.ttl)
+        await RunRecords(self.dht, self.config.namespace).publish_presence(self.addrs, self.role, conns,
+                                                                           self.config.ttl)
         self._published = conns
 
     async def _watch(self) -> None:
         delay = self.config.poll_interval
         own = self.dht.identity.peer_id_str
         while True:
-            peers = await read_peers(self.dht, self.config.namespace)
+            peers = await RunRecords(self.dht, self.config.namespace).read_presence()
             new = [p for p in peers if p not in self.known and p != own]
             for p in new:
                 self.events.emit("peer_discovered", remote=p, addrs=peers[p]["addrs"], role=peers[p]["role"])

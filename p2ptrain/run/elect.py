@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import trio
 
 from p2ptrain.clock import wall_time
-from p2ptrain.identity import peer_id_to_str
-from p2ptrain.run import election, keys, records, states
+from p2ptrain.records import RunRecords
+from p2ptrain.run import election, states
 
 log = logging.getLogger("p2ptrain.run.elect")
 Gone = Callable[[set[str]], Awaitable[set[str]]]
@@ -55,8 +55,7 @@ async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: 
     """Store our ready record for `step` (ready_at: now unless given); returns its ready_at.
     Its TTL is the protocol's (`election.ready_ttl`): readers bound claimed times with it."""
     ready_at = wall_time() if ready_at is None else ready_at
-    await dht.store(keys.ready(run_id, step), records.encode_ready(ready_at, addrs, joining),
-                    ttl=election.ready_ttl(window))
+    await RunRecords(dht, run_id).publish_ready(step, ready_at, addrs, joining, election.ready_ttl(window))
     return ready_at
 
 
@@ -65,20 +64,12 @@ async def read_ready(dht, run_id: str, step: int, window: float,
     """The step's ready records, each writer's claimed ready_at clamped to what this reader
     observed (`election.clamp`: not before our last poll without it, not after the first poll
     with it, and within the record's signed TTL), so a claim of 1.0 moves nothing."""
-    got = list((await dht.get(keys.ready(run_id, step))).items())
+    got = await RunRecords(dht, run_id).read_ready(step)
     now = wall_time()
-    seen = (sightings or election.Sightings()).observe(step, [peer_id_to_str(s) for s, _ in got], now)
+    seen = (sightings or election.Sightings()).observe(step, [r.peer for r, _ in got], now)
     ttl = election.ready_ttl(window)
-    out = []
-    for sub, rec in got:
-        peer = peer_id_to_str(sub)
-        try:
-            r = records.decode_ready(peer, rec.value)
-        except records.RecordError as exc:
-            log.info("ready record of %s dropped: %s", peer, exc)
-            continue
-        out.append(dataclasses.replace(r, ready_at=election.clamp(r.ready_at, *seen[peer], rec.expiry, ttl)))
-    return out
+    return [dataclasses.replace(r, ready_at=election.clamp(r.ready_at, *seen[r.peer], expiry, ttl))
+            for r, expiry in got]
 
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],

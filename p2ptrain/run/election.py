@@ -21,17 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Ready:
-    peer: str
-    ready_at: float
-    addrs: tuple[str, ...] = ()
-    joining: bool = False
-    """A newcomer that just adopted the current state and contributes a zero
-    pseudo-gradient: it is ready at once, so it must not start the step's clock."""
+from p2ptrain.records.codecs import Ready  # noqa: F401 - the record the rule reads, re-exported
 
 
 def ready_ttl(window: float) -> float:

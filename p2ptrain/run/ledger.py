@@ -15,6 +15,7 @@ import logging
 
 import numpy as np
 
+from p2ptrain.records import RunRecords
 from p2ptrain.run import reputation
 from p2ptrain.run.standing import Standing
 
@@ -118,14 +119,14 @@ class Ledger:
             self.reject(t, peer, "robust-outlier")
             self.flagged[peer] = t
         if out:
-            acked = await reputation.publish(dht, run_id, self.flagged)
+            acked = await RunRecords(dht, run_id).publish_reputation(self.flagged)
             self.events.emit("reputation_published", step=t, flagged=sorted(self.flagged), replicas=acked)
 
     async def apply_reputation(self, dht, run_id: str, t: int) -> None:
         """Leave out of our groups the peers that enough reporters with standing reported
         (`reputation.excluded`), and take back those whose reports aged out or whose
         reporters lost standing: an exclusion by reputation is never our own verdict."""
-        self.reputation_verdict(t, await reputation.read(dht, run_id))
+        self.reputation_verdict(t, await RunRecords(dht, run_id).read_reputation())
 
     def reputation_verdict(self, t: int, reports: dict[str, dict[str, int]]) -> None:
         """`apply_reputation` on reports already read (pure bookkeeping)."""

@@ -20,7 +20,7 @@ from p2ptrain.ckpt.download import fetch_checkpoint
 from p2ptrain.ckpt.fetch import FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
 from p2ptrain.peer import Parts, checkpoint_dir, make_writer  # noqa: F401 - re-exported for callers
-from p2ptrain.run import keys
+from p2ptrain.records import RunRecords
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.train.trainer import TrainerConfig
 
@@ -34,18 +34,13 @@ async def get_manifest(dht, run_id: str, timeout: float = 60.0, progress_every: 
     note_at = start + progress_every
     with trio.move_on_after(timeout):
         while True:
-            got = await dht.get(keys.manifest(run_id))
-            for rec in got.values():
-                try:
-                    m = mf.decode(rec.value)
-                    mf.verify_manifest(m, run_id)
-                    return m
-                except mf.ManifestError as exc:
-                    log.warning("manifest from a peer rejected: %s", exc)
+            m, copies = await RunRecords(dht, run_id).read_manifest()
+            if m is not None:
+                return m
             if (now := trio.current_time()) >= note_at:
                 note_at = now + progress_every
                 log.info("waiting for run %s...'s manifest: %s (%.0fs of %.0fs; a peer of that run must be "
-                         "online)", run_id[:16], f"{len(got)} copies found, none valid" if got else
+                         "online)", run_id[:16], f"{copies} copies found, none valid" if copies else
                          "no peer has published it yet", now - start, timeout)
             await trio.sleep(1.0)
     raise NodeError(f"no peer served a valid manifest for run {run_id[:16]}... within {timeout:.0f}s",
@@ -115,7 +110,7 @@ async def run_training(node, manifest: dict | None, run_id: str, manifest_path: 
         raise NodeError(str(exc), "fix the P2PTRAIN_SERVE_* variable") from None
     blobs = peer.blob_server(node, parts, serve_cfg)
     blobs.add(mf.encode(manifest))
-    await node.dht.store(keys.manifest(run_id), mf.encode(manifest), ttl=3600)
+    await RunRecords(node.dht, run_id).publish_manifest(manifest)
     # local files, else peers (hash-checked against the run's signed content hash); then served
     ds = await shards.obtain(node, blobs, spec, run_id, manifest_path, workdir, events, serve_cfg.chunk_kib << 10)
     state = await starting_state(node, spec, run_id, manifest_path, workdir, events)

@@ -296,11 +296,11 @@ class World:
     async def _early_ready(self, dht: DHTNode, local) -> None:
         """The writer-chosen-expiry attack (issue 31, item 5): a ready record for the step it
         is at, claiming to be 10 minutes early, re-stored every 5 s with an 8 s expiry."""
-        from p2ptrain.run import keys, records
+        from p2ptrain.records import codecs, keys
 
         while True:
             await dht.store(keys.ready(self.run_id, local.step),
-                            records.encode_ready(clock.wall_time() - 600.0, dht.transport.local_addrs(), False), ttl=8.0)
+                            codecs.encode_ready(clock.wall_time() - 600.0, dht.transport.local_addrs(), False), ttl=8.0)
             await trio.sleep(5.0)
 
     def _service(self, name: str, host, identity, config, listen_ip: str = "") -> SimReduceService:

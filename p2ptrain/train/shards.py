@@ -22,7 +22,6 @@ import logging
 import random
 from pathlib import Path
 
-import msgpack
 import numpy as np
 import trio
 
@@ -32,12 +31,11 @@ from p2ptrain.ckpt.fetch import FetchError, race
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.net.node import NodeError
-from p2ptrain.run import keys
+from p2ptrain.records import DataRecord, RunRecords
 from p2ptrain.train.data import Dataset, _hash
 from p2ptrain.train.tokenize import MAX_TOKENIZER_BYTES
 
 log = logging.getLogger("p2ptrain.train.shards")
-MAX_RECORD = 2048
 FORMAT = "p2ptrain-tokens-v1"
 
 
@@ -84,29 +82,15 @@ async def serve(node, blobs, run_id: str, ds: Dataset, tokenizer: bytes | None, 
         blobs.add_known(h, part)
     blobs.add_known(manifest.digest(), manifest.encode())
     tok = blobs.add(tokenizer) if tokenizer else ""
-    value = msgpack.packb({"manifest": manifest.digest(), "sha256": manifest.sha256, "tok": tok,
-                           "addrs": node.rpc.local_addrs()[:16]})
-    await node.dht.store(keys.data(run_id), value, ttl=3600)  # re-stored by the DHT until we leave
+    # re-stored by the DHT until we leave
+    await RunRecords(node.dht, run_id).publish_data(DataRecord(manifest.digest(), manifest.sha256, tok,
+                                                               tuple(node.rpc.local_addrs())))
 
 
-async def _records(node, run_id: str) -> list[tuple[str, dict]]:
-    out = []
-    for sub, rec in (await node.dht.get(keys.data(run_id))).items():
-        try:
-            if len(rec.value) > MAX_RECORD:
-                raise ValueError("oversize")
-            v = msgpack.unpackb(rec.value, raw=False, max_array_len=16, max_str_len=512, max_map_len=8)
-            r = {k: str(v[k]) for k in ("manifest", "sha256", "tok")}
-            if not all(len(r[k]) == 64 for k in ("manifest", "sha256")):
-                raise ValueError("bad hashes")
-            addrs = [a for a in v.get("addrs", [])[:16] if isinstance(a, str)]
-        except Exception as exc:
-            log.info("data record from %s dropped: %s", peer_id_to_str(sub), exc)
-            continue
-        node.dht.transport.learn_addrs(sub, addrs)
-        if sub != node.identity.peer_id:
-            out.append((peer_id_to_str(sub), r))
-    return out
+async def _records(node, run_id: str) -> list[tuple[str, DataRecord]]:
+    """Other peers' data records (their addresses go to the address book)."""
+    return [(peer_id_to_str(sub), r) for sub, r in await RunRecords(node.dht, run_id).read_data()
+            if sub != node.identity.peer_id]
 
 
 # -- fetching --------------------------------------------------------------------------------
@@ -124,7 +108,7 @@ async def fetch_tokenizer(node, run_id: str, sha: str, timeout: float = 120.0,
 
     with trio.move_on_after(timeout):
         while True:
-            peers = [peer for peer, r in await _records(node, run_id) if r["tok"] == sha]
+            peers = [peer for peer, r in await _records(node, run_id) if r.tok == sha]
             random.shuffle(peers)
             _, data, bad = await race(node.host, peers, sha, MAX_TOKENIZER_BYTES, check, width=config.race_width,
                                       first_byte=config.first_byte_timeout, timeout=30.0)
@@ -145,7 +129,7 @@ async def fetch_dataset(node, run_id: str, spec, events, timeout: float = 300.0)
             groups: dict[tuple[str, str], list[str]] = {}
             for peer, r in await _records(node, run_id):
                 if peer not in bad:
-                    groups.setdefault((r["manifest"], r["sha256"]), []).append(peer)
+                    groups.setdefault((r.manifest, r.sha256), []).append(peer)
             if groups:
                 (digest, sha), peers = max(groups.items(), key=lambda kv: len(kv[1]))
                 try:

@@ -26,7 +26,8 @@ from p2ptrain.ckpt.download import CheckpointServer, adopt
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.sparse import SparseReducer
-from p2ptrain.run import elect, election, records, states
+from p2ptrain.records import RunRecords, State
+from p2ptrain.run import elect, election, states
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
@@ -381,7 +382,7 @@ class Trainer:
         served = await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
                                                 sorted(self.last_roster) if self.local.step else [], addrs,
                                                 blocking=self._beside_phase)
-        await states.publish(self.dht, self.run_id, records.State(
+        await RunRecords(self.dht, self.run_id).publish_state(State(
             self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), self.node.conn_counts()))
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
 

@@ -3,12 +3,15 @@
 All keys live under `p2ptrain.dht.record.NAMESPACE` (the DHT refuses others). A run's keys
 are `/p2ptrain/<run id>/<what>`; the lobby's presence uses a namespace in the run id's place.
 Records under these keys are multi-writer: each peer writes its own subkey (its peer id).
+Their codecs are `p2ptrain.records.codecs` (the manifest's: `p2ptrain.records.manifest`);
+reading and writing them goes through `p2ptrain.records.board.RunRecords`.
 
-  manifest    the signed run manifest (`p2ptrain.run.manifest`), served by every member
-  ready/<t>   "ready for outer step t" (`p2ptrain.run.records.encode_ready`), read by election
-  state       each member's newest state (`p2ptrain.run.records.encode_state`)
-  providers   checkpoint provider records (`p2ptrain.ckpt.providers`)
-  reputation  robust-rule reports (`p2ptrain.run.reputation`)
+  manifest    the signed run manifest, served by every member
+  ready/<t>   "ready for outer step t", read by the election
+  state       each member's newest state
+  providers   checkpoint provider records (the quorum rule: `p2ptrain.ckpt.providers`)
+  reputation  robust-rule reports (the verdict: `p2ptrain.run.reputation`)
+  data        peers serving the run's tokenizer and token stream (`p2ptrain.train.shards`)
   peers       presence, per run or lobby (`p2ptrain.net.presence`)
 """
 
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from p2ptrain.dht.record import MAX_ADDRS, NAMESPACE
 
-__all__ = ["MAX_ADDRS", "NAMESPACE", "manifest", "ready", "state", "providers", "reputation", "presence"]
+__all__ = ["MAX_ADDRS", "NAMESPACE", "manifest", "ready", "state", "data", "providers", "reputation", "presence"]
 
 
 def _key(scope: str, what: str) -> str:
@@ -36,7 +39,6 @@ def state(run_id: str) -> str:
 
 
 def data(run_id: str) -> str:
-    """Peers that serve the run's tokenizer and token stream (p2ptrain.train.shards)."""
     return _key(run_id, "data")
 
 
