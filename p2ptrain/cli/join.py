@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from p2ptrain.cli.common import (DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_id_arg,
-                                 run_service, section)
+                                 run_service, section, show_config)
 
 
 def add_parser(sub) -> None:
@@ -73,6 +73,7 @@ def run(args) -> int:
         from p2ptrain.dashboard.server import DashboardConfig
 
         dashboard_cfg = section(DashboardConfig, toml, "dashboard", {"listen": args.dashboard})
+    show_config(args)
 
     async def main() -> None:
         import trio

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service
+from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service, show_config
 
 
 def add_parser(sub) -> None:
@@ -29,6 +29,7 @@ def run(args) -> int:
     if not args.listen:
         args.listen = ["/ip4/127.0.0.1/tcp/0"]  # a client needs no reachable address
     cfg, _ = node_config(args)
+    show_config(args)
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
     identity = Identity.generate()  # a throwaway client identity: status publishes nothing

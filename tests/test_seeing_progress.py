@@ -1,0 +1,53 @@
+"""Issue 33 item 6, seeing progress: the effective configuration and its sources, an ETA and
+the total, log lines that do not tear the progress bar, quiet stderr in human mode, `status`
+without --run, and presence withdrawn on a clean exit."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+from p2ptrain.config import describe, resolve
+from p2ptrain.net.node import NodeConfig
+
+
+def test_resolve_records_each_values_source_without_changing_precedence():
+    sources: dict = {}
+    toml = {"node": {"dial_timeout": 7.0, "bootstrap_timeout": 9.0, "max_connections": 10}}
+    env = {"P2PTRAIN_NODE_BOOTSTRAP_TIMEOUT": "3", "P2PTRAIN_NODE_MAX_CONNECTIONS": "12"}
+    cfg = resolve(NodeConfig, {"max_connections": 20, "announce": None}, toml, "node", env, sources=sources)
+    assert (cfg.max_connections, cfg.bootstrap_timeout, cfg.dial_timeout) == (20, 3.0, 7.0)
+    rows = {n: (v, s) for n, v, s in describe(cfg, sources, "node")}
+    assert rows["[node] max_connections"] == (20, "flag")
+    assert rows["[node] bootstrap_timeout"] == (3.0, "$P2PTRAIN_NODE_BOOTSTRAP_TIMEOUT")
+    assert rows["[node] dial_timeout"] == (7.0, "file [node]")
+    assert rows["[node] announce"] == ([], "default")
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_show_config_prints_every_setting_and_its_source(tmp_path):
+    (tmp_path / "p.toml").write_text("[node]\ndial_timeout = 0.5\n")
+    boot = f"/ip4/127.0.0.1/tcp/{_closed_port()}/p2p/12D3KooWGRUVh8bSMBbScx1EP8VmD8zCYvUBNgsJShqxnvnP4ycz"
+    env = {**os.environ, "P2PTRAIN_NODE_BOOTSTRAP_TIMEOUT": "1"}
+    for flag in ("--show-config", "-v"):
+        args = ([flag] if flag == "-v" else []) + ["status", "--bootstrap", boot, "--config", str(tmp_path / "p.toml")]
+        args += [flag] if flag != "-v" else []
+        r = subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True, timeout=60,
+                           cwd=tmp_path, env=env)
+        assert r.returncode == 2, r.stderr  # nobody at the bootstrap: after the configuration is shown
+        err = r.stderr
+        assert "effective configuration" in err, err
+        assert "[node] bootstrap_timeout = 1.0  ($P2PTRAIN_NODE_BOOTSTRAP_TIMEOUT)" in err
+        assert "[node] dial_timeout      = 0.5  (file [node])" in err
+        assert f"[node] bootstrap         = ['{boot}']  (flag)" in err
+        assert "[node] max_connections   = 64  (default)" in err
+    quiet = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", boot], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path, env=env)
+    assert "effective configuration" not in quiet.stderr
