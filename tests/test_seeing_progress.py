@@ -51,3 +51,48 @@ def test_show_config_prints_every_setting_and_its_source(tmp_path):
     quiet = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", boot], capture_output=True,
                            text=True, timeout=60, cwd=tmp_path, env=env)
     assert "effective configuration" not in quiet.stderr
+
+
+_NOISE = r"""
+import logging, sys, trio, multiaddr
+from libp2p.transport.tcp.tcp import TCP
+from p2ptrain.events import EventSink, setup_logging
+setup_logging("-v" in sys.argv)
+events = EventSink("me", "--json" in sys.argv)
+events.emit("step_timing", step=3, seconds={"ready": 0.01, "elect": 0.2})
+events.emit("checkpoint_snapshot", step=3, seconds=0.01, bytes=100)
+events.emit("checkpoint_written", step=3, seconds=0.02)
+events.emit("outer_step_committed", step=4, loss=4.25, val_loss=4.5, params_sha256="ab" * 32, members=["a", "b"])
+events.emit("outer_step_skipped", step=5, reason="no round committed")
+events.emit("checkpoint_failed", step=5, reason="disk full", resume_from=4)
+
+async def dial():
+    try:
+        await TCP().dial(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/%s"))
+    except Exception as exc:
+        print("dial raised", type(exc).__name__, file=sys.stderr)
+trio.run(dial)
+"""
+
+
+def _noise(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", _NOISE % _closed_port(), *flags], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def test_human_stderr_shows_what_a_person_needs_and_debug_shows_everything():
+    r = _noise()
+    assert "step 4 committed: loss 4.2500 val 4.5000 2 member(s)" in r.stderr
+    assert "outer_step_skipped step=5 reason=no round committed" in r.stderr
+    assert "W p2ptrain: checkpoint_failed step=5 reason=disk full" in r.stderr
+    assert "dial raised OpenConnectionError" in r.stderr  # the dialler still hears of it
+    for noise in ("step_timing", "checkpoint_snapshot", "checkpoint_written", "Failed to open TCP stream", "{'ready'"):
+        assert noise not in r.stderr, r.stderr
+    for loud in (_noise("-v"), _noise(env={"P2PTRAIN_DEBUG": "1"})):
+        for line in ("step_timing step=3", "checkpoint_snapshot step=3", "checkpoint_written step=3",
+                     "Failed to open TCP stream"):
+            assert line in loud.stderr, loud.stderr
+    js = _noise("--json")
+    assert [line.split('"event": "')[1].split('"')[0] for line in js.stdout.splitlines()] == [
+        "step_timing", "checkpoint_snapshot", "checkpoint_written", "outer_step_committed", "outer_step_skipped",
+        "checkpoint_failed"]
