@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+from conftest import trio_test
 from p2ptrain.config import describe, resolve
 from p2ptrain.net.node import NodeConfig
 
@@ -96,3 +97,59 @@ def test_human_stderr_shows_what_a_person_needs_and_debug_shows_everything():
     assert [line.split('"event": "')[1].split('"')[0] for line in js.stdout.splitlines()] == [
         "step_timing", "checkpoint_snapshot", "checkpoint_written", "outer_step_committed", "outer_step_skipped",
         "checkpoint_failed"]
+
+
+RUN = "r" * 16
+
+
+@trio_test()
+async def test_status_sees_training_peers_and_runs_and_a_clean_exit_shows_offline_at_once():
+    import io
+
+    import trio
+
+    from p2ptrain.cli.status import namespace_lines
+    from p2ptrain.events import EventSink
+    from p2ptrain.net.presence import Presence, PresenceConfig, read_peers
+    from test_dht_memory import join_all, make_swarm
+
+    net, nodes = make_swarm(8)
+    await join_all(nodes)
+    trainer, idler, reader = nodes[1], nodes[2], nodes[5]
+    ids = {n: n.identity.peer_id_str for n in nodes}
+    sink = lambda n: EventSink(ids[n], True, out=io.StringIO())  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        for n in nodes:
+            await nursery.start(n.run)
+        training = Presence(trainer, ["/ip4/127.0.0.1/tcp/1"],
+                            sink(trainer), PresenceConfig(namespace=RUN), role="trainer")
+        idle = Presence(idler, ["/ip4/127.0.0.1/tcp/2"], sink(idler), PresenceConfig(), role="peer")
+        scope_t, scope_i = trio.CancelScope(), trio.CancelScope()
+
+        async def run_in(scope, presence, *, task_status=trio.TASK_STATUS_IGNORED):
+            with scope:
+                await presence.run(task_status=task_status)
+
+        await nursery.start(run_in, scope_t, training)
+        await nursery.start(run_in, scope_i, idle)
+        lobby = await read_peers(reader, "lobby")
+        assert set(lobby) == {ids[trainer], ids[idler]}
+        assert lobby[ids[trainer]]["run"] == RUN and lobby[ids[idler]]["run"] is None
+        assert set(await read_peers(reader, RUN)) == {ids[trainer]}
+        text = "\n".join(namespace_lines("lobby", lobby))
+        assert f"run {RUN}: 1 peer(s) training (p2ptrain status --run {RUN})" in text
+        assert f"{ids[trainer]}  trainer run {RUN} /ip4/127.0.0.1/tcp/1" in text
+
+        await trio.sleep(30)  # well into the records' 90 s life
+        left_at = trio.current_time()
+        scope_t.cancel()  # a clean exit (Ctrl-C, max steps): the task is cancelled
+        await trio.sleep(0)
+        with trio.fail_after(60):
+            while ids[trainer] in await read_peers(reader, "lobby"):
+                await trio.sleep(0.5)
+        assert trio.current_time() - left_at < 5
+        assert await read_peers(reader, RUN) == {}
+        assert set(await read_peers(reader, "lobby")) == {ids[idler]}
+        await trio.sleep(200)  # the "left" records are not re-stored, and nothing comes back
+        assert set(await read_peers(reader, "lobby")) == {ids[idler]} and await read_peers(reader, RUN) == {}
+        nursery.cancel_scope.cancel()

@@ -94,6 +94,7 @@ def run(args) -> int:
 
                     presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer",
                                         conns=conns)
+                    node.on_leave.append(presence.withdraw)
                     await nursery.start(presence.run)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
                                        trainer_cfg, device=device_cfg, **node_ranks)
@@ -101,6 +102,7 @@ def run(args) -> int:
                     nursery.cancel_scope.cancel()
                     return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
+                node.on_leave.append(presence.withdraw)
                 await nursery.start(presence.run)
                 await trio.sleep_forever()
         finally:

@@ -185,6 +185,9 @@ class Node:
         self.nat = None
         self.extra_addrs: list[str] = []
         self._dialled: dict[str, list[str]] = {}  # bootstrap as given -> the addresses it resolved to
+        # Awaited, in order, when the node stops, before its host closes: what a clean exit
+        # still has to say to the network (withdrawing presence: Presence.withdraw).
+        self.on_leave: list = []
 
     @property
     def peer_id(self) -> str:
@@ -234,12 +237,25 @@ class Node:
                         await nursery.start(self.dht.run)
                     self.events.emit("dht_ready", routing_table=len(self.dht.routing))
                     task_status.started(self)
-                    await trio.sleep_forever()
+                    try:
+                        await trio.sleep_forever()
+                    finally:
+                        await self._leave()
         except Exception as exc:
             if not entered and _is_addr_in_use(exc):
                 raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: address already in use",
                                 _PORT_ADVICE) from None
             raise
+
+    async def _leave(self) -> None:
+        """Run the `on_leave` hooks while the host still runs (shielded: we are being
+        cancelled). Each hook bounds its own time (e.g. PresenceConfig.withdraw_timeout)."""
+        with trio.CancelScope(shield=True):
+            for hook in self.on_leave:
+                try:
+                    await hook()
+                except Exception:  # one hook's failure must not skip the others or the close
+                    log.exception("leave hook failed")
 
     async def _meet_bootstraps(self) -> None:
         """Connect to every bootstrap, retrying with backoff for a bounded time.
