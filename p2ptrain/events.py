@@ -67,8 +67,8 @@ def human(event: str, fields: dict[str, Any]) -> str:
 
 
 def _committed(f: dict[str, Any]) -> str:
-    of = f" of {f['of']}" if f.get("of") else ""
-    parts = [f"step {f.get('step')}{of} committed:"]
+    of = f" ({f['goal_done']} of {f['goal_total']})" if f.get("goal_total") else ""
+    parts = [f"step {f.get('step')} committed{of}:"]
     if f.get("loss") is not None:
         parts.append(f"loss {f['loss']:.4f}")
     if f.get("val_loss") is not None:
@@ -104,9 +104,11 @@ def setup_logging(verbose: bool = False) -> None:
     import os
 
     verbose = verbose or os.environ.get("P2PTRAIN_DEBUG") == "1"
+    from p2ptrain.console import LiveLineHandler
+
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.INFO,
-        stream=sys.stderr,
+        handlers=[LiveLineHandler(sys.stderr)],  # records print above a progress bar, not into it
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )

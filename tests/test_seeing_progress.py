@@ -5,6 +5,7 @@ without --run, and presence withdrawn on a clean exit."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -153,3 +154,99 @@ async def test_status_sees_training_peers_and_runs_and_a_clean_exit_shows_offlin
         await trio.sleep(200)  # the "left" records are not re-stored, and nothing comes back
         assert set(await read_peers(reader, "lobby")) == {ids[idler]} and await read_peers(reader, RUN) == {}
         nursery.cancel_scope.cancel()
+
+
+def test_goal_pace_and_eta():
+    from p2ptrain.train.progress import Pace, goal, goal_fields, step_label
+
+    assert goal(3, 40, 10, 100) == (3, 10)  # --max-outer-steps counts this peer's commits
+    assert goal(3, 40, 0, 100) == (40, 100)  # else the run's planned schedule
+    assert goal(3, 140, 0, 100) is None and goal(3, 40, 0, None) is None
+    assert step_label(40, (3, 10)) == "outer step 40 (4 of 10)" and step_label(40, None) == "outer step 40"
+    pace = Pace(window=3)
+    pace.start(100.0)
+    assert pace.step_seconds() is None and pace.eta(5, 101.0) is None and goal_fields((0, 10), pace, 101.0) == {
+        "goal_done": 0, "goal_total": 10}
+    for t in (110.0, 120.0, 130.0):
+        pace.commit(t)
+    assert pace.step_seconds() == 10.0
+    assert pace.eta(7, 130.0) == 70.0 and pace.eta(7, 134.0) == 66.0 and pace.eta(0, 134.0) == 0.0
+    pace.commit(170.0)  # slower now: the window forgets the oldest steps
+    assert pace.step_seconds() == (170.0 - 110.0) / 3
+    assert goal_fields((4, 10), pace, 170.0) == {"goal_done": 4, "goal_total": 10, "step_seconds": 20.0,
+                                                 "eta_seconds": 120.0}
+
+
+def test_bar_and_log_lines_say_k_of_n_with_an_eta(caplog):
+    import io
+    import logging
+
+    from p2ptrain.events import human
+    from p2ptrain.train.progress import Progress
+
+    out = io.StringIO()
+    bar = Progress("outer step 40 (4 of 10)", "inner steps", tty=True, out=out, eta=lambda: 75.0)
+    for i in range(1, 6):
+        bar(i, 5)
+    assert out.getvalue().endswith("outer step 40 (4 of 10): [" + "#" * 30 + "] 5/5 inner steps, ETA 1m15s\n")
+    caplog.set_level(logging.INFO, logger="p2ptrain.train.progress")
+    logged = Progress("outer step 40 (4 of 10)", "inner steps", tty=False, out=io.StringIO(), eta=lambda: 3700.0)
+    logged(5, 5)
+    assert caplog.messages[-1] == "outer step 40 (4 of 10): 5/5 inner steps (100%), ETA 1h01m"
+    line = human("outer_step_committed", {"step": 41, "loss": 3.5, "val_loss": 3.75, "params_sha256": "c" * 64,
+                                          "members": ["a", "b", "c"], "goal_done": 4, "goal_total": 10,
+                                          "step_seconds": 12.5, "eta_seconds": 75.0})
+    assert line == ("step 41 committed (4 of 10): loss 3.5000 val 3.7500 3 member(s) 12.5 s/step ETA 1m15s "
+                    "params cccccccccccc")
+
+
+_TORN = r"""
+import logging, sys, threading
+from p2ptrain.events import setup_logging
+from p2ptrain.train.progress import Progress
+import p2ptrain.train.progress as pr
+pr.REDRAW = 0.0
+setup_logging()
+log = logging.getLogger("p2ptrain.test")
+bar = Progress("outer step 3", "inner steps", tty=True)
+for i in range(1, 11):
+    bar(i, 10)
+    if i in (3, 7):  # from another thread, as records come while the worker thread draws
+        t = threading.Thread(target=log.warning, args=("peer %s is slow", i))
+        t.start(); t.join()
+log.warning("after the bar")
+"""
+
+
+def _screen(raw: str) -> list[str]:
+    """What a terminal shows for `raw`: \r returns to the line's start, ESC[K erases to its end."""
+    lines, cur, col, i = [], [], 0, 0
+    while i < len(raw):
+        if raw.startswith("\x1b[K", i):
+            del cur[col:]
+            i += 3
+            continue
+        c = raw[i]
+        if c == "\r":
+            col = 0
+        elif c == "\n":
+            lines.append("".join(cur))
+            cur, col = [], 0
+        else:
+            cur[col:col + 1] = [c]
+            col += 1
+        i += 1
+    if cur:
+        lines.append("".join(cur))
+    return lines
+
+
+def test_log_lines_print_above_the_bar_not_into_it():
+    r = subprocess.run([sys.executable, "-c", _TORN], capture_output=True, timeout=60)  # bytes: keep the \r
+    assert r.returncode == 0, r.stderr
+    screen = _screen(r.stderr.decode())
+    assert len(screen) == 4, screen
+    for line, said in zip(screen, ("peer 3 is slow", "peer 7 is slow", None, "after the bar")):
+        if said is not None:  # a whole log line of its own, no bar in it
+            assert re.fullmatch(r"\d\d:\d\d:\d\d W p2ptrain\.test: " + said, line), screen
+    assert screen[2] == "outer step 3: [" + "#" * 30 + "] 10/10 inner steps"
