@@ -10,6 +10,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from conftest import trio_test
 from p2ptrain.config import describe, resolve
 from p2ptrain.net.node import NodeConfig
@@ -250,3 +252,32 @@ def test_log_lines_print_above_the_bar_not_into_it():
         if said is not None:  # a whole log line of its own, no bar in it
             assert re.fullmatch(r"\d\d:\d\d:\d\d W p2ptrain\.test: " + said, line), screen
     assert screen[2] == "outer step 3: [" + "#" * 30 + "] 10/10 inner steps"
+
+
+@pytest.mark.integration
+def test_a_clean_exit_shows_offline_at_once_over_real_libp2p(procs, tmp_path):
+    """The withdrawal runs while the node is being cancelled: its host must still be up
+    (Node.on_leave), which only real libp2p shows."""
+    import json
+    import signal
+    import time
+
+    from conftest import start_bootstrap, start_peer
+
+    _, boot = start_bootstrap(procs)
+    peer = start_peer(procs, boot, "p")
+    me = peer.wait_event(lambda e: e["event"] == "listening", 60)["peer"]
+
+    def lobby() -> set:
+        r = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", boot, "--json"],
+                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        return {p["remote"] for p in json.loads(r.stdout.splitlines()[-1])["peers"]}
+
+    deadline = time.monotonic() + 30
+    while me not in lobby():
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    peer.kill(signal.SIGINT)
+    peer.proc.wait(15)
+    assert peer.proc.returncode == 0
+    assert me not in lobby()  # not up to PresenceConfig.ttl (90 s) later

@@ -203,6 +203,32 @@ class Node:
         return [f"{a}/p2p/{self.peer_id}" for a in self.rpc.local_addrs()]
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. The host runs shielded from our caller's cancellation, so
+        that when it comes (Ctrl-C, a finished run) the `on_leave` hooks still reach the
+        network; then the host is stopped. Cancelled together with it, py-libp2p's services
+        stop at once and nothing more can be sent (seen: "cannot schedule task after service
+        has stopped" on a withdrawal)."""
+        host_scope = trio.CancelScope(shield=True)
+
+        async def serve(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with host_scope:
+                await self._serve(task_status=task_status)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve)
+                task_status.started(self)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    await self._leave()
+                    host_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:  # the node's own error (NodeError ...), as before this nursery
+                raise group.exceptions[0] from None
+            raise
+
+    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.host = build_host(self.identity, self.config)
         listen = [parse_maddr(a) for a in self.config.listen]
         try:
@@ -237,10 +263,7 @@ class Node:
                         await nursery.start(self.dht.run)
                     self.events.emit("dht_ready", routing_table=len(self.dht.routing))
                     task_status.started(self)
-                    try:
-                        await trio.sleep_forever()
-                    finally:
-                        await self._leave()
+                    await trio.sleep_forever()
         except Exception as exc:
             if not entered and _is_addr_in_use(exc):
                 raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: address already in use",
