@@ -159,24 +159,31 @@ async def test_status_sees_training_peers_and_runs_and_a_clean_exit_shows_offlin
 
 
 def test_goal_pace_and_eta():
-    from p2ptrain.train.progress import Pace, goal, goal_fields, step_label
+    from p2ptrain.train.progress import Pace, goal, step_label
 
     assert goal(3, 40, 10, 100) == (3, 10)  # --max-outer-steps counts this peer's commits
     assert goal(3, 40, 0, 100) == (40, 100)  # else the run's planned schedule
     assert goal(3, 140, 0, 100) is None and goal(3, 40, 0, None) is None
     assert step_label(40, (3, 10)) == "outer step 40 (4 of 10)" and step_label(40, None) == "outer step 40"
-    pace = Pace(window=3)
-    pace.start(100.0)
-    assert pace.step_seconds() is None and pace.eta(5, 101.0) is None and goal_fields((0, 10), pace, 101.0) == {
-        "goal_done": 0, "goal_total": 10}
-    for t in (110.0, 120.0, 130.0):
-        pace.commit(t)
+    pace = Pace(10, 100, window=3)
+    bar = pace.bar(40, 0, 40, False, 100.0)  # the first inner phase starts the clock
+    assert bar.label == "outer step 40 (1 of 10)" and bar.eta() is None
+    assert pace.eta(5, 101.0) is None
+    assert pace.commit(1, 41, 110.0) == {"goal_done": 1, "goal_total": 10, "step_seconds": 10.0, "eta_seconds": 90.0}
+    for k, t in ((2, 120.0), (3, 130.0)):
+        pace.commit(k, 40 + k, t)
     assert pace.step_seconds() == 10.0
     assert pace.eta(7, 130.0) == 70.0 and pace.eta(7, 134.0) == 66.0 and pace.eta(0, 134.0) == 0.0
-    pace.commit(170.0)  # slower now: the window forgets the oldest steps
-    assert pace.step_seconds() == (170.0 - 110.0) / 3
-    assert goal_fields((4, 10), pace, 170.0) == {"goal_done": 4, "goal_total": 10, "step_seconds": 20.0,
-                                                 "eta_seconds": 120.0}
+    assert pace.commit(4, 44, 170.0) == {"goal_done": 4, "goal_total": 10, "step_seconds": 20.0,
+                                         "eta_seconds": 120.0}  # slower now: the window forgets old steps
+    assert pace.bar(44, 4, 44, False, 171.0).label == "outer step 44 (5 of 10)"
+    assert pace.bar(44, 4, 44, True, 171.0) is None  # --json: the events are the output
+    plain = Pace()  # no goal: no k of N, no ETA
+    assert plain.commit(1, 5, 10.0) == {} and plain.bar(5, 1, 5, False, 11.0).label == "outer step 5"
+    planned = Pace(0, 100)
+    planned.commit(1, 41, 0.0)
+    assert planned.commit(2, 42, 30.0) == {"goal_done": 42, "goal_total": 100, "step_seconds": 30.0,
+                                           "eta_seconds": 58 * 30.0}
 
 
 def test_bar_and_log_lines_say_k_of_n_with_an_eta(caplog):

@@ -47,34 +47,45 @@ def step_label(t: int, goal: tuple[int, int] | None) -> str:
     return f"outer step {t} ({goal[0] + 1} of {goal[1]})"
 
 
-def goal_fields(goal: tuple[int, int] | None, pace: "Pace", now: float) -> dict:
-    """What a committed step's event adds: goal_done, goal_total, step_seconds, eta_seconds
-    (the last two once a step time is measured)."""
-    if goal is None:
-        return {}
-    out = {"goal_done": goal[0], "goal_total": goal[1]}
-    sps, eta = pace.step_seconds(), pace.eta(goal[1] - goal[0], now)
-    if sps is not None:
-        out["step_seconds"] = round(sps, 3)
-    if eta is not None:
-        out["eta_seconds"] = round(eta, 1)
-    return out
-
-
 class Pace:
-    """Seconds per committed outer step, measured between commits (the last `window` of
-    them: a run speeds up or slows down as peers come and go), and the ETA of a goal."""
+    """Where a peer is in its goal, the seconds per committed outer step measured between
+    commits (the last `window` of them: a run speeds up or slows down as peers come and go),
+    and the ETA. The first step's clock starts with its inner phase (`bar`), or else at the
+    first commit."""
 
-    def __init__(self, window: int = 5) -> None:
+    def __init__(self, max_outer_steps: int = 0, planned_outer_steps: int | None = None, window: int = 5) -> None:
+        self.max_outer_steps, self.planned = max_outer_steps, planned_outer_steps
         self.commits: deque[float] = deque(maxlen=window + 1)
 
     def start(self, now: float) -> None:
-        """The first step's clock starts here (the loop began), not at the first commit."""
         if not self.commits:
             self.commits.append(now)
 
-    def commit(self, now: float) -> None:
+    def goal(self, committed: int, step: int) -> tuple[int, int] | None:
+        return goal(committed, step, self.max_outer_steps, self.planned)
+
+    def commit(self, committed: int, step: int, now: float) -> dict:
+        """Note a commit; returns what its event adds: goal_done, goal_total, step_seconds
+        and eta_seconds (the last two once a step time is measured; nothing without a goal)."""
         self.commits.append(now)
+        g = self.goal(committed, step)
+        if g is None:
+            return {}
+        out = {"goal_done": g[0], "goal_total": g[1]}
+        sps, eta = self.step_seconds(), self.eta(g[1] - g[0], now)
+        if sps is not None:
+            out["step_seconds"] = round(sps, 3)
+        if eta is not None:
+            out["eta_seconds"] = round(eta, 1)
+        return out
+
+    def bar(self, t: int, committed: int, step: int, json_mode: bool, now: float) -> "Progress | None":
+        """The inner-step progress of step t, labelled with its place in the goal and
+        showing the run's ETA."""
+        self.start(now)
+        g = self.goal(committed, step)
+        eta = None if g is None else (lambda: self.eta(g[1] - g[0], time.monotonic()))
+        return make(step_label(t, g), json_mode, "inner steps", eta=eta)
 
     def step_seconds(self) -> float | None:
         if len(self.commits) < 2:

@@ -100,7 +100,7 @@ class Trainer:
         # the state they read, waits for them (`_reported`).
         self._bg: trio.Nursery | None = None
         self._reported: trio.Event | None = None
-        self.pace = progress.Pace()  # measured seconds per commit: the ETA (issue 33)
+        self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self.publish_state()
@@ -110,7 +110,6 @@ class Trainer:
             await self.wait_for_peers()
         async with trio.open_nursery() as self._bg:
             joining = await self.sync_with_run()
-            self.pace.start(time.monotonic())
             if self.spec.train.overlap_scheme != "none":  # issue 17: reduce while the next phase trains
                 from p2ptrain.train.overlap import OverlappedLoop
 
@@ -273,12 +272,11 @@ class Trainer:
         sha = await trio.to_thread.run_sync(lambda: self.local.outer_step(out.average()))
         _lap(tm, "outer_step", lap)
         self.committed += 1
-        self.pace.commit(time.monotonic())
         report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
                       bytes_sent=out.bytes_sent, bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
                       seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
                       **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}),
-                      **progress.goal_fields(self._goal(), self.pace, time.monotonic()))
+                      **self.pace.commit(self.committed, self.local.step, time.monotonic()))
         self._reported = trio.Event()
         if self._bg is not None and self.local.evaluates_committed:
             self._bg.start_soon(self._report, t, tm, report, self._reported)
@@ -364,16 +362,9 @@ class Trainer:
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
 
-    def _goal(self) -> tuple[int, int] | None:
-        return progress.goal(self.committed, self.local.step, self.config.max_outer_steps,
-                             self.spec.train.planned_outer_steps)
-
     def _progress(self, t: int):
-        """Inner-step progress: a bar on a terminal, plain log lines otherwise; with the
-        step's place in the goal and the run's ETA when there is a goal."""
-        g = self._goal()
-        eta = None if g is None else (lambda: self.pace.eta(g[1] - g[0], time.monotonic()))
-        return progress.make(progress.step_label(t, g), self.events.json_mode, "inner steps", eta=eta)
+        """Inner-step progress: a bar on a terminal, plain log lines otherwise."""
+        return self.pace.bar(t, self.committed, self.local.step, self.events.json_mode, time.monotonic())
 
     async def publish_state(self, loss: float | None = None, val_loss: float | None = None,
                             params: str | None = None) -> None:
