@@ -288,3 +288,6 @@ def test_a_clean_exit_shows_offline_at_once_over_real_libp2p(procs, tmp_path):
     peer.proc.wait(15)
     assert peer.proc.returncode == 0
     assert me not in lobby()  # not up to PresenceConfig.ttl (90 s) later
+    human = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", boot], capture_output=True,
+                           text=True, timeout=60, cwd=tmp_path)
+    assert human.stdout.startswith("0 peer(s) in 'lobby':") and human.stderr == ""  # the answer, no client chatter

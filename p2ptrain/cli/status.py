@@ -30,6 +30,10 @@ def run(args) -> int:
         args.listen = ["/ip4/127.0.0.1/tcp/0"]  # a client needs no reachable address
     cfg, _ = node_config(args)
     show_config(args)
+    if not getattr(args, "verbose", False):  # a throwaway client: its own start is no news, stdout has the answer
+        import logging
+
+        logging.getLogger("p2ptrain").setLevel(logging.WARNING)
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
     identity = Identity.generate()  # a throwaway client identity: status publishes nothing
