@@ -40,7 +40,7 @@ class PresenceConfig:
     poll_interval: float = 1.0
     """Seconds between reads of everyone's presence (doubling up to poll_max while quiet)."""
     poll_max: float = 8.0
-    withdraw_timeout: float = 5.0
+    withdraw_timeout: float = 3.0
     """Seconds a clean exit may spend storing the "left" records."""
 
     def __post_init__(self) -> None:
