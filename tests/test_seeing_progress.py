@@ -105,6 +105,16 @@ def test_human_stderr_shows_what_a_person_needs_and_debug_shows_everything():
 RUN = "r" * 16
 
 
+def test_presence_records_round_trip_and_hostile_run_names_are_dropped():
+    from p2ptrain.net.presence import decode_presence, encode_presence
+
+    info = decode_presence(encode_presence(["/ip4/1.2.3.4/tcp/5"], "trainer", run=RUN))
+    assert info == {"addrs": ["/ip4/1.2.3.4/tcp/5"], "role": "trainer", "conns": {}, "run": RUN, "left": False}
+    gone = decode_presence(encode_presence(["/ip4/1.2.3.4/tcp/5"], "trainer", {"x": "direct"}, run=RUN, left=True))
+    assert gone["left"] and gone["addrs"] == [] and gone["conns"] == {}
+    assert decode_presence(encode_presence([], "peer", run="\x1b[2J" + RUN))["run"] is None
+
+
 @trio_test()
 async def test_status_sees_training_peers_and_runs_and_a_clean_exit_shows_offline_at_once():
     import io

@@ -13,6 +13,7 @@ A peer in a run also keeps a record in the lobby naming its run, so `status` wit
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ MAX_PRESENCE_BYTES = 4096
 MAX_CONNS = 32  # neighbours listed in a record: keeps it well under MAX_PRESENCE_BYTES
 CONN_KINDS = ("direct", "hole-punched", "relayed")
 LOBBY = "lobby"
+_RUN_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
 @dataclass
@@ -77,9 +79,10 @@ def decode_presence(value: bytes) -> dict | None:
         return None
     conns = obj.get("conns") if isinstance(obj.get("conns"), dict) else {}
     run = obj.get("run")
+    run = run if isinstance(run, str) and _RUN_RE.fullmatch(run) else None  # printed by `status`: no escapes
     return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": str(obj.get("role", "")),
             "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in CONN_KINDS},
-            "run": run if isinstance(run, str) else None, "left": obj.get("left") is True}
+            "run": run, "left": obj.get("left") is True}
 
 
 async def read_peers(dht: DHTNode, namespace: str) -> dict[str, dict]:
