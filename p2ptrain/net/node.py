@@ -208,7 +208,7 @@ class Node:
         network; then the host is stopped. Cancelled together with it, py-libp2p's services
         stop at once and nothing more can be sent (seen: "cannot schedule task after service
         has stopped" on a withdrawal)."""
-        host_scope = trio.CancelScope(shield=True)
+        host_scope = trio.CancelScope()
 
         async def serve(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
             with host_scope:
@@ -217,6 +217,9 @@ class Node:
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(serve)
+                # Only once started: a Ctrl-C while the bootstraps are still being dialled
+                # must stop the node at once, and there is nothing to withdraw yet.
+                host_scope.shield = True
                 task_status.started(self)
                 try:
                     await trio.sleep_forever()
