@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -187,6 +188,10 @@ def test_goal_pace_and_eta():
     assert pace.commit(4, 44, 170.0) == {"goal_done": 4, "goal_total": 10, "step_seconds": 20.0,
                                          "eta_seconds": 120.0}  # slower now: the window forgets old steps
     assert pace.bar(44, 4, 44, False, 171.0).label == "outer step 44 (5 of 10)"
+    ahead = pace.bar(45, 4, 44, False, 172.0)  # overlapped: step 45's phase trains while 44 commits
+    assert ahead.label == "outer step 45 (6 of 10)" and ahead.eta() is not None
+    pace.commit(5, 45, time.monotonic())  # the ETA the bar shows counts from the newest commit
+    assert ahead.eta() == pytest.approx(5 * pace.step_seconds(), abs=1.0)
     assert pace.bar(44, 4, 44, True, 171.0) is None  # --json: the events are the output
     plain = Pace()  # no goal: no k of N, no ETA
     assert plain.commit(1, 5, 10.0) == {} and plain.bar(5, 1, 5, False, 11.0).label == "outer step 5"

@@ -56,6 +56,7 @@ class Pace:
     def __init__(self, max_outer_steps: int = 0, planned_outer_steps: int | None = None, window: int = 5) -> None:
         self.max_outer_steps, self.planned = max_outer_steps, planned_outer_steps
         self.commits: deque[float] = deque(maxlen=window + 1)
+        self.at = (0, 0)  # (committed, step) as last seen: the goal an ETA counts from
 
     def start(self, now: float) -> None:
         if not self.commits:
@@ -68,6 +69,7 @@ class Pace:
         """Note a commit; returns what its event adds: goal_done, goal_total, step_seconds
         and eta_seconds (the last two once a step time is measured; nothing without a goal)."""
         self.commits.append(now)
+        self.at = (committed, step)
         g = self.goal(committed, step)
         if g is None:
             return {}
@@ -81,11 +83,18 @@ class Pace:
 
     def bar(self, t: int, committed: int, step: int, json_mode: bool, now: float) -> "Progress | None":
         """The inner-step progress of step t, labelled with its place in the goal and
-        showing the run's ETA."""
+        showing the run's ETA (counted from the latest commit: in an overlapped run, step
+        t-1 commits while step t's phase trains)."""
         self.start(now)
+        self.at = (committed, step)
         g = self.goal(committed, step)
-        eta = None if g is None else (lambda: self.eta(g[1] - g[0], time.monotonic()))
-        return make(step_label(t, g), json_mode, "inner steps", eta=eta)
+        ahead = max(0, t - step)  # overlapped runs: step t's phase starts before step t-1 commits
+        return make(step_label(t, None if g is None else (g[0] + ahead, g[1])), json_mode, "inner steps",
+                    eta=None if g is None else self.eta_now)
+
+    def eta_now(self) -> float | None:
+        g = self.goal(*self.at)
+        return None if g is None else self.eta(g[1] - g[0], time.monotonic())
 
     def step_seconds(self) -> float | None:
         if len(self.commits) < 2:
