@@ -185,6 +185,7 @@ def test_goal_pace_and_eta():
         pace.commit(k, 40 + k, t)
     assert pace.step_seconds() == 10.0
     assert pace.eta(7, 130.0) == 70.0 and pace.eta(7, 134.0) == 66.0 and pace.eta(0, 134.0) == 0.0
+    assert pace.eta(7, 145.0) == 60.0  # the current step runs long: the six after it still count
     assert pace.commit(4, 44, 170.0) == {"goal_done": 4, "goal_total": 10, "step_seconds": 20.0,
                                          "eta_seconds": 120.0}  # slower now: the window forgets old steps
     assert pace.bar(44, 4, 44, False, 171.0).label == "outer step 44 (5 of 10)"

@@ -103,11 +103,14 @@ class Pace:
 
     def eta(self, remaining: int, now: float) -> float | None:
         """Seconds until `remaining` more steps are committed: the measured step time each,
-        less what the current step has already run."""
+        less what the current step has already run (a current step slower than the mean
+        counts as ending now: the ETA does not fall to 0 while steps remain)."""
         sps = self.step_seconds()
         if sps is None:
             return None
-        return max(0.0, remaining * sps - (now - self.commits[-1])) if remaining > 0 else 0.0
+        if remaining <= 0:
+            return 0.0
+        return max(0.0, sps - (now - self.commits[-1])) + (remaining - 1) * sps
 
 
 class Progress:
