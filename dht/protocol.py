@@ -54,15 +54,15 @@ def _unpack(body: bytes, max_frame: int) -> object:
 
 def decode_request(body: bytes, max_frame: int) -> tuple[int, str, dict]:
     obj = _unpack(body, max_frame)
-    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[0], int)
-            and obj[1] in METHODS and isinstance(obj[2], dict)):
+    if not (isinstance(obj, list) and len(obj) == 3 and type(obj[0]) is int  # not a bool
+            and isinstance(obj[1], str) and obj[1] in METHODS and isinstance(obj[2], dict)):
         raise FrameError("malformed", "expected [req_id, method, body]")
     return obj[0], obj[1], obj[2]
 
 
 def decode_reply(body: bytes, max_frame: int) -> tuple[int, bool, object]:
     obj = _unpack(body, max_frame)
-    if not (isinstance(obj, list) and len(obj) == 3 and isinstance(obj[0], int) and isinstance(obj[1], bool)):
+    if not (isinstance(obj, list) and len(obj) == 3 and type(obj[0]) is int and isinstance(obj[1], bool)):
         raise FrameError("malformed", "expected [req_id, ok, body]")
     return obj[0], obj[1], obj[2]
 

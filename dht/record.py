@@ -128,7 +128,7 @@ def decode(data: bytes) -> Record:
         )
     except Exception as exc:  # msgpack raises several unrelated types on garbage
         raise RecordError("malformed", f"{type(exc).__name__}") from None
-    if not (isinstance(obj, list) and len(obj) == 7 and obj[0] == VERSION):
+    if not (isinstance(obj, list) and len(obj) == 7 and type(obj[0]) is int and obj[0] == VERSION):  # True == 1
         raise RecordError("malformed", "expected [version, key, subkey, value, expiry, signer, sig]")
     _, key, subkey, value, expiry, signer, sig = obj
     if not (isinstance(subkey, bytes) and isinstance(value, bytes) and isinstance(signer, bytes)

@@ -7,6 +7,12 @@ On stderr (no --json) a person watching sees what they need: committed steps wit
 loss, joins, skips with their reasons, errors (`SHOWN`, `WARNED`). Every other event (timing
 breakdowns, per-step checkpoint writes, round internals) is logged at DEBUG, shown with -v or
 P2PTRAIN_DEBUG=1; --json always writes every event (issue 33).
+
+Events and log messages carry strings peers chose (a blame reason in an abort vote, a
+record's field): a newline in one forged a log line of its own. Every readable line is
+written through `clean` (control characters escaped, length bounded): the text events here,
+and every log record through the formatter `setup_logging` installs (`SafeFormatter`).
+JSON lines escape control characters by themselves.
 """
 
 from __future__ import annotations
@@ -95,23 +101,54 @@ def duration(seconds: float) -> str:
 
 def _short(v: Any) -> str:
     if isinstance(v, list):
-        return "[" + ", ".join(map(str, v)) + "]"
-    return str(v)
+        return clean("[" + ", ".join(map(str, v)) + "]", MAX_FIELD)
+    return clean(v, MAX_FIELD)
+
+
+MAX_FIELD = 2000
+"""Characters of one text event field (a member list of 64 peer ids fits)."""
+MAX_LOG_MESSAGE = 4000
+
+
+def _escape(ch: str) -> str:
+    n = ord(ch)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}"
+
+
+# C0 and C1 controls, DEL, and the line and paragraph separators some viewers break lines on.
+_CONTROL = {n: _escape(chr(n)) for n in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)}
+
+
+def clean(value: Any, limit: int = 200) -> str:
+    """`value` as one line of text: control characters escaped (\\x0a for a newline), at most
+    `limit` characters (then "..." and how many more). For strings peers chose."""
+    text = str(value)
+    over = len(text) - limit
+    if over > 0:
+        text = text[:limit]
+    text = text.translate(_CONTROL)
+    return text if over <= 0 else f"{text}...(+{over})"
+
+
+class SafeFormatter(logging.Formatter):
+    """Log messages as one line each (`clean`), whatever their arguments held; a traceback
+    the record carries is ours and keeps its lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = clean(record.message, MAX_LOG_MESSAGE)
+        return super().formatMessage(record)
 
 
 def setup_logging(verbose: bool = False) -> None:
     """Logging on stderr: INFO, or DEBUG with `verbose` or P2PTRAIN_DEBUG=1."""
     import os
 
-    verbose = verbose or os.environ.get("P2PTRAIN_DEBUG") == "1"
     from p2ptrain.console import LiveLineHandler
 
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        handlers=[LiveLineHandler(sys.stderr)],  # records print above a progress bar, not into it
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    verbose = verbose or os.environ.get("P2PTRAIN_DEBUG") == "1"
+    handler = LiveLineHandler(sys.stderr)  # records print above a progress bar, not into it
+    handler.setFormatter(SafeFormatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     # libp2p is chatty at INFO; its warnings still show.
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)

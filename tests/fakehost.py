@@ -94,15 +94,73 @@ def decode(msg: bytes) -> dict:
     return decode_control(msg[4:4 + n])
 
 
-class PipeNet:
-    """Hosts whose streams are real two-way byte pipes (`trio.testing.memory_stream_pair`),
-    for protocols that ask and answer on one stream (blob fetches): the serving code runs
-    unchanged, only the sockets are in memory. `delay[peer]`: seconds before that peer's
-    streams open (a slow peer)."""
+# -- byte streams with flow control (serving blobs) -------------------------------------------
+class _Pipe:
+    """One direction of an in-memory stream: a writer waits while `cap` bytes are unread, as a
+    libp2p stream's writer waits for its window."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
-        self.nursery = nursery
-        self.hosts: dict[bytes, PipeHost] = {}
+    def __init__(self, cap: int) -> None:
+        self.buf, self.cap, self.eof, self.broken = bytearray(), cap, False, False
+        self._changed = trio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def write(self, data: bytes) -> None:
+        data = memoryview(bytes(data))
+        while len(data):
+            if self.broken:
+                raise ConnectionResetError("stream reset")
+            room = self.cap - len(self.buf)
+            if room <= 0:
+                await self._changed.wait()
+                continue
+            self.buf += data[:room]
+            data = data[room:]
+            self._notify()
+
+    async def read(self, n: int) -> bytes:
+        while not self.buf or self.broken:  # a reset drops what was not read yet
+            if self.broken:
+                raise ConnectionResetError("stream reset")
+            if self.eof:
+                return b""
+            await self._changed.wait()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        self._notify()
+        return out
+
+
+class PipeStream:
+    def __init__(self, peer: bytes, inbound: _Pipe, outbound: _Pipe) -> None:
+        self.muxed_conn, self.inbound, self.outbound = _Conn(peer), inbound, outbound
+
+    async def read(self, n: int) -> bytes:
+        return await self.inbound.read(n)
+
+    async def write(self, data: bytes) -> None:
+        await self.outbound.write(data)
+
+    async def close(self) -> None:
+        self.outbound.eof = True
+        self.outbound._notify()
+
+    async def reset(self) -> None:
+        for pipe in (self.inbound, self.outbound):
+            pipe.broken = True
+            pipe._notify()
+
+
+class PipeNet:
+    """Hosts whose streams are two-way byte pipes with flow control (`cap` unread bytes per
+    direction, as a libp2p stream's window), for protocols that ask and answer on one stream
+    (blob fetches): the serving code runs unchanged, only the sockets are in memory.
+    `delay[peer]`: seconds before that peer's streams open (a slow peer)."""
+
+    def __init__(self, nursery: trio.Nursery, cap: int = 64 << 10) -> None:
+        self.nursery, self.cap, self.hosts = nursery, cap, {}
         self.delay: dict[bytes, float] = {}
 
     def host(self, peer_id: bytes) -> "PipeHost":
@@ -117,34 +175,13 @@ class PipeHost:
     def set_stream_handler(self, proto, handler) -> None:
         self.handlers[proto] = handler
 
-    async def new_stream(self, peer: ID, protos) -> "_Pipe":
+    async def new_stream(self, peer: ID, protos) -> PipeStream:
         dst = self.net.hosts.get(peer.to_bytes())
         if dst is None:
             raise ConnectionError("no route")
         await trio.sleep(self.net.delay.get(peer.to_bytes(), 0.0))
-        if protos[0] not in dst.handlers:
+        if protos[0] not in dst.handlers:  # libp2p's negotiation fails the same way
             raise ConnectionError(f"protocol not supported: {protos[0]}")
-        mine, theirs = trio.testing.memory_stream_pair()
-        self.net.nursery.start_soon(dst.handlers[protos[0]], _Pipe(theirs, self.peer_id))
-        return _Pipe(mine, dst.peer_id)
-
-
-class _Pipe:
-    def __init__(self, stream, remote: bytes) -> None:
-        self._s, self.muxed_conn = stream, _Conn(remote)
-
-    async def read(self, n: int) -> bytes:
-        try:
-            return await self._s.receive_some(n)
-        except trio.ClosedResourceError:
-            return b""
-
-    async def write(self, data: bytes) -> None:
-        await self._s.send_all(bytes(data))
-
-    async def close(self) -> None:
-        with trio.move_on_after(1):
-            await self._s.send_eof()
-
-    async def reset(self) -> None:
-        await self._s.aclose()
+        there, back = _Pipe(self.net.cap), _Pipe(self.net.cap)
+        self.net.nursery.start_soon(dst.handlers[protos[0]], PipeStream(self.peer_id, there, back))
+        return PipeStream(peer.to_bytes(), back, there)

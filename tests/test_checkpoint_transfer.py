@@ -12,6 +12,9 @@ import pytest
 import trio
 
 from conftest import LOOPBACK, trio_test
+from fakehost import PipeNet
+from libp2p.peer.id import ID
+from p2ptrain.ckpt import fetch
 from p2ptrain.ckpt import chunks
 from p2ptrain.ckpt import providers
 from fakes.adversary import CorruptBlobServer, flip_one_byte
@@ -332,3 +335,72 @@ def test_async_writer_keeps_last_k_and_cleans_torn_writes(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["step-000003.p2ck", "step-000004.p2ck"], names
     assert checkpoint.decode((tmp_path / names[-1]).read_bytes())[1]["outer_step"] == 4
+
+
+# -- serving slots (in memory) ---------------------------------------------------------
+async def _slow_request(host, server: bytes, digest: str, log: list) -> None:
+    """A request whose reader takes 1 KiB a second: it would hold its slot ~17 minutes."""
+    stream = await host.new_stream(ID(server), [fetch.PROTOCOL])
+    req = msgpack.packb({"sha256": digest})
+    await stream.write(len(req).to_bytes(2, "big") + req)
+    t0 = trio.current_time()
+    try:
+        while await stream.read(1024):
+            await trio.sleep(1.0)
+        log.append(("eof", trio.current_time() - t0))
+    except ConnectionError:
+        log.append(("reset", trio.current_time() - t0))
+
+
+@trio_test()
+async def test_one_identity_cannot_hold_every_serving_slot():
+    """Slot hogging (issue 32): one identity opens 10 requests for a 1 MiB blob and reads each
+    at 1 KiB/s, before an honest fetcher asks once with a 60 s timeout. Before, the first 4
+    held every slot for their whole 60 s and the rest queued ahead of the honest request,
+    whose first byte came long after its timeout. Now that identity holds at most 2 slots,
+    queues at most 4 more (the rest are refused at once), and each slow reader gives its slot
+    back within its deadline: the honest request is served at once."""
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        server_id, hog_id, honest_id = (Identity.generate().peer_id for _ in range(3))
+        cfg = ServeConfig(upload_mbps=0, slot_allowance=5.0, slot_min_mbps=1.0)
+        blobs = BlobServer(net.host(server_id), config=cfg)
+        digest = blobs.add(os.urandom(1 << 20))
+        hog, honest = net.host(hog_id), net.host(honest_id)
+        outcomes: list = []
+        for _ in range(10):
+            nursery.start_soon(_slow_request, hog, server_id, digest, outcomes)
+        await trio.sleep(0.5)
+        assert blobs.slots.active == {hog_id: 2} and blobs.slots.waiting == 4
+        assert sorted(outcomes) == [("reset", 0.0)] * 4  # refused at once
+        t0 = trio.current_time()
+        data = await fetch.request(honest, server_id, digest, 2 << 20, timeout=60.0)
+        assert hashlib.sha256(data).hexdigest() == digest and trio.current_time() - t0 < 1.0
+        with trio.fail_after(60):
+            while len(outcomes) < 10:
+                await trio.sleep(1)
+        # Each slow reader was reset when its deadline ran out (5 s + 1 MiB at 1 MB/s of
+        # waiting on it; it notices at its next read, within 1 s); the queued ones, 2 at a
+        # time, after the ones ahead of them.
+        held = sorted(t for kind, t in outcomes[4:])
+        deadline = 5.0 + (1 << 20) / 1e6
+        assert all(kind == "reset" for kind, _ in outcomes), outcomes
+        assert all(deadline <= t <= (i // 2 + 1) * deadline + 1.01 for i, t in enumerate(held)), held
+        assert blobs.slots.active == {} and blobs.slots.waiting == 0
+        nursery.cancel_scope.cancel()
+
+
+def test_fair_slots_take_turns_per_identity_and_bound_their_queues():
+    from p2ptrain.ckpt.slots import FairSlots, SlotConfig
+
+    slots = FairSlots(SlotConfig(slots=2, per_peer=1, per_peer_waiting=2, max_waiting=3))
+    assert slots.ask("a", "a1") is True and slots.ask("a", "a2") is False and slots.ask("a", "a3") is False
+    assert slots.ask("a", "a4") is None  # its own queue is full
+    assert slots.ask("b", "b1") is True  # a free slot, under b's share
+    assert slots.ask("c", "c1") is False and slots.ask("d", "d1") is None  # every queue together is full
+    assert slots.release("a") == ["c1"]  # c's turn before a's second request
+    assert slots.release("b") == ["a2"]
+    assert slots.leave("a", "a3") and not slots.leave("a", "a3")
+    assert slots.release("c") == [] and slots.release("a") == [] and slots.busy == 0 and slots.waiting == 0
+    with pytest.raises(ValueError):
+        SlotConfig(per_peer=0)

@@ -218,3 +218,41 @@ async def test_a_write_cancelled_part_way_resets_its_stream_and_the_next_send_op
     with trio.move_on_after(5):
         await ctl.send(peer, pack({"n": 2}))
     assert len(host.streams) == 2
+
+
+class _Trickle(_InStream):
+    """An inbound stream whose sender writes a byte a second."""
+
+    async def read(self, n: int) -> bytes:
+        await trio.sleep(1.0)
+        return await super().read(min(n, 1))
+
+    async def reset(self) -> None:
+        self.was_reset = True
+
+
+@trio_test()
+async def test_a_trickled_message_ends_its_stream_after_message_timeout_unhandled(caplog):
+    """Slowloris on control streams (issue 32): a message sent a byte a second never let the
+    idle wait expire, as each partial read restarted it (this 70-byte message took 70 s, then
+    was handled). Once a message's first byte is in, all of it must be within
+    `message_timeout`: the stream is dropped with a logged reason and nothing is handled."""
+    caplog.set_level(logging.WARNING, logger="p2ptrain.reduce.ctlstreams")
+    async with trio.open_nursery() as nursery:
+        net = FakeNet(nursery)
+        a, b = Identity.generate(), Identity.generate()
+        got = []
+
+        async def handle(sender, msg):
+            got.append(msg)
+
+        sb = ControlStreams(net.host(b.peer_id), handle, ControlStreamsConfig(idle_close=600.0, message_timeout=5.0))
+        stream = _Trickle(a.peer_id, pack({"kind": "vote", "pad": "x" * 50}))
+        t0 = trio.current_time()
+        with trio.fail_after(30):
+            await sb.serve(stream)
+        assert trio.current_time() - t0 <= 1.0 + 5.0 + 0.01  # the first byte's second, then the timeout
+        assert got == [] and stream.was_reset
+        assert any("slow message" in r.getMessage() for r in caplog.records), caplog.records
+        with pytest.raises(ValueError, match="message_timeout"):
+            ControlStreamsConfig(message_timeout=0)

@@ -309,3 +309,45 @@ def test_dashboard_in_chromium_during_demo(tmp_path, report):
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait(10)
+
+
+def _raw_get(port: int, path: str, host: str | None) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        head = f"GET {path} HTTP/1.1\r\n" + (f"Host: {host}\r\n" if host is not None else "") + "Connection: close\r\n\r\n"
+        sock.sendall(head.encode())
+        reply = b""
+        while b"\r\n" not in reply:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            reply += chunk
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_a_request_for_another_host_name_is_refused():
+    """DNS rebinding (issue 32): a page at evil.example re-points its name to 127.0.0.1 and
+    reads /api/state as same-origin; its requests carry Host: evil.example. Before, the
+    dashboard answered them (200); now only its own names and IP literals are served."""
+    events = EventSink(A, json_mode=True, out=open(os.devnull, "w"))
+    codes: dict = {}
+
+    def client(url: str) -> None:
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        for host in ("evil.example", "evil.example:%d" % port, "127.0.0.1.evil.example", "localhost.evil.example",
+                     "", "127.0.0.1:%d" % port, "localhost:%d" % port, "[::1]:%d" % port, "LocalHost",
+                     "box.lan:%d" % port, None):
+            codes[host] = (_raw_get(port, "/api/state", host), _raw_get(port, "/metrics", host))
+
+    async def main() -> None:
+        dash = Dashboard(DashboardConfig(listen="127.0.0.1:0", allowed_hosts=("box.lan",)), events)
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(dash.run)
+            with trio.fail_after(30):
+                await trio.to_thread.run_sync(client, url)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    refused = ("evil.example", next(h for h in codes if h and h.startswith("evil.example:")),
+               "127.0.0.1.evil.example", "localhost.evil.example", "")
+    assert all(codes[h] == (403, 403) for h in refused), codes
+    assert all(v == (200, 200) for h, v in codes.items() if h not in refused), codes

@@ -191,16 +191,23 @@ def test_control_length(n):
 
 # -- bulk frames -------------------------------------------------------------------------
 class BytesIO:
-    """The bytes a peer sent, as a channel's IO (recv_into/sendall/close)."""
+    """The bytes a peer sent, as a channel's IO (recv_wait/recv_into/sendall/close)."""
 
     def __init__(self, data: bytes) -> None:
         self.data, self.pos = memoryview(data), 0
 
-    def recv_into(self, view: memoryview) -> None:
+    def recv_into(self, view: memoryview, limit: float | None = None) -> None:
         if self.pos + len(view) > len(self.data):
             raise RingError("peer closed the connection")
         view[:] = self.data[self.pos:self.pos + len(view)]
         self.pos += len(view)
+
+    def recv_wait(self, view: memoryview) -> int:
+        n = min(len(view), len(self.data) - self.pos)
+        if n == 0:
+            raise RingError("peer closed the connection")
+        self.recv_into(view[:n])
+        return n
 
     def sendall(self, parts) -> None:
         self.data = memoryview(b"".join(bytes(p) for p in parts))
@@ -392,3 +399,155 @@ def test_reputation_reports(data):
 def test_presence_records(data):
     out = rejects(presence.decode_presence, data, (), 256 * 1024)
     assert out is None or isinstance(out, dict)
+
+
+# -- loose types (issue 32): a field of the wrong type is rejected, never coerced ----------
+from p2ptrain.run import records, roster as roster_codec  # noqa: E402
+from p2ptrain.reduce import commit as commit_codec  # noqa: E402
+from p2ptrain.events import EventSink, SafeFormatter, clean  # noqa: E402
+
+ADDR = "/ip4/1.2.3.4/tcp/1"
+READY = {"ready_at": NOW, "addrs": [ADDR], "joining": False}
+# What each field of a ready record may be; anything else must be refused.
+READY_TYPES = {"ready_at": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+               "joining": lambda v: isinstance(v, bool),
+               "addrs": lambda v: v is None or isinstance(v, list) and all(isinstance(a, str) for a in v)}
+LOOSE = st.one_of(st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=8),
+                  st.binary(max_size=8), st.lists(st.one_of(st.integers(0, 3), st.text(max_size=4)), max_size=3),
+                  st.dictionaries(st.text(max_size=3), st.integers(0, 3), max_size=2), st.none())
+
+
+@FUZZ
+@given(st.sampled_from(sorted(READY_TYPES)), LOOSE)
+def test_ready_record_fields_of_the_wrong_type_are_refused(field, value):
+    """Before: ready_at=True or "1.8e9" became a time (float()), joining="no" was True
+    (bool()), and a string for addrs read as no addresses."""
+    obj = dict(READY, **{field: value})
+    try:
+        out = records.decode_ready(ID_A.peer_id_str, msgpack.packb(obj))
+    except records.RecordError:
+        assert not READY_TYPES[field](value) or (field == "ready_at" and not np.isfinite(value))
+    else:
+        assert READY_TYPES[field](value) and isinstance(out.ready_at, float)
+
+
+def _header_body(**change) -> dict:
+    h = contribution.Header("run", 3, 0, "ab" * 32, ID_A.peer_id_str, (1.0, 2.0), ("cd" * 32,), 2.5, 10, 100)
+    return dict(h.body(), **change)
+
+
+def _signed(body: dict) -> bytes:
+    return msgpack.packb({"h": body, "sig": ID_A.sign(contribution._payload(body))}, use_bin_type=True)
+
+
+@pytest.mark.parametrize("change", [
+    {"step": True}, {"attempt": "0"}, {"inner_steps": 9.5}, {"tokens": [100]}, {"norm": True}, {"norm": "2.5"},
+    {"chunk_norms": "12"}, {"chunk_norms": [True]}, {"own_digests": "cd"}, {"own_digests": [7]}, {"run": 5},
+    {"roster": b"ab"},
+])
+def test_contribution_headers_of_loose_types_are_refused_though_signed(change):
+    """A header signed as sent, but with a field of another type. Before: step=True read as
+    step 1, "12" as chunk norms (1.0, 2.0), "cd" as two digests, run=5 as "5"."""
+    assert contribution.decode_header(_signed(_header_body())).step == 3  # the honest one passes
+    with pytest.raises(contribution.BadContribution, match="malformed"):
+        contribution.decode_header(_signed(_header_body(**change)))
+
+
+def _provider(**change) -> bytes:
+    obj = msgpack.unpackb(VALID_PROVIDER)
+    obj.update(change)
+    return msgpack.packb(obj)
+
+
+@pytest.mark.parametrize("decoder, good, bad, error", [
+    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(step=True), providers.ProviderError),
+    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(members=ID_B.peer_id_str),
+     providers.ProviderError),
+    (lambda d: providers.decode(ID_A.peer_id_str, d), _provider(), _provider(addrs=ADDR), providers.ProviderError),
+    (reputation.decode_report, VALID_REPORT, msgpack.packb({"flagged": {ID_B.peer_id_str: True}}), ValueError),
+    (records.decode_state, records.encode_state(records.State(4, "a" * 64, "b" * 64)),
+     msgpack.packb({"step": 4, "params": "a" * 64, "ckpt": "b" * 64, "loss": "0.5"}), records.RecordError),
+    (records.decode_state, records.encode_state(records.State(4, "a" * 64, "b" * 64)),
+     msgpack.packb({"step": 4, "params": "a" * 64, "ckpt": "b" * 64, "addrs": ADDR}), records.RecordError),
+    (chunks.decode_manifest, VALID_CHUNKS, msgpack.packb(dict(msgpack.unpackb(VALID_CHUNKS), v=True)),
+     chunks.ChunkError),
+    (lambda d: protocol.decode_request(d, 1 << 20), msgpack.packb([7, "ping", {}]), msgpack.packb([True, "ping", {}]),
+     protocol.FrameError),
+    (lambda d: protocol.decode_request(d, 1 << 20), msgpack.packb([7, "ping", {}]), msgpack.packb([7, ["ping"], {}]),
+     protocol.FrameError),
+    (lambda d: protocol.decode_reply(d, 1 << 20), msgpack.packb([7, True, {}]), msgpack.packb([False, True, {}]),
+     protocol.FrameError),
+    (record.decode, VALID_REC, msgpack.packb([True, *msgpack.unpackb(VALID_REC)[1:]], use_bin_type=True),
+     record.RecordError),
+], ids=["provider-step-bool", "provider-members-str", "provider-addrs-str", "report-step-bool", "state-loss-str",
+        "state-addrs-str", "chunks-version-bool", "dht-request-id-bool", "dht-request-method-list",
+        "dht-reply-id-bool", "dht-record-version-bool"])
+def test_decoders_refuse_a_field_of_the_wrong_type(decoder, good, bad, error):
+    decoder(good)  # the well-typed original decodes
+    with pytest.raises(error):
+        decoder(bad)
+
+
+def test_presence_and_roster_confirmations_of_loose_types_are_dropped():
+    assert presence.decode_presence(VALID_PRESENCE)["role"] == "trainer"
+    assert presence.decode_presence(msgpack.packb({"addrs": [ADDR], "role": 5})) is None  # was "5"
+    assert presence.decode_presence(msgpack.packb({"addrs": [ADDR], "conns": "direct"})) is None
+    view = [ID_A.peer_id_str, ID_B.peer_id_str]
+    from p2ptrain.run import election
+
+    rh = election.roster_hash("run", 3, 0, view)
+    ok = roster_codec.Confirm(rh, "base", 16 * 4096 + 2, tuple(view)).encode()
+    assert roster_codec.decode(ok, "run", 3, 0) is not None
+    for chunk in ("+65538", " 65538", "65_538", "６５５３８"):  # int() took each of them
+        assert roster_codec.decode(ok.replace(b"/65538/", f"/{chunk}/".encode()), "run", 3, 0) is None, chunk
+
+
+def test_sparse_headers_signed_with_step_true_do_not_match_step_1():
+    from p2ptrain.reduce import sparsecodec
+
+    cfg = sparsecodec.SparseConfig()
+    n, payload = 4096, b""
+    body = sparsecodec._body("run", True, 0, "r", ID_A.peer_id_str, n, cfg, payload)
+    header = msgpack.packb({"h": body, "sig": ID_A.sign(sparsecodec._DOMAIN + msgpack.packb(body))}, use_bin_type=True)
+    with pytest.raises(sparsecodec.BadSparse, match="wrong-step"):
+        sparsecodec.verify(ID_A.peer_id_str, header, [], "run", 1, 0, "r", n, cfg)
+
+
+# -- peer-chosen text in logs (issue 32) ---------------------------------------------------
+@FUZZ
+@given(st.text(max_size=600), st.integers(1, 300))
+def test_clean_text_is_one_bounded_line(text, limit):
+    out = clean(text, limit)
+    assert not any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 or c in "\u2028\u2029" for c in out)
+    assert len(out) <= 4 * limit + 20  # each kept character escapes to at most 6, "...(+n)" after
+    if text.isprintable() and len(text) <= limit:
+        assert out == text
+
+
+def test_a_peers_reason_cannot_forge_a_log_line(caplog):
+    """An abort vote's reason with a newline: before, it reached the round's blame and every
+    log line that printed it as two lines (the second forged: "... INFO round committed")."""
+    import io
+    import logging
+
+    evil = "bad norm\n12:00:00 I p2ptrain: outer_step_committed step=9\x1b[2K"
+    vote = commit_codec._parse_vote({"ok": False, "digest": "", "blame": ID_B.peer_id_str, "reason": evil})
+    assert "\n" not in vote["reason"] and "\x1b" not in vote["reason"] and "\\x0a" in vote["reason"]
+    with pytest.raises(ValueError):  # a reason of another type is malformed, not str()-ed
+        commit_codec._parse_vote({"ok": False, "digest": "", "blame": "", "reason": ["a", "b"]})
+    # Whatever a caller logs, the installed formatter writes one line per record.
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(SafeFormatter("%(levelname).1s %(name)s: %(message)s"))
+    logger = logging.getLogger("p2ptrain.test.safe")
+    logger.addHandler(handler)
+    try:
+        logger.warning("contribution rejected: reason=%s", evil)
+    finally:
+        logger.removeHandler(handler)
+    assert out.getvalue().count("\n") == 1 and "\\x0a12:00:00" in out.getvalue()
+    # Text events: each field escaped too (round_failed is a DEBUG line in human mode: issue 33).
+    caplog.set_level(logging.DEBUG, logger="p2ptrain")
+    EventSink(ID_A.peer_id_str, json_mode=False).emit("round_failed", blamed={ID_B.peer_id_str: evil})
+    msgs = [r.getMessage() for r in caplog.records if "round_failed" in r.getMessage()]
+    assert msgs and all("\n" not in m and "\x1b" not in m for m in msgs), msgs

@@ -4,12 +4,14 @@ digest is compared with a fresh-session round on the same inputs: reuse changes 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import trio
 
 from conftest import each_member, service_cluster
-from p2ptrain.reduce.service import AllReduceService, RoundFailed
+from p2ptrain.reduce.service import AllReduceConfig, AllReduceService, RoundFailed
 
 pytestmark = pytest.mark.integration
 
@@ -80,6 +82,76 @@ def test_a_round_of_one_returns_its_own_vector():
             vec = np.arange(10, dtype=np.float32)
             res = await svcs[0].allreduce(vec, "run", "solo", [nodes[0].identity.peer_id_str])
             assert np.array_equal(res.result, vec) and res.result is not vec and res.sent_bytes == 0
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+class _TrickleIO:
+    """A Sybil's bulk IO: every frame leaves one byte every `every` seconds."""
+
+    def __init__(self, io, every: float) -> None:
+        self.io, self.every = io, every
+        if hasattr(io, "recv_some"):
+            self.recv_some = io.recv_some
+
+    def sendall(self, parts) -> None:
+        data = b"".join(bytes(p) for p in parts)
+        for i in range(len(data)):
+            self.io.sendall([data[i:i + 1]])  # raises once the receiver closed: the thread ends
+            time.sleep(self.every)
+
+    def __getattr__(self, name):
+        return getattr(self.io, name)
+
+
+class TricklingService(AllReduceService):
+    """Sends its bulk frames (data and votes) one byte every 0.1 s (slowloris), and never
+    votes to abort (its own send timeout would otherwise end the round for everyone)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        wrap = self.sessions._wrap
+        self.sessions._wrap = lambda io: _TrickleIO(wrap(io), 0.1)
+
+        async def no_abort(*args, **kwargs) -> None:
+            pass
+
+        self.board.abort = no_abort
+
+
+@pytest.mark.parametrize("world, direct", [(2, True), (3, True), (2, False)],
+                         ids=["pair", "ring-of-3", "pair-libp2p-fallback"])
+def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_is_blamed(world, direct):
+    """Slowloris (issue 32): the last member sends its frames a byte every 0.1 s, below any
+    per-read timeout (3 s here). Before, its successor waited as long as the trickle lasted
+    (~1,000 s for these 10 KB frames), and nobody was blamed. Now the frame's budget (1 s +
+    its size at 1 MB/s) runs out: the round fails at its successor, which blames the
+    trickler, and every honest member reports that blame."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await service_cluster(nursery, [AllReduceService] * (world - 1) + [TricklingService],
+                                                frame_timeout=3.0, setup_timeout=5.0, frame_allowance=1.0,
+                                                frame_min_rate_mbps=1.0, direct=direct)
+            # The Sybil itself waits as long as it likes (its own send timeout would end its round).
+            svcs[-1].config = AllReduceConfig(frame_timeout=600.0, setup_timeout=5.0, direct=direct)
+            members = [n.identity.peer_id_str for n in nodes]
+            sybil = members[-1]
+            vecs = [np.full(20_000, float(i + 1), np.float32) for i in range(world)]
+            t0 = trio.current_time()
+            took = {}
+
+            async def member(i):
+                try:
+                    return await svcs[i].allreduce(vecs[i], "run", "r0", members)
+                finally:
+                    took[i] = trio.current_time() - t0
+
+            out = (await each_member(world, member, timeout=30))[:-1]
+            assert all(isinstance(r, RoundFailed) for r in out), out
+            took = max(took[i] for i in range(world - 1))
+            assert all(sybil in r.blamed and "slow frame" in r.blamed[sybil] for r in out), [r.blamed for r in out]
+            assert took < 5.0, took  # setup, a ~1 s budget, the abort votes
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from p2ptrain.reduce.bulk import FrameChannel, SocketIO, derive_key
+from p2ptrain.reduce.bulk import FrameBudget, FrameChannel, SocketIO, derive_key
 from p2ptrain.reduce.ring import FrameId, RingConfig, RingError, allreduce, layout, wire_bytes
 
 
@@ -319,6 +319,77 @@ def test_a_frame_pulled_in_pieces_opens_once_whole_and_bad_frames_are_dropped_on
             time.sleep(0.001)
     a.close()
     b.close()
+
+
+def _trickle(sock, data: bytes, head: int, every: float, stop: threading.Event) -> threading.Thread:
+    """Send `data`'s first `head` bytes at once, then one byte every `every` seconds."""
+    def run():
+        try:
+            sock.sendall(data[:head])
+            for i in range(head, len(data)):
+                if stop.wait(every):
+                    return
+                sock.sendall(data[i:i + 1])
+        except OSError:
+            pass
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("head", [0, 5, 200])
+def test_a_trickled_frame_fails_within_its_budget_and_blames_its_sender(head):
+    """Slowloris (issue 32): a sender that trickles one byte every 0.2 s never lets a
+    per-operation timeout of 1 s expire (it restarted on every partial read: 210 s for this
+    1 KiB frame, blaming nobody). A frame once begun, in its header (head 0, 5) or its body
+    (200), must be whole within its budget (0.5 s here, plus its size at 100 kB/s), and the
+    channel then fails blaming the sender."""
+    a, b = tcp_pair()
+    key, tag = derive_key(b"s" * 32, b"\0", b"\1", b"t" * 8), b"t" * 8
+    budget = FrameBudget(allowance=0.5, min_rate=100_000)
+    tx = FrameChannel(SocketIO(a, 1.0), key, tag, "rx")
+    rx = FrameChannel(SocketIO(b, 1.0), key, tag, "tx", budget=budget)
+    payload = bytes(1000)
+    sealed = bytearray(len(payload) + 16)
+    tx.aead.encrypt_into(tx._nonce(FrameId(0, 0)), payload, tx.header(FrameId(0, 0), len(payload)), sealed)
+    wire = tx.header(FrameId(0, 0), len(payload)) + bytes(sealed)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    _trickle(a, wire, head, 0.2, stop)
+    try:
+        with pytest.raises(RingError) as err:
+            rx.recv(FrameId(0, 0), memoryview(bytearray(len(payload))))
+        took = time.monotonic() - t0
+        bound = budget.seconds(len(wire)) + (0.2 if head == 0 else 0.0)  # head 0: the first byte's wait is silence
+        assert err.value.blame == "tx" and "slow frame" in err.value.reason, err.value
+        assert bound - 0.3 < took < bound + 0.5, (took, bound)
+        with pytest.raises(RingError, match="slow frame"):  # framing is lost for good
+            rx.recv(FrameId(0, 1), memoryview(bytearray(len(payload))))
+    finally:
+        stop.set()
+        a.close()
+        b.close()
+
+
+def test_silence_before_a_frame_blames_nobody_and_a_frame_sent_whole_passes_a_tight_budget():
+    """An honest sender may wait for its own predecessor before a frame: silence before the
+    first byte is the per-operation timeout's (no blame). A frame written in one go is whole
+    within any budget, however late its first byte came."""
+    a, b = tcp_pair()
+    key, tag = derive_key(b"s" * 32, b"\0", b"\1", b"t" * 8), b"t" * 8
+    tx = FrameChannel(SocketIO(a, 1.0), key, tag, "rx")
+    rx = FrameChannel(SocketIO(b, 0.5), key, tag, "tx", budget=FrameBudget(allowance=0.05, min_rate=1e9))
+    out = bytearray(200_000)
+    try:
+        with pytest.raises(RingError, match="timed out") as err:
+            rx.recv(FrameId(0, 0), memoryview(out))
+        assert err.value.blame is None
+        payload = np.random.default_rng(1).integers(0, 256, len(out), dtype=np.uint8).tobytes()
+        threading.Timer(0.3, tx.send, (FrameId(0, 0), memoryview(payload))).start()
+        assert rx.recv(FrameId(0, 0), memoryview(out)) == len(out) and bytes(out) == payload
+    finally:
+        a.close()
+        b.close()
 
 
 def test_own_digests_hash_exactly_what_the_ring_sends_while_it_runs():

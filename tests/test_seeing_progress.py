@@ -107,13 +107,16 @@ RUN = "r" * 16
 
 
 def test_presence_records_round_trip_and_hostile_run_names_are_dropped():
+    import msgpack
+
     from p2ptrain.net.presence import decode_presence, encode_presence
 
     info = decode_presence(encode_presence(["/ip4/1.2.3.4/tcp/5"], "trainer", run=RUN))
     assert info == {"addrs": ["/ip4/1.2.3.4/tcp/5"], "role": "trainer", "conns": {}, "run": RUN, "left": False}
     gone = decode_presence(encode_presence(["/ip4/1.2.3.4/tcp/5"], "trainer", {"x": "direct"}, run=RUN, left=True))
     assert gone["left"] and gone["addrs"] == [] and gone["conns"] == {}
-    assert decode_presence(encode_presence([], "peer", run="\x1b[2J" + RUN))["run"] is None
+    assert decode_presence(encode_presence([], "peer", run="\x1b[2J" + RUN)) is None  # `status` prints it
+    assert decode_presence(msgpack.packb({"addrs": [], "role": "peer", "left": 1})) is None  # no loose types
 
 
 @trio_test()

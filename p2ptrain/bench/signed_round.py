@@ -17,8 +17,8 @@ import trio
 
 from p2ptrain.reduce import ring, roundtrace
 from p2ptrain.reduce.service import AllReduceService, RoundFailed, RoundResult
-from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, sign_header,
-                                       streamed_material, verify_headers)
+from p2ptrain.run.contribution import Header, HeldChecker, NotEncoded, OwnDigests, sign_header, streamed_material
+from p2ptrain.run.influence import verify_headers
 
 
 async def verified_allreduce(svc: AllReduceService, vec: np.ndarray, run: str, rid: str, members: list[str],

@@ -80,9 +80,9 @@ def decode_manifest(data: bytes, expected_digest: str | None = None,
         version, size, chunk, whole, raw = m["v"], m["size"], m["chunk"], m["sha256"], m["chunks"]
     except Exception:
         raise ChunkError("chunk manifest is malformed") from None
-    if version != VERSION:
+    if type(version) is not int or version != VERSION:  # True == 1
         raise ChunkError(f"chunk manifest version {version!r} is not supported")
-    if not (isinstance(size, int) and isinstance(chunk, int) and 0 <= size <= max_size
+    if not (type(size) is int and type(chunk) is int and 0 <= size <= max_size
             and MIN_CHUNK <= chunk <= MAX_CHUNK):
         raise ChunkError("chunk manifest size or chunk size is out of range")
     if not (isinstance(whole, str) and len(whole) == 64 and _is_hex(whole)):

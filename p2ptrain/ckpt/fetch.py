@@ -9,6 +9,14 @@ Serving is bounded so it never starves the node's own rounds (hivemind's donors 
 newcomers, or their own averaging, when both compete): at most `max_concurrent` requests
 at a time, and all of them together share a token bucket of `upload_mbps` (a bandwidth
 share, like a home uplink). Bytes leave in 256 KiB slices, each paced by the bucket.
+
+Nor can one requester take the slots from the rest (issue 32: one identity held all four
+and an honest request's first byte came after its own timeout). A request is read before it
+may wait for a slot (`request_timeout`: a trickled request holds none); slots are shared out
+per identity, in turn, with bounded queues (`p2ptrain.ckpt.slots`); and a request holds its
+slot only while its reader keeps up: the time our writes wait on it is bounded by
+`slot_allowance` plus the blob's size at `slot_min_mbps` (the bucket's own pacing is ours
+and does not count), past which the stream is reset with a logged reason.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
+from p2ptrain.ckpt.slots import FairSlots, SlotConfig
 from p2ptrain.dht.libp2p_rpc import read_exactly
 from p2ptrain.identity import peer_id_from_str
 
@@ -56,10 +65,29 @@ class ServeConfig:
     """Bytes (MB) the bucket may send at once after being idle."""
     chunk_kib: int = 4096
     """Checkpoints are served as chunks of this many KiB (p2ptrain.ckpt.chunks)."""
+    per_peer: int = 2
+    """Requests of one identity served at once (a downloader asks a donor for 2 at a time)."""
+    per_peer_waiting: int = 4
+    """Further requests of one identity that wait their turn; more are refused at once."""
+    max_waiting: int = 64
+    """Requests waiting for a slot, all identities together; more are refused at once."""
+    request_timeout: float = 5.0
+    """Seconds a requester has to send its (at most 258-byte) request, before any slot."""
+    queue_timeout: float = 60.0
+    """Seconds a request waits for its turn at most (a fetcher's own timeout is 60 s)."""
+    slot_allowance: float = 10.0
+    """Seconds our writes of one blob may wait on its reader, plus its size at `slot_min_mbps`:
+    a slow reader gives its slot back."""
+    slot_min_mbps: float = 1.0
+    """The slowest (MB/s) a reader may take a blob, once the allowance is spent."""
 
     def __post_init__(self) -> None:
         if self.max_concurrent < 1 or self.upload_mbps < 0 or self.burst_mb <= 0:
             raise ValueError("max_concurrent must be >= 1, upload_mbps >= 0, burst_mb > 0")
+        SlotConfig(self.max_concurrent, self.per_peer, self.per_peer_waiting, self.max_waiting)
+        if not (self.request_timeout > 0 and self.queue_timeout > 0 and self.slot_allowance > 0
+                and self.slot_min_mbps > 0):
+            raise ValueError("request_timeout, queue_timeout, slot_allowance and slot_min_mbps must be > 0")
         if not 4 <= self.chunk_kib <= 65536:
             raise ValueError("chunk_kib must be in [4, 65536]")
 
@@ -102,7 +130,8 @@ class BlobServer:
         self.host = host
         self.config = config or ServeConfig(max_concurrent=max_concurrent)
         self.blobs: dict[str, bytes | memoryview] = {}
-        self.limiter = trio.CapacityLimiter(self.config.max_concurrent)
+        cfg = self.config
+        self.slots = FairSlots(SlotConfig(cfg.max_concurrent, cfg.per_peer, cfg.per_peer_waiting, cfg.max_waiting))
         self.bucket = TokenBucket(self.config.upload_mbps * 1e6, self.config.burst_mb * 1e6)
         self.served_bytes = 0
         self.served_requests = 0
@@ -126,28 +155,72 @@ class BlobServer:
         return memoryview(blob)
 
     async def _handle(self, stream) -> None:
+        who = stream.muxed_conn.peer_id
+        peer = who.to_bytes()
         try:
-            async with self.limiter:
-                with trio.fail_after(60):
-                    n = int.from_bytes(await read_exactly(stream, 2), "big")
-                    if n > MAX_REQUEST:
-                        raise FetchError("oversize request")
-                    blob = self.blobs.get(decode_request(await read_exactly(stream, n)))
-                    size = len(blob) if blob is not None else -1
-                    await stream.write(size.to_bytes(8, "big", signed=True))
-                    if blob is not None:
-                        self.served_requests += 1
-                        view = self.view(blob)
-                        for off in range(0, len(view), SLICE):
-                            piece = bytes(view[off:off + SLICE])
-                            await self.bucket.take(len(piece))
-                            await stream.write(piece)
-                            self.served_bytes += len(piece)
+            with trio.fail_after(self.config.request_timeout):  # before any slot: a trickled request holds none
+                n = int.from_bytes(await read_exactly(stream, 2), "big")
+                if n > MAX_REQUEST:
+                    raise FetchError("oversize request")
+                digest = decode_request(await read_exactly(stream, n))
+            if not await self._take_slot(peer):
+                raise FetchError("busy: no serving slot for this requester")
+            try:
+                await self._serve(stream, self.blobs.get(digest))
+            finally:
+                self._release(peer)
             await stream.close()
         except Exception as exc:
-            log.info("fetch request from %s failed: %r", stream.muxed_conn.peer_id, exc)
+            log.info("fetch request from %s failed: %r", who, exc)
             with trio.move_on_after(1):
                 await stream.reset()
+
+    async def _take_slot(self, peer) -> bool:
+        """Until `peer`'s request holds a slot (True), or was refused or waited too long."""
+        ticket = trio.Event()
+        verdict = self.slots.ask(peer, ticket)
+        if verdict is not False:
+            return bool(verdict)
+        granted = False
+        try:
+            with trio.move_on_after(self.config.queue_timeout):
+                await ticket.wait()
+                granted = True
+        finally:
+            if not granted and not self.slots.leave(peer, ticket):
+                self._release(peer)  # granted as we gave up: hand it on
+        return granted
+
+    def _release(self, peer) -> None:
+        for ticket in self.slots.release(peer):
+            ticket.set()
+
+    async def _serve(self, stream, blob) -> None:
+        size = len(blob) if blob is not None else -1
+        # Our writes wait on the reader only: past this budget it is too slow for its slot.
+        budget = self.config.slot_allowance + max(size, 0) / (self.config.slot_min_mbps * 1e6)
+        waited = 0.0
+
+        async def write(data: bytes) -> None:
+            nonlocal waited
+            t0 = trio.current_time()
+            try:
+                with trio.fail_after(max(budget - waited, 0.001)):
+                    await stream.write(data)
+            except trio.TooSlowError:
+                raise FetchError(f"slow reader: blob not taken within {budget:.1f}s") from None
+            waited += trio.current_time() - t0
+
+        await write(size.to_bytes(8, "big", signed=True))
+        if blob is None:
+            return
+        self.served_requests += 1
+        view = self.view(blob)
+        for off in range(0, len(view), SLICE):
+            piece = bytes(view[off:off + SLICE])
+            await self.bucket.take(len(piece))
+            await write(piece)
+            self.served_bytes += len(piece)
 
 
 async def request(host, peer: bytes, digest: str, max_bytes: int, timeout: float,

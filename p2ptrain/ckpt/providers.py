@@ -80,10 +80,13 @@ def decode(peer: str, value: bytes) -> Provider:
     try:
         v = msgpack.unpackb(value, raw=False, max_array_len=MAX_MEMBERS, max_map_len=16, max_str_len=512)
         step = v["step"]
-        if not isinstance(step, int) or step < 0:
+        if type(step) is not int or step < 0:  # not a bool
             raise ProviderError("bad step")
-        members = tuple(m for m in v.get("members", []) if isinstance(m, str))
-        addrs = tuple(a for a in v.get("addrs", [])[:16] if isinstance(a, str))
+        members, addrs = v.get("members", []), v.get("addrs", [])
+        # A string is not a list (iterating one gave its characters as members).
+        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in (members, addrs)):
+            raise ProviderError("members and addrs must be lists of strings")
+        members, addrs = tuple(members), tuple(addrs[:16])
         return Provider(peer, step, _hex64(v["manifest"]), _hex64(v["sha256"]), _hex64(v["params"]),
                         members, addrs)
     except ProviderError:

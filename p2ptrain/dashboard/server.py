@@ -4,10 +4,15 @@ Routes: `/` and `/static/*` (the page, shipped as package data, nothing from the
 `/api/state` (one JSON snapshot), `/events` (server-sent events: a snapshot whenever it
 changes) and `/metrics` (Prometheus text). The trio side feeds a `Hub` from the node's
 EventSink and polls the host and the DHT; HTTP threads only read the hub under its lock.
+
+Every request must name an allowed Host (`host_allowed`), else it gets 403: through DNS
+rebinding a web page the user visits can point its own host name at 127.0.0.1 and read the
+dashboard as same-origin; the browser still sends that name as Host.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -37,6 +42,9 @@ class DashboardConfig:
     """Seconds between polls of the node's connections; DHT records every second poll."""
     heartbeat: float = 15.0
     """Seconds between SSE keep-alive comments on an idle stream."""
+    allowed_hosts: tuple = ()
+    """Host names (besides localhost, the listen address and any IP literal) the page may be
+    reached by, e.g. the machine's name on a trusted network."""
 
     def __post_init__(self) -> None:
         parse_listen(self.listen)
@@ -49,6 +57,29 @@ def parse_listen(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
         raise ValueError(f"dashboard address {text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")
     return host.strip("[]"), int(port)
+
+
+def host_allowed(header: str | None, listen_host: str, extra=()) -> bool:
+    """Whether a request's Host header names this dashboard: localhost, an IP literal (a
+    rebinding page has a name of its own, never our address), the listen host or a
+    configured name. A request without one (not from a browser) is let through."""
+    if header is None:
+        return True
+    host = header.strip().lower()
+    if host.startswith("["):  # [v6]:port
+        host = host[1:host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.rsplit(":", 1)[0]
+    host = host.rstrip(".")
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    names = {"localhost", listen_host.lower().rstrip(".")} | {str(n).lower().rstrip(".") for n in extra}
+    return host in names
 
 
 class Hub:
@@ -84,7 +115,8 @@ class Hub:
             self.cond.notify_all()
 
 
-def _handler(hub: Hub, heartbeat: float, sse_slots: threading.Semaphore):
+def _handler(hub: Hub, heartbeat: float, sse_slots: threading.Semaphore, listen_host: str = "127.0.0.1",
+             allowed_hosts=()):
     static = resources.files("p2ptrain.dashboard") / "static"
 
     class Handler(BaseHTTPRequestHandler):
@@ -102,6 +134,11 @@ def _handler(hub: Hub, heartbeat: float, sse_slots: threading.Semaphore):
             self.wfile.write(body)
 
         def do_GET(self) -> None:
+            if not host_allowed(self.headers.get("Host"), listen_host, allowed_hosts):
+                log.info("dashboard request refused: Host %r is not this dashboard's",
+                         str(self.headers.get("Host"))[:100])
+                self._send(403, "text/plain", b"host not allowed\n")
+                return
             path = self.path.split("?", 1)[0]
             if path in ("/", "/index.html"):
                 path = "/static/index.html"
@@ -166,7 +203,8 @@ class Dashboard:
         host, port = parse_listen(self.config.listen)
         try:
             server = ThreadingHTTPServer((host, port), _handler(self.hub, self.config.heartbeat,
-                                                                threading.Semaphore(MAX_SSE_CLIENTS)))
+                                                                threading.Semaphore(MAX_SSE_CLIENTS), host,
+                                                                self.config.allowed_hosts))
         except OSError as exc:
             raise NodeError(f"cannot serve the dashboard on {self.config.listen}: {exc.strerror or exc}",
                             "pick another address with --dashboard HOST:PORT") from None

@@ -77,12 +77,17 @@ def decode_presence(value: bytes) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("addrs"), list):
         return None
-    conns = obj.get("conns") if isinstance(obj.get("conns"), dict) else {}
-    run = obj.get("run")
-    run = run if isinstance(run, str) and _RUN_RE.fullmatch(run) else None  # printed by `status`: no escapes
-    return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": str(obj.get("role", "")),
+    role, conns = obj.get("role", ""), obj.get("conns", {})
+    if not isinstance(role, str) or not isinstance(conns, dict):  # str() made a role of anything
+        return None
+    run, left = obj.get("run"), obj.get("left", False)
+    if run is not None and not (isinstance(run, str) and _RUN_RE.fullmatch(run)):  # `status` prints it
+        return None
+    if not isinstance(left, bool):
+        return None
+    return {"addrs": [a for a in obj["addrs"] if isinstance(a, str)], "role": role,
             "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in CONN_KINDS},
-            "run": run, "left": obj.get("left") is True}
+            "run": run, "left": left}
 
 
 async def read_peers(dht: DHTNode, namespace: str) -> dict[str, dict]:

@@ -17,6 +17,12 @@ Frame: 32-byte header (sent in clear, authenticated as AAD) + ciphertext + 16-by
 The nonce is (step, chunk): unique per key because each frame id is sent once per session.
 A frame whose header is not the one expected next (another round, a replay, a stranger) or
 whose tag fails is dropped with a logged reason; after `max_bad_frames` the channel fails.
+
+A frame once begun must be whole within its budget (`FrameBudget`: a fixed allowance plus its
+size at a minimum rate), counted over every partial read, never restarted by one: an honest
+sender writes a frame in one go, so only the sender (or its path) can leave a frame half sent,
+and the channel fails blaming it (`RingError.blame`). Silence before a frame's first byte blames
+nobody: an honest sender may be waiting for its own predecessor (the per-operation timeout).
 """
 
 from __future__ import annotations
@@ -58,6 +64,27 @@ def derive_key(secret: bytes, sender: bytes, receiver: bytes, tag: bytes) -> byt
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=tag, info=info).derive(secret)
 
 
+class FrameLate(RingError):
+    """A frame begun but not whole within its budget (raised by an IO's bounded read)."""
+
+
+@dataclass(frozen=True)
+class FrameBudget:
+    """How long a frame may take to arrive once its first byte is in: `allowance` seconds plus
+    its size at `min_rate` bytes/s. Counted as the time the receiver spent waiting for its
+    bytes (its own pauses, to compute or when starved of CPU, are not the sender's)."""
+
+    allowance: float = 10.0
+    min_rate: float = 125_000.0
+
+    def __post_init__(self) -> None:
+        if not (self.allowance > 0 and self.min_rate > 0):
+            raise ValueError("a frame budget needs allowance > 0 and min_rate > 0")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.allowance + nbytes / self.min_rate
+
+
 @dataclass
 class BulkStats:
     frames: int = 0
@@ -88,9 +115,13 @@ class SocketIO:
         socket timeout would make every recv a poll plus a recv on a non-blocking fd and rule
         out MSG_WAITALL: one syscall per ~64 KiB of a frame instead of one per frame."""
         self.sock.settimeout(None)
-        tv = struct.pack("ll", int(timeout), int((timeout % 1) * 1e6))
+        self.timeout = timeout
         for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-            self.sock.setsockopt(socket.SOL_SOCKET, opt, tv)
+            self._kernel_timeout(opt, timeout)
+
+    def _kernel_timeout(self, opt: int, timeout: float) -> None:
+        timeout = max(timeout, 0.001)  # 0 would mean "block forever"
+        self.sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(timeout), int((timeout % 1) * 1e6)))
 
     def sendall(self, parts: list) -> None:
         # One sendmsg for header and body: with TCP_NODELAY two sendall calls would put the
@@ -130,18 +161,49 @@ class SocketIO:
             raise RingError("peer closed the connection")
         return n
 
-    def recv_into(self, view: memoryview) -> None:
-        got = 0
+    def recv_wait(self, view: memoryview) -> int:
+        """Wait up to the timeout for at least one byte, then take what is there (up to
+        len(view)): one syscall, as a whole-frame read would."""
         try:
-            while got < len(view):
-                n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
-                if n == 0:
-                    raise RingError("peer closed the connection")
-                got += n
+            n = self.sock.recv_into(view, len(view))
         except BlockingIOError:
             raise RingError("recv: timed out") from None
         except OSError as exc:
             raise RingError(f"recv: {exc or type(exc).__name__}") from None
+        if n == 0:
+            raise RingError("peer closed the connection")
+        return n
+
+    def recv_into(self, view: memoryview, limit: float | None = None) -> None:
+        """All of `view`. Without `limit` each wait may last the timeout; with it, all of
+        `view` must come within `limit` seconds however it trickles in (FrameLate)."""
+        got, end, short = 0, None if limit is None else time.monotonic() + limit, False
+        try:
+            while got < len(view):
+                if end is not None:
+                    left = end - time.monotonic()
+                    if left < self.timeout or short:
+                        self._kernel_timeout(socket.SO_RCVTIMEO, min(left, self.timeout))
+                        short = True
+                try:
+                    n = self.sock.recv_into(view[got:], 0, socket.MSG_WAITALL)
+                except BlockingIOError:
+                    n = -1
+                if n == 0:
+                    raise RingError("peer closed the connection")
+                got += max(n, 0)
+                if end is not None and got < len(view) and (n < 0 or time.monotonic() >= end):
+                    raise FrameLate(f"{got} of {len(view)} bytes in {limit:.1f}s")
+                if n < 0:
+                    raise RingError("recv: timed out")
+        except OSError as exc:
+            raise RingError(f"recv: {exc or type(exc).__name__}") from None
+        finally:
+            if short:
+                try:
+                    self._kernel_timeout(socket.SO_RCVTIMEO, self.timeout)
+                except OSError:
+                    pass  # closed meanwhile (an abort): the read's own outcome stands
 
     def close(self, graceful: bool = False) -> None:
         # Either way what we already sent is delivered before the FIN (links carry no
@@ -156,8 +218,10 @@ class SocketIO:
 class FrameChannel:
     """One direction of a bulk session: implements `p2ptrain.reduce.ring.Channel`."""
 
-    def __init__(self, io, key: bytes, tag: bytes, peer: str, max_bad_frames: int = 16) -> None:
+    def __init__(self, io, key: bytes, tag: bytes, peer: str, max_bad_frames: int = 16,
+                 budget: FrameBudget | None = None) -> None:
         self.io = io
+        self.budget = budget or FrameBudget()
         self.aead = AESGCM(key)
         self.tag = tag
         self.peer = peer
@@ -172,6 +236,7 @@ class FrameChannel:
         self._hgot = 0
         self._bview: memoryview | None = None
         self._bgot = 0
+        self._waited = 0.0  # seconds spent waiting for the frame in progress since its first byte
         self._broken = ""  # framing lost: every later read fails with this
 
     @staticmethod
@@ -193,7 +258,8 @@ class FrameChannel:
 
     def recv(self, fid: FrameId, out: memoryview) -> int:
         while True:
-            self._fill(len(out), blocking=True)
+            while not self._fill(len(out), blocking=True):
+                pass  # the first read of a frame may bring only part of its header
             got = self._open(fid, out)
             if got is not None:
                 return got
@@ -224,7 +290,15 @@ class FrameChannel:
         if self._broken:
             raise RingError(self._broken)
         if self._hgot < HEADER.size:
-            self._hgot += self._read(memoryview(self._hdr)[self._hgot:], blocking)
+            hdr = memoryview(self._hdr)[self._hgot:]
+            if self._hgot == 0:
+                self._waited = 0.0
+                # Waiting for a frame to begin is the per-operation timeout's, and blames
+                # nobody; from its first byte on, the frame's budget runs.
+                got = self.io.recv_wait(hdr) if blocking else self.io.recv_some(hdr)
+            else:
+                got = self._read(hdr, blocking, HEADER.size)
+            self._hgot += got
             if self._hgot < HEADER.size:
                 return False
             magic, version, _, _, _, _, length = HEADER.unpack(self._hdr)
@@ -237,14 +311,26 @@ class FrameChannel:
             if len(self._body) < length + TAG:
                 self._body = bytearray(length + TAG)
             self._bview, self._bgot = memoryview(self._body)[: length + TAG], 0
-        self._bgot += self._read(self._bview[self._bgot:], blocking)
+        self._bgot += self._read(self._bview[self._bgot:], blocking, HEADER.size + len(self._bview))
         return self._bgot == len(self._bview)
 
-    def _read(self, view: memoryview, blocking: bool) -> int:
-        if blocking:
-            self.io.recv_into(view)
-            return len(view)
-        return self.io.recv_some(view)
+    def _read(self, view: memoryview, blocking: bool, frame_bytes: int) -> int:
+        """Into `view` (the rest of the frame's header or body): all of it when `blocking`,
+        within what is left of the budget of a `frame_bytes` frame, else what is there."""
+        if not blocking:
+            return self.io.recv_some(view)
+        budget = self.budget.seconds(frame_bytes)
+        t0 = time.monotonic()
+        try:
+            self.io.recv_into(view, budget - self._waited)
+        except FrameLate as exc:
+            # Half a frame is in: framing is lost whatever comes next.
+            reason = f"slow frame: not whole within {budget:.1f}s ({exc})"
+            self._broken = f"frame from {self.peer}: {reason}"
+            raise RingError(self._broken, blame=self.peer, reason=reason) from None
+        finally:
+            self._waited += time.monotonic() - t0
+        return len(view)
 
     def _open(self, fid: FrameId, out: memoryview) -> int | None:
         """The whole frame in hand, checked and opened into `out`: its length, or None when
@@ -299,8 +385,11 @@ class RateLimitedIO:
         self.next_free = max(now, self.next_free) + size / self.rate
         self.io.sendall(parts)
 
-    def recv_into(self, view: memoryview) -> None:
-        self.io.recv_into(view)
+    def recv_wait(self, view: memoryview) -> int:
+        return self.io.recv_wait(view)
+
+    def recv_into(self, view: memoryview, limit: float | None = None) -> None:
+        self.io.recv_into(view, limit)
 
     def close(self, graceful: bool = False) -> None:
         self.io.close(graceful)

@@ -348,6 +348,8 @@ def _get(inq: queue.Queue, timeout: float, pumps: list[_Pump]):
             waited += 0.2
         for pump in pumps:
             if pump.error is not None:
-                raise RingError(f"{pump.name}: {pump.error}") from pump.error
+                err = pump.error  # a receive pump's blame (a frame trickled past its budget) stays
+                raise RingError(f"{pump.name}: {err}", blame=getattr(err, "blame", None),
+                                reason=getattr(err, "reason", "")) from err
         if waited >= timeout:
             raise RingError(f"no frame for {timeout:.0f}s")

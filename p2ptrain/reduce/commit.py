@@ -36,6 +36,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from p2ptrain.events import clean
 from p2ptrain.identity import peer_id_from_str, peer_id_to_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce.blame import BlameLedger, may_blame
 from p2ptrain.reduce.control import pack
@@ -314,6 +315,8 @@ def _parse_vote(msg: dict) -> dict:
     ok, digest = msg.get("ok"), msg.get("digest")
     blame, reason, sig = msg.get("blame") or "", msg.get("reason") or "", msg.get("sig") or b""
     if not isinstance(ok, bool) or not isinstance(digest, str) or not isinstance(blame, str) \
-            or not isinstance(sig, bytes) or (ok and (len(digest) != 64 or len(sig) != SIGNATURE)):
+            or not isinstance(reason, str) or not isinstance(sig, bytes) \
+            or (ok and (len(digest) != 64 or len(sig) != SIGNATURE)):
         raise ValueError("malformed vote")
-    return {"ok": ok, "digest": digest, "sig": sig, "blame": blame[:100], "reason": str(reason)[:200]}
+    # The reason is the voter's own words: it reaches our events and logs, as one line.
+    return {"ok": ok, "digest": digest, "sig": sig, "blame": blame[:100], "reason": clean(reason, 200)}

@@ -16,10 +16,12 @@ and `send` reports False, so the caller falls back to a stream of its own for th
 Receiver (`serve`): reads messages in order, the length checked before the body
 (`sessions.read_msg`), and hands each to `handle(sender, msg)` in a task of its own, at most
 `handlers` at once (a message it rejects is logged and dropped). It stops on EOF, a reset,
-a message that does not decode (logged: the framing can no longer be trusted) or
-`idle_close` seconds without a message. One inbound stream per peer: a newer one replaces
-the older (its sender reopened, so the old one is dead to it), so a peer holds at most one
-reader and `handlers` message tasks here.
+a message that does not decode (logged: the framing can no longer be trusted),
+`idle_close` seconds without a message, or a message not whole `message_timeout` seconds
+after its first byte (logged: a sender trickling it a byte at a time would otherwise hold
+its reader for `idle_close` a byte, as a partial read restarted the wait). One inbound
+stream per peer: a newer one replaces the older (its sender reopened, so the old one is
+dead to it), so a peer holds at most one reader and `handlers` message tasks here.
 
 A sender never writes to a stream idle for `idle_reopen` seconds or more, and that is less
 than `idle_close`: a receiver that stopped reading for idleness would drop a message with
@@ -59,10 +61,15 @@ class ControlStreamsConfig:
     handlers: int = 8
     """Messages of one inbound stream handled at once (as with a stream per message, one
     slow to handle does not hold up the next); past it the reader waits."""
+    message_timeout: float = 5.0
+    """Seconds a message may take once its first byte is in (at most 4 KiB: whole in one
+    round trip from an honest sender), however it trickles."""
 
     def __post_init__(self) -> None:
         if not 0 < self.idle_reopen < self.idle_close:
             raise ValueError("need 0 < idle_reopen < idle_close: a sender must reopen before a receiver stops reading")
+        if not self.message_timeout > 0:
+            raise ValueError("message_timeout must be > 0")
         if self.max_out < 1 or self.handlers < 1:
             raise ValueError("max_out and handlers must be >= 1")
 
@@ -171,13 +178,22 @@ class ControlStreams:
                 while True:
                     with trio.move_on_after(self.config.idle_close) as idle:
                         try:
-                            msg = await read_msg(stream)
-                        except ControlError as exc:
-                            log.warning("control stream from %s dropped: %s", ID(sender), exc)
-                            return
+                            head = await stream.read(4)  # waiting for a message to begin is idleness
                         except Exception:  # EOF or a reset: the sender is done with it
                             return
-                    if idle.cancelled_caught:
+                    if idle.cancelled_caught or not head:
+                        return
+                    try:
+                        with trio.fail_after(self.config.message_timeout):
+                            msg = await read_msg(stream, head)
+                    except ControlError as exc:
+                        log.warning("control stream from %s dropped: %s", ID(sender), exc)
+                        return
+                    except trio.TooSlowError:
+                        log.warning("control stream from %s dropped: slow message (not whole %.1fs after "
+                                    "its first byte)", ID(sender), self.config.message_timeout)
+                        return
+                    except Exception:  # EOF or a reset: the sender is done with it
                         return
                     await slots.acquire()  # a flood waits here, not in ever more tasks
                     nursery.start_soon(self._handle_one, sender, msg, slots)

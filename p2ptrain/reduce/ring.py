@@ -198,7 +198,9 @@ class _RingRound:
             if sender.is_alive() or sender.error is not None:
                 raise RingError(f"send failed: {sender.error or 'timeout'}")
         except RingError as exc:
-            if sender.error is not None and "send failed" not in str(exc):
+            # A blamed sender stays blamed: our own send may have failed meanwhile (a peer that
+            # trickles its frames may not read ours either).
+            if sender.error is not None and "send failed" not in str(exc) and exc.blame is None:
                 raise RingError(f"send failed: {sender.error}") from exc
             raise
         except Exception as exc:

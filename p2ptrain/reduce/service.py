@@ -63,6 +63,9 @@ class AllReduceConfig:
     """Seconds to set up both bulk sessions (members may start a little apart)."""
     frame_timeout: float = 20.0
     """Seconds without a frame (or a vote) before the round gives up."""
+    frame_allowance: float = 10.0
+    """Seconds a begun frame may take beyond its size at `frame_min_rate_mbps` (`bulk.FrameBudget`)."""
+    frame_min_rate_mbps: float = 0.125  # MB/s (1 Mbit/s): a begun frame arriving slower blames its sender
     commit_timeout: float = 10.0
     """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
     missing votes) after our own data plane finished."""
@@ -82,7 +85,8 @@ class AllReduceConfig:
 
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
-        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe"):
+        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe", "frame_allowance",
+                     "frame_min_rate_mbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.send_rate_mbps < 0:

@@ -23,7 +23,7 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.id import ID
 
-from p2ptrain.reduce.bulk import FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret
+from p2ptrain.reduce.bulk import FrameBudget, FrameChannel, RateLimitedIO, SocketIO, derive_key, new_secret
 from p2ptrain.reduce.control import check_control_length, decode_control, pack
 from p2ptrain.dht.libp2p_rpc import read_exactly
 from p2ptrain.reduce.links import OPEN_LEN, Link, LinkError, LinkTable, check_open, seal_open
@@ -36,8 +36,9 @@ BULK_PROTOCOL = TProtocol("/p2ptrain/bulk/1.0.0")
 TOKEN_LEN = 16
 
 
-async def read_msg(stream) -> dict:
-    n = check_control_length(await read_exactly(stream, 4))
+async def read_msg(stream, head: bytes = b"") -> dict:
+    """One control message; `head`: its first bytes, already read (at most its 4-byte length)."""
+    n = check_control_length(head + await read_exactly(stream, 4 - len(head)))
     return decode_control(await read_exactly(stream, n))
 
 
@@ -110,7 +111,8 @@ class BulkSessions:
                 frame = bytearray(OPEN_LEN)
                 # Abandoned if a fresh session wins meanwhile: closing the link (below) ends
                 # the read, where waiting for it could take frame_timeout on a partial frame.
-                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), abandon_on_cancel=True)
+                budget = self._budget().seconds(OPEN_LEN)  # a trickled OPEN ends here
+                await trio.to_thread.run_sync(link.io.recv_into, memoryview(frame), budget, abandon_on_cancel=True)
                 key = check_open(link, self.identity.peer_id, inb.tag, bytes(frame))
             except (LinkError, RingError, OSError) as exc:
                 # Closed by the peer, or out of step (a round it abandoned): a fresh session
@@ -120,7 +122,7 @@ class BulkSessions:
             if not inb.ready.is_set():
                 link.io.set_timeout(self.config.frame_timeout)
                 inb.key, inb.link = key, link
-                inb.channel = FrameChannel(self._wrap(link.io), key, inb.tag, ID(inb.prev).to_base58())
+                inb.channel = self._channel(self._wrap(link.io), key, inb.tag, ID(inb.prev).to_base58())
                 inb.ready.set()
 
         try:
@@ -156,7 +158,7 @@ class BulkSessions:
         sock.setblocking(True)
         io = SocketIO(sock, self.config.frame_timeout)
         inb.link = Link(inb.prev, io, secret)
-        inb.channel = FrameChannel(self._wrap(io), inb.key, inb.tag, ID(inb.prev).to_base58())
+        inb.channel = self._channel(self._wrap(io), inb.key, inb.tag, ID(inb.prev).to_base58())
         done.set()
 
     async def _handle_bulk(self, stream) -> None:
@@ -185,8 +187,8 @@ class BulkSessions:
                     await stream.close()
                 else:
                     self._tokens.pop(token, None)
-                    inb.channel = FrameChannel(StreamIO(stream, self.config.frame_timeout), inb.key,
-                                               tag, ID(sender).to_base58())
+                    inb.channel = self._channel(StreamIO(stream, self.config.frame_timeout), inb.key,
+                                                tag, ID(sender).to_base58())
             inb.ready.set()
         except Exception as exc:
             log.warning("bulk session from %s refused: %s", ID(sender), exc)
@@ -207,14 +209,14 @@ class BulkSessions:
                 except RingError as exc:
                     log.info("bulk link to %s failed (%s): opening a new session", name, exc)
                 else:
-                    return FrameChannel(self._wrap(link.io), key, tag, name), "direct", link
+                    return self._channel(self._wrap(link.io), key, tag, name), "direct", link
             self.close(link)
         stream = await self.host.new_stream(ID(nxt), [BULK_PROTOCOL])
         await stream.write(pack({"tag": tag}))
         reply = await read_msg(stream)
         secret, port, token = reply.get("secret"), reply.get("port"), reply.get("token")
         if not (isinstance(secret, bytes) and len(secret) == 32 and isinstance(token, bytes)
-                and isinstance(port, int)):
+                and type(port) is int and 0 <= port < 65536):
             raise RingError("malformed bulk session reply")
         key = derive_key(secret, me, nxt, tag)
         remote = stream.get_remote_address() if hasattr(stream, "get_remote_address") else None
@@ -233,10 +235,10 @@ class BulkSessions:
                 with trio.move_on_after(1):
                     await stream.close()
                 io = SocketIO(sock, self.config.frame_timeout)
-                return FrameChannel(self._wrap(io), key, tag, name), "direct", Link(nxt, io, secret)
+                return self._channel(self._wrap(io), key, tag, name), "direct", Link(nxt, io, secret)
         await stream.write(pack({"path": "libp2p"}))
         io = self._wrap(StreamIO(stream, self.config.frame_timeout))
-        return FrameChannel(io, key, tag, name), "libp2p", None
+        return self._channel(io, key, tag, name), "libp2p", None
 
     # -- links -------------------------------------------------------------------------
     def keep(self, out_links: list, in_links: list) -> None:
@@ -250,6 +252,12 @@ class BulkSessions:
     def close(link: Link) -> None:
         trio.lowlevel.notify_closing(link.sock)
         link.close()
+
+    def _budget(self) -> FrameBudget:
+        return FrameBudget(self.config.frame_allowance, self.config.frame_min_rate_mbps * 1e6)
+
+    def _channel(self, io, key: bytes, tag: bytes, peer: str) -> FrameChannel:
+        return FrameChannel(io, key, tag, peer, budget=self._budget())
 
     def _wrap(self, io):
         return RateLimitedIO(io, self.config.send_rate_mbps) if self.config.send_rate_mbps else io

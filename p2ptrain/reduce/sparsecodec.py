@@ -125,7 +125,8 @@ def verify(peer: str, header: bytes | None, frags: list, run: str, step: int, at
     nbytes = SK.payload_nbytes(n, cfg.chunk, cfg.k)
     want = {"run": run, "step": step, "attempt": attempt, "roster": roster, "peer": peer, "n": n,
             "chunk": cfg.chunk, "k": cfg.k, "bytes": nbytes}
-    wrong = [key for key, v in want.items() if body.get(key) != v]
+    # Same type too: msgpack's True equals 1 (a step=True header matched step 1).
+    wrong = [key for key, v in want.items() if isinstance(body.get(key), bool) or body.get(key) != v]
     if wrong:
         raise BadSparse("wrong-step" if "step" in wrong else f"header mismatch: {','.join(sorted(wrong))}")
     sizes = [len(f) for f in frags]

@@ -11,6 +11,7 @@ import socket
 import trio
 
 from p2ptrain.dht.libp2p_rpc import read_exactly
+from p2ptrain.reduce.bulk import FrameLate
 from p2ptrain.reduce.ring import RingError
 
 
@@ -35,16 +36,39 @@ class StreamIO:
         with trio.fail_after(self.timeout):
             await self.stream.write(data)
 
-    def recv_into(self, view: memoryview) -> None:
+    def recv_wait(self, view: memoryview) -> int:
+        """At least one byte within the timeout, and whatever else is there (up to len(view))."""
         try:
-            data = trio.from_thread.run(self._read, len(view), trio_token=self.token)
+            data = trio.from_thread.run(self._read_some, len(view), trio_token=self.token)
+        except Exception as exc:
+            raise RingError(f"recv: {exc!r}") from None
+        if not data:
+            raise RingError("peer closed the connection")
+        view[:len(data)] = data
+        return len(data)
+
+    async def _read_some(self, n: int) -> bytes:
+        with trio.fail_after(self.timeout):
+            return await self.stream.read(n)
+
+    def recv_into(self, view: memoryview, limit: float | None = None) -> None:
+        """All of `view` within the timeout, or within `limit` when given (FrameLate)."""
+        try:
+            data = trio.from_thread.run(self._read, len(view), limit, trio_token=self.token)
+        except FrameLate:
+            raise
         except Exception as exc:
             raise RingError(f"recv: {exc!r}") from None
         view[:] = data
 
-    async def _read(self, n: int) -> bytes:
-        with trio.fail_after(self.timeout):
-            return await read_exactly(self.stream, n)
+    async def _read(self, n: int, limit: float | None) -> bytes:
+        try:
+            with trio.fail_after(self.timeout if limit is None else max(limit, 0.001)):
+                return await read_exactly(self.stream, n)
+        except trio.TooSlowError:
+            if limit is None:
+                raise
+            raise FrameLate(f"{n} bytes not in within {limit:.1f}s") from None
 
     async def _close(self) -> None:
         with trio.move_on_after(self.timeout):

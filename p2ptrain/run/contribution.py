@@ -3,7 +3,7 @@
 Before a group reduces, each member signs a header describing its pseudo-gradient: run,
 step, attempt, roster hash, its norm per ring chunk, the BLAKE3 of each sub-chunk payload
 it will send first (its own chunk, quantized: the exact bytes its successor will receive),
-inner steps and tokens. Members exchange headers and each one runs `verify_headers` on the
+inner steps and tokens. Members exchange headers and each one runs `influence.verify_headers` on the
 same set, so they exclude the same peers. The data plane then holds every frame to these
 claims (`FrameChecker`): the first hop must match the signed digests, and every partial sum
 must be finite and no larger than the claimed norms allow. A peer caught either way is
@@ -89,6 +89,13 @@ def sign_header(h: Header, identity: Identity) -> bytes:
     return msgpack.packb({"h": body, "sig": identity.sign(_payload(body))}, use_bin_type=True)
 
 
+def _strict(x, kind: type):
+    """`x` if of `kind` (a float may be an int; a number is never a bool); else TypeError."""
+    if isinstance(x, bool) and kind is not bool or not isinstance(x, (int, float) if kind is float else kind):
+        raise TypeError(f"{type(x).__name__} where {kind.__name__} belongs")
+    return x
+
+
 def decode_header(data: bytes) -> Header:
     """Parse and check the signature; raises BadContribution(peer='?' when unknown)."""
     if len(data) > MAX_HEADER_BYTES:
@@ -97,10 +104,14 @@ def decode_header(data: bytes) -> Header:
         obj = msgpack.unpackb(data, raw=False, max_array_len=4096, max_map_len=32, max_bin_len=128,
                               max_str_len=1024)
         body, sig = obj["h"], obj["sig"]
-        h = Header(str(body["run"]), int(body["step"]), int(body["attempt"]), str(body["roster"]),
-                   str(body["peer"]), tuple(float(x) for x in body["chunk_norms"]),
-                   tuple(str(x) for x in body["own_digests"]), float(body["norm"]),
-                   int(body["inner_steps"]), int(body["tokens"]), _ints(body["trusts"]), float(body["ref"]))
+        # Each field of its own type: int("7"), float(True), str([..]) took what a signer never meant.
+        h = Header(_strict(body["run"], str), _strict(body["step"], int), _strict(body["attempt"], int),
+                   _strict(body["roster"], str), _strict(body["peer"], str),
+                   tuple(float(_strict(x, float)) for x in _strict(body["chunk_norms"], list)),
+                   tuple(_strict(x, str) for x in _strict(body["own_digests"], list)),
+                   float(_strict(body["norm"], float)), _strict(body["inner_steps"], int),
+                   _strict(body["tokens"], int), _ints(_strict(body["trusts"], list)),
+                   float(_strict(body["ref"], float)))
     except Exception:
         raise BadContribution("?", "malformed header") from None
     try:
@@ -216,7 +227,7 @@ class HeldChecker:
 
     def settle_verified(self, ok: dict[str, Header] | None, bad: dict[str, str] | None, members: list[str],
                         rank: int, sub_counts: list[int]) -> None:
-        """`settle` with `verify_headers`' result (None, None: the exchange never finished)."""
+        """`settle` with `influence.verify_headers`' result (None, None: the exchange never finished)."""
         bad = {"?": "no headers"} if ok is None and not bad else bad or {}
         self.settle(None if bad else FrameChecker(members, ok, rank, sub_counts),
                     ", ".join(f"{p}: {r}" for p, r in sorted(bad.items())))
@@ -224,6 +235,10 @@ class HeldChecker:
     def pending(self) -> bool:
         """Not settled yet: the ring reads frames ahead meanwhile (`ring._RingRound.read_ahead`)."""
         return not self._event.is_set()
+
+    def passed(self) -> bool:
+        """Settled with verified headers (every frame will be checked against them)."""
+        return self._event.is_set() and self._checker is not None
 
     def wait(self, timeout: float) -> bool:
         """Until settled or `timeout` seconds (the ring's read-ahead waits here for a frame)."""

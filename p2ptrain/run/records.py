@@ -44,7 +44,17 @@ def _unpack(value: bytes, limit: int, what: str) -> dict:
 
 
 def _addrs(value) -> tuple[str, ...]:
-    return tuple(a for a in (value or [])[:MAX_ADDRS] if isinstance(a, str)) if isinstance(value, list) else ()
+    """A list of address strings (absent: none); anything else is malformed, not "none"."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(a, str) for a in value):
+        raise RecordError("addrs is not a list of strings")
+    return tuple(value[:MAX_ADDRS])
+
+
+def _number(x) -> bool:
+    """An int or a float, never a bool (msgpack's True is Python's 1)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 # -- ready/<t> ----------------------------------------------------------------------------
@@ -54,13 +64,14 @@ def encode_ready(ready_at: float, addrs: list[str], joining: bool) -> bytes:
 
 def decode_ready(peer: str, value: bytes) -> Ready:
     obj = _unpack(value, MAX_READY_BYTES, "ready")
-    try:
-        ready_at = float(obj["ready_at"])
-    except (KeyError, TypeError, ValueError):
-        raise RecordError("ready record has no ready_at") from None
+    ready_at, joining = obj.get("ready_at"), obj.get("joining", False)
+    if not _number(ready_at):  # a string "1e9" or True is not a time
+        raise RecordError("ready record has no ready_at")
     if not math.isfinite(ready_at):
         raise RecordError("ready record's ready_at is not finite")
-    return Ready(peer, ready_at, _addrs(obj.get("addrs")), bool(obj.get("joining", False)))
+    if not isinstance(joining, bool):
+        raise RecordError("ready record's joining is not a bool")
+    return Ready(peer, float(ready_at), _addrs(obj.get("addrs")), joining)
 
 
 # -- state --------------------------------------------------------------------------------
@@ -109,5 +120,9 @@ def decode_state(value: bytes) -> State:
         raise RecordError("state record's step is not a small non-negative integer")
     if not (isinstance(params, str) and isinstance(ckpt, str)):
         raise RecordError("state record's hashes are not strings")
+    if any(obj.get(k) is not None and not _number(obj[k]) for k in ("loss", "val_loss")):
+        raise RecordError("state record's losses are not numbers")
+    if obj.get("conns") is not None and not isinstance(obj["conns"], dict):
+        raise RecordError("state record's conns is not a map")
     return State(step, params[:64], ckpt[:64], _finite_or_none(obj.get("loss")), _finite_or_none(obj.get("val_loss")),
                  _addrs(obj.get("addrs")), parse_counts(obj.get("conns")))

@@ -57,7 +57,7 @@ def decode_report(data: bytes) -> dict[str, int]:
         obj = msgpack.unpackb(data, raw=False, max_map_len=MAX_FLAGGED, max_str_len=128, max_bin_len=0,
                               max_array_len=0)
         flagged = obj["flagged"]
-        out = {str(p): int(s) for p, s in flagged.items() if isinstance(p, str) and isinstance(s, int)}
+        out = {p: s for p, s in flagged.items() if isinstance(p, str) and type(s) is int and s >= 0}
     except Exception:
         raise ValueError("malformed report") from None
     if len(out) != len(flagged):

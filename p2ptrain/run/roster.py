@@ -53,6 +53,8 @@ def decode(raw: bytes | None, run_id: str, step: int, attempt: int) -> Confirm |
         return None
     try:
         rh, base, chunk, view = raw.decode().split("/", 3)
+        if not (chunk.isascii() and chunk.isdigit()):  # int() takes " 7", "+7", "1_0"
+            return None
         c = Confirm(rh, base, int(chunk), tuple(v for v in view.split(",") if v))
     except (UnicodeDecodeError, ValueError):
         return None

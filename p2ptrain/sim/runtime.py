@@ -8,8 +8,7 @@ to the world (and its invariants); `SimWriter` is the workdir that survives rest
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import field
+import types
 
 import trio
 
@@ -38,7 +37,7 @@ class SimNode:
     def __init__(self, identity: Identity, dht: DHTNode, host: SimHost, net: SimNet) -> None:
         self.identity, self.dht, self.rpc, self.host = identity, dht, dht.transport, host
         self.net = net
-        self.config = dataclasses.make_dataclass("Cfg", [("listen", list, field(default_factory=list))])()
+        self.config = types.SimpleNamespace(listen=[])  # nothing to bind: `peer.listen_ip` gives 0.0.0.0
 
     def conn_counts(self) -> dict[str, int]:
         return {"direct": 0}

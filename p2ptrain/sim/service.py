@@ -208,7 +208,7 @@ class SimReduceService:
         pending = [m for m in r.members if m not in r.vecs or r.checks[m] is not None and r.checks[m].pending()]
         if pending:
             return (False, now) if timed_out else None
-        if any(r.checks[m] is not None and r.checks[m]._checker is None for m in r.members):
+        if any(r.checks[m] is not None and not r.checks[m].passed() for m in r.members):
             return False, now  # a member's headers were bad or missing: its checks fail every frame
         ring_links = list(zip(ids, ids[1:] + ids[:1]))
         if len(ids) > 1 and not all(self.net.reachable(a, b, rounds=True) for a, b in ring_links):
