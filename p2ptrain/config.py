@@ -3,7 +3,9 @@
 Each component owns a small dataclass with field docs and `__post_init__` validation
 (NodeConfig, DHTConfig, ...). `resolve` fills one such dataclass from the four sources; a
 value that cannot be parsed, or that the dataclass rejects, raises ConfigError naming the
-source, so the CLI can print one line of advice.
+source, so the CLI can print one line of advice. Given a `sources` dict, it also records
+where each field's value came from (`describe` turns that into what `-v` / `--show-config`
+print), so a user can see the configuration a node actually runs with.
 """
 
 from __future__ import annotations
@@ -61,26 +63,42 @@ def _parse(text: str, typ: Any, where: str) -> Any:
 
 
 def resolve(cls: type, flags: Mapping[str, Any] | None = None, toml: Mapping[str, Any] | None = None,
-            section: str = "", environ: Mapping[str, str] | None = None):
-    """Build `cls` from flags (None = not given) > env > toml[section] > defaults."""
+            section: str = "", environ: Mapping[str, str] | None = None, sources: dict[str, str] | None = None):
+    """Build `cls` from flags (None = not given) > env > toml[section] > defaults.
+
+    `sources`, when given, is filled with field name -> where its value came from: "flag",
+    the environment variable's name, "file [section]", or "default"."""
     flags = flags or {}
     environ = os.environ if environ is None else environ
     table = (toml or {}).get(section, {}) if section else (toml or {})
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
     for f in dataclasses.fields(cls):
         env_name = ENV_PREFIX + (f"{section}_{f.name}" if section else f.name).upper()
         if flags.get(f.name) is not None:
-            values[f.name] = flags[f.name]
+            values[f.name], origin[f.name] = flags[f.name], "flag"
         elif env_name in environ:
             values[f.name] = _parse(environ[env_name], hints[f.name], f"${env_name}")
+            origin[f.name] = f"${env_name}"
         elif f.name in table:
-            values[f.name] = table[f.name]
+            values[f.name], origin[f.name] = table[f.name], f"file [{section}]" if section else "file"
+        else:
+            origin[f.name] = "default"
     unknown = set(table) - {f.name for f in dataclasses.fields(cls)} if isinstance(table, dict) else set()
     unknown = {k for k in unknown if not isinstance(table.get(k), dict)}
     if unknown:
         raise ConfigError(f"unknown setting(s) in [{section or 'top level'}]: {', '.join(sorted(unknown))}")
     try:
-        return cls(**values)
+        obj = cls(**values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid {section or cls.__name__} settings: {exc}") from None
+    if sources is not None:
+        sources.update(origin)
+    return obj
+
+
+def describe(obj: Any, sources: Mapping[str, str], section: str = "") -> list[tuple[str, Any, str]]:
+    """("[section] field", value as resolved, source) for each field of a resolved config."""
+    prefix = f"[{section}] " if section else ""
+    return [(prefix + f.name, getattr(obj, f.name), sources.get(f.name, "default")) for f in dataclasses.fields(obj)]

@@ -3,6 +3,11 @@
 Every JSON event carries "event", "t" (unix seconds) and "peer" (the emitting node's own
 peer id), so the lines of many peers can be merged into one stream and still be told apart.
 
+On stderr (no --json) a person watching sees what they need: committed steps with their
+loss, joins, skips with their reasons, errors (`SHOWN`, `WARNED`). Every other event (timing
+breakdowns, per-step checkpoint writes, round internals) is logged at DEBUG, shown with -v or
+P2PTRAIN_DEBUG=1; --json always writes every event (issue 33).
+
 Events and log messages carry strings peers chose (a blame reason in an abort vote, a
 record's field): a newline in one forged a log line of its own. Every readable line is
 written through `clean` (control characters escaped, length bounded): the text events here,
@@ -19,6 +24,16 @@ import time
 from typing import Any, Callable, TextIO
 
 log = logging.getLogger("p2ptrain")
+
+# Logged at INFO in human mode.
+SHOWN = frozenset({
+    "listening", "bootstrap_connected", "dashboard_listening", "reachability", "run_joined", "peer_discovered",
+    "joining_ahead", "caught_up", "data_fetched", "outer_step_committed", "outer_step_skipped", "left",
+})
+# Logged at WARNING in human mode: something went wrong that a person may have to act on.
+WARNED = frozenset({
+    "error", "checkpoint_failed", "checkpoint_rejected", "contribution_rejected", "peer_excluded",
+})
 
 
 class EventSink:
@@ -44,9 +59,44 @@ class EventSink:
             self.out.write(json.dumps(record, default=str) + "\n")
             self.out.flush()
         else:
-            detail = " ".join(f"{k}={_short(v)}" for k, v in fields.items())
-            log.info("%s %s", event, detail)
+            level = logging.WARNING if event in WARNED else logging.INFO if event in SHOWN else logging.DEBUG
+            if log.isEnabledFor(level):
+                log.log(level, "%s", human(event, fields))
         return record
+
+
+def human(event: str, fields: dict[str, Any]) -> str:
+    """One readable line for an event on stderr."""
+    if event == "outer_step_committed":
+        return _committed(fields)
+    return f"{event} " + " ".join(f"{k}={_short(v)}" for k, v in fields.items())
+
+
+def _committed(f: dict[str, Any]) -> str:
+    of = f" ({f['goal_done']} of {f['goal_total']})" if f.get("goal_total") else ""
+    parts = [f"step {f.get('step')} committed{of}:"]
+    if f.get("loss") is not None:
+        parts.append(f"loss {f['loss']:.4f}")
+    if f.get("val_loss") is not None:
+        parts.append(f"val {f['val_loss']:.4f}")
+    if f.get("members") is not None:
+        parts.append(f"{len(f['members'])} member(s)")
+    if f.get("step_seconds") is not None:
+        parts.append(f"{f['step_seconds']:.1f} s/step")
+    if f.get("eta_seconds") is not None:
+        parts.append(f"ETA {duration(f['eta_seconds'])}")
+    parts.append(f"params {str(f.get('params_sha256', ''))[:12]}")
+    return " ".join(parts)
+
+
+def duration(seconds: float) -> str:
+    """3s, 4m05s, 2h07m: an ETA a person reads at a glance."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _short(v: Any) -> str:
@@ -90,9 +140,23 @@ class SafeFormatter(logging.Formatter):
 
 
 def setup_logging(verbose: bool = False) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """Logging on stderr: INFO, or DEBUG with `verbose` or P2PTRAIN_DEBUG=1."""
+    import os
+
+    from p2ptrain.console import LiveLineHandler
+
+    verbose = verbose or os.environ.get("P2PTRAIN_DEBUG") == "1"
+    handler = LiveLineHandler(sys.stderr)  # records print above a progress bar, not into it
     handler.setFormatter(SafeFormatter("%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     # libp2p is chatty at INFO; its warnings still show.
     for noisy in ("libp2p", "multiaddr", "async_service"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if not verbose:
+        logging.getLogger("libp2p.transport.tcp.tcp").addFilter(_reraised_dial_errors)
+
+
+def _reraised_dial_errors(record: logging.LogRecord) -> bool:
+    """py-libp2p logs a failed TCP dial at ERROR and then raises it (OpenConnectionError) to
+    the dialler, which reports it in its own terms: the raw line is noise twice over."""
+    return not str(record.msg).startswith(("Failed to open TCP stream", "Unexpected error opening TCP stream"))

@@ -23,6 +23,10 @@ def test_demo_trains_and_reports(tmp_path):
     assert len(peers) == 2 and len(commits) == 4
     for step in (1, 2):
         assert len({e["params_sha256"] for e in commits if e["step"] == step}) == 1
+    for peer in peers:  # k of N (--max-outer-steps), and an ETA once a step time is measured (issue 33)
+        mine = [e for e in commits if e["peer"] == peer]
+        assert [(e["goal_done"], e["goal_total"]) for e in mine] == [(1, 2), (2, 2)]
+        assert all(e["step_seconds"] > 0 for e in mine) and [e["eta_seconds"] for e in mine][-1] == 0
     assert "identical parameters on every peer after every step: True" in out.stderr
     assert "single worker, same compute: validation loss" in out.stderr
     png = tmp_path / "demo" / "loss.png"

@@ -547,8 +547,8 @@ def test_a_peers_reason_cannot_forge_a_log_line(caplog):
     finally:
         logger.removeHandler(handler)
     assert out.getvalue().count("\n") == 1 and "\\x0a12:00:00" in out.getvalue()
-    # Text events: each field escaped too.
-    caplog.set_level(logging.INFO, logger="p2ptrain")
+    # Text events: each field escaped too (round_failed is a DEBUG line in human mode: issue 33).
+    caplog.set_level(logging.DEBUG, logger="p2ptrain")
     EventSink(ID_A.peer_id_str, json_mode=False).emit("round_failed", blamed={ID_B.peer_id_str: evil})
     msgs = [r.getMessage() for r in caplog.records if "round_failed" in r.getMessage()]
     assert msgs and all("\n" not in m and "\x1b" not in m for m in msgs), msgs

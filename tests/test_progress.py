@@ -26,7 +26,7 @@ def test_bar_on_a_terminal():
     for i in range(1, 21):
         p(i, 20)
     text = out.getvalue()
-    assert text.startswith("\router step 3: [") and text.endswith("] 20/20 inner steps\n")
+    assert text.startswith("\r\x1b[Kouter step 3: [") and text.endswith("] 20/20 inner steps\n")
     assert "#" * 30 in text and text.count("\n") == 1
 
 
@@ -36,7 +36,9 @@ def test_log_lines_when_not_a_terminal(caplog):
     for i in range(1, 101):
         p(i, 100)
     lines = [r.getMessage() for r in caplog.records if r.name == "p2ptrain.train.progress"]
-    assert lines == [f"outer step 0: {n}/100 inner steps ({n}%)" for n in (25, 50, 75, 100)]
+    assert len(lines) == 4 and lines[-1] == "outer step 0: 100/100 inner steps (100%)"
+    for n, line in zip((25, 50, 75), lines):  # and the time left in the phase, from its own rate
+        assert line.startswith(f"outer step 0: {n}/100 inner steps ({n}%), ") and line.endswith("s left"), line
     assert make("x", json_mode=True) is None and download("x", json_mode=True) is None
 
 

@@ -65,7 +65,7 @@ async def test_every_record_type_round_trips_through_the_dht_and_hostile_entries
     [(sub, d)] = await theirs.read_data()
     assert sub == w.identity.peer_id and d == DataRecord(H[0], H[1], "", (ADDR,))
     assert await RunRecords(r, "lobby").read_presence() == {
-        me(w): {"addrs": [ADDR], "role": "trainer", "conns": {me(hostile): "relayed"}}}
+        me(w): {"addrs": [ADDR], "role": "trainer", "conns": {me(hostile): "relayed"}, "run": None}}
     got, copies = await RunRecords(r, rid).read_manifest()
     assert got == manifest and copies == 2
     # A valid manifest of another run, served under this run's key, is not this run's.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from p2ptrain.cli.common import add_node_args, load_identity, node_config, run_service, section
+from p2ptrain.cli.common import add_node_args, load_identity, node_config, run_service, section, show_config
 
 
 def add_parser(sub) -> None:
@@ -19,6 +19,7 @@ def run(args) -> int:
 
     relay = section(RelayConfig, toml, "relay")
     limits = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
+    show_config(args)
     identity = load_identity(args, "bootstrap.key")
     events = AddressFirstSink(identity.peer_id_str, args.json)
 

@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 
 DEFAULT_HOME = Path(os.environ.get("P2PTRAIN_HOME", "~/.p2ptrain")).expanduser()
 
+# ("[section] field", value, source) of every config this command resolved, in order: what
+# `-v` and `--show-config` print (`show_config`). Cleared by `main` at each command.
+RESOLVED: list[tuple[str, Any, str]] = []
+
 
 class CLIError(Exception):
     """A user-facing failure: printed as one line with advice, exit code 2."""
@@ -33,18 +37,20 @@ def add_node_args(p, listen_default: str | None = None) -> None:
     p.add_argument("--key", metavar="FILE", help="Ed25519 key file (created on first use, mode 0600)")
     p.add_argument("--config", metavar="TOML", help="config file; flags > P2PTRAIN_* env > file > defaults")
     p.add_argument("--json", action="store_true", help="one JSON event per line on stdout")
+    p.add_argument("--show-config", action="store_true",
+                   help="print each resolved setting and where it came from (flag, P2PTRAIN_* env, file, default)")
 
 
 def node_config(args, **extra: Any) -> tuple[NodeConfig, dict]:
     """NodeConfig from flags > env > TOML [node] > defaults; returns the TOML too."""
-    from p2ptrain.config import ConfigError, load_toml, resolve
+    from p2ptrain.config import ConfigError, load_toml
     from p2ptrain.net.node import NodeConfig, NodeError
 
     try:
         toml = load_toml(getattr(args, "config", None))
         flags = {"listen": args.listen, "announce": args.announce,
                  "bootstrap": getattr(args, "bootstrap", None), **extra}
-        return resolve(NodeConfig, flags, toml, "node"), toml
+        return _resolve(NodeConfig, flags, toml, "node"), toml
     except NodeError as exc:
         raise CLIError(str(exc), exc.advice) from None
     except ConfigError as exc:
@@ -63,12 +69,35 @@ def run_id_arg(text: str) -> str:
 
 
 def section(cls, toml: dict, name: str, flags: dict | None = None):
-    from p2ptrain.config import ConfigError, resolve
+    from p2ptrain.config import ConfigError
 
     try:
-        return resolve(cls, flags or {}, toml, name)
+        return _resolve(cls, flags or {}, toml, name)
     except ConfigError as exc:
         raise CLIError(str(exc), "fix the flag, the P2PTRAIN_* variable or the config file") from None
+
+
+def _resolve(cls, flags: dict, toml: dict, name: str):
+    from p2ptrain.config import describe, resolve
+
+    sources: dict[str, str] = {}
+    obj = resolve(cls, flags, toml, name, sources=sources)
+    RESOLVED.extend(describe(obj, sources, name))
+    return obj
+
+
+def show_config(args) -> None:
+    """With -v or --show-config: every setting resolved so far, its value and its source, on
+    stderr (stdout carries --json events)."""
+    import sys
+
+    if not (getattr(args, "verbose", False) or getattr(args, "show_config", False)):
+        return
+    rows = RESOLVED
+    width = max((len(n) for n, _, _ in rows), default=0)
+    lines = ["effective configuration (flag > P2PTRAIN_* env > --config file > default):"]
+    lines += [f"  {n:<{width}} = {v!r}  ({src})" for n, v, src in rows]
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
 def load_identity(args, default_name: str = "node.key") -> Identity:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from p2ptrain.cli.common import (DEFAULT_HOME, CLIError, add_node_args, load_identity, node_config, run_id_arg,
-                                 run_service, section)
+                                 run_service, section, show_config)
 
 
 def add_parser(sub) -> None:
@@ -33,6 +33,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from p2ptrain.events import EventSink
+    from p2ptrain.net.limits import LimitsConfig
+    from p2ptrain.net.nat import NatConfig
     from p2ptrain.net.node import Node
     from p2ptrain.net.presence import Presence, PresenceConfig
 
@@ -48,12 +50,8 @@ def run(args) -> int:
     identity = load_identity(args)
     events = EventSink(identity.peer_id_str, args.json)
     manifest, run_id = _read_manifest(args)
-    from p2ptrain.net.nat import NatConfig
-
     nat_cfg = section(NatConfig, toml, "nat")
     namespace = run_id or args.run or "lobby"
-    from p2ptrain.net.limits import LimitsConfig
-
     limits_cfg = section(LimitsConfig, toml, "limits")  # per-peer limits: [limits], P2PTRAIN_LIMITS_*
     presence_cfg = section(PresenceConfig, toml, "presence", {"namespace": namespace})
     if args.run or manifest:
@@ -73,6 +71,7 @@ def run(args) -> int:
         from p2ptrain.dashboard.server import DashboardConfig
 
         dashboard_cfg = section(DashboardConfig, toml, "dashboard", {"listen": args.dashboard})
+    show_config(args)
 
     async def main() -> None:
         import trio
@@ -93,14 +92,14 @@ def run(args) -> int:
 
                     presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, role="trainer",
                                         conns=conns)
-                    await nursery.start(presence.run)
+                    await _announce(nursery, node, presence)
                     await run_training(node, manifest, run_id or args.run, args.manifest, workdir, events,
                                        trainer_cfg, device=device_cfg, **node_ranks)
                     await _stop_ranks(node_ranks)
                     nursery.cancel_scope.cancel()
                     return
                 presence = Presence(node.dht, node.rpc.local_addrs(), events, presence_cfg, conns=conns)
-                await nursery.start(presence.run)
+                await _announce(nursery, node, presence)
                 await trio.sleep_forever()
         finally:
             events.emit("left")
@@ -111,6 +110,13 @@ def run(args) -> int:
 
         ranks.leave(0)
     return 0
+
+
+async def _announce(nursery, node, presence) -> None:
+    """Our presence, withdrawn when the node leaves, before its host stops (a clean exit
+    shows offline at once: Node.on_leave)."""
+    node.on_leave.append(presence.withdraw)
+    await nursery.start(presence.run)
 
 
 def _hold_workdir(args) -> tuple:

@@ -13,6 +13,7 @@ import sys
 import traceback
 
 from p2ptrain import __version__
+from p2ptrain.cli import common
 from p2ptrain.cli.common import CLIError
 
 # command -> module in p2ptrain.cli; modules are imported lazily so `p2ptrain status`
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from p2ptrain.events import setup_logging
 
     setup_logging(args.verbose)
+    common.RESOLVED.clear()
     try:
         code = args.func(args)
     except CLIError as exc:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service
+from p2ptrain.cli.common import CLIError, add_node_args, node_config, run_id_arg, run_service, show_config
 
 
 def add_parser(sub) -> None:
@@ -29,6 +29,11 @@ def run(args) -> int:
     if not args.listen:
         args.listen = ["/ip4/127.0.0.1/tcp/0"]  # a client needs no reachable address
     cfg, _ = node_config(args)
+    show_config(args)
+    if not getattr(args, "verbose", False):  # a throwaway client: its own start is no news, stdout has the answer
+        import logging
+
+        logging.getLogger("p2ptrain").setLevel(logging.WARNING)
     if not cfg.bootstrap:
         raise CLIError("no bootstrap given", "pass --bootstrap /ip4/.../tcp/.../p2p/<peer id>")
     identity = Identity.generate()  # a throwaway client identity: status publishes nothing
@@ -54,14 +59,38 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"event": "status", "t": round(__import__("time").time(), 3),
                           "peer": identity.peer_id_str, "namespace": args.namespace,
-                          "peers": [{"remote": p, **info} for p, info in sorted(peers.items())]}))
+                          "peers": [{"remote": p, **info} for p, info in sorted(peers.items())],
+                          "runs": runs_seen(peers)}))
     else:
-        print(f"{len(peers)} peer(s) in '{args.namespace}':")
-        for p, info in sorted(peers.items()):
-            print(f"  {p}  {info['role']:<6} {' '.join(info['addrs'])}")
-            _print_conns(info.get("conns", {}))
+        print("\n".join(namespace_lines(args.namespace, peers)))
     sys.stdout.flush()
     return 0
+
+
+def runs_seen(peers: dict) -> dict[str, int]:
+    """run id -> how many of `peers` train in it (peers in a run keep a lobby record naming it)."""
+    runs: dict[str, int] = {}
+    for info in peers.values():
+        if info.get("run"):
+            runs[info["run"]] = runs.get(info["run"], 0) + 1
+    return dict(sorted(runs.items()))
+
+
+def namespace_lines(namespace: str, peers: dict) -> list[str]:
+    """What `status` prints for a namespace (the lobby by default): each peer, the run it
+    trains in, and the runs seen with the command that shows one."""
+    lines = [f"{len(peers)} peer(s) in '{namespace}':"]
+    for p, info in sorted(peers.items()):
+        run = f" run {info['run']}" if info.get("run") else ""
+        lines.append(f"  {p}  {info['role']:<7}{run} {' '.join(info['addrs'])}".rstrip())
+        if info.get("conns"):
+            lines.append("      " + ", ".join(f"{q[-8:]} {kind}" for q, kind in sorted(info["conns"].items())))
+    runs = runs_seen(peers)
+    for run, n in runs.items():
+        lines.append(f"run {run}: {n} peer(s) training (p2ptrain status --run {run})")
+    if not runs and namespace == "lobby":
+        lines.append("no run seen: peers in a run show here while they train")
+    return lines
 
 
 def _print_run(args, identity, peers: dict, states: dict) -> int:

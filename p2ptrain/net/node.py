@@ -185,6 +185,9 @@ class Node:
         self.nat = None
         self.extra_addrs: list[str] = []
         self._dialled: dict[str, list[str]] = {}  # bootstrap as given -> the addresses it resolved to
+        # Awaited, in order, when the node stops, before its host closes: what a clean exit
+        # still has to say to the network (withdrawing presence: Presence.withdraw).
+        self.on_leave: list = []
 
     @property
     def peer_id(self) -> str:
@@ -200,6 +203,35 @@ class Node:
         return [f"{a}/p2p/{self.peer_id}" for a in self.rpc.local_addrs()]
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Serve until cancelled. The host runs shielded from our caller's cancellation, so
+        that when it comes (Ctrl-C, a finished run) the `on_leave` hooks still reach the
+        network; then the host is stopped. Cancelled together with it, py-libp2p's services
+        stop at once and nothing more can be sent (seen: "cannot schedule task after service
+        has stopped" on a withdrawal)."""
+        host_scope = trio.CancelScope()
+
+        async def serve(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            with host_scope:
+                await self._serve(task_status=task_status)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve)
+                # Only once started: a Ctrl-C while the bootstraps are still being dialled
+                # must stop the node at once, and there is nothing to withdraw yet.
+                host_scope.shield = True
+                task_status.started(self)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    await self._leave()
+                    host_scope.cancel()
+        except BaseExceptionGroup as group:
+            if len(group.exceptions) == 1:  # the node's own error (NodeError ...), as before this nursery
+                raise group.exceptions[0] from None
+            raise
+
+    async def _serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         self.host = build_host(self.identity, self.config)
         listen = [parse_maddr(a) for a in self.config.listen]
         try:
@@ -240,6 +272,16 @@ class Node:
                 raise NodeError(f"cannot listen on {', '.join(self.config.listen)}: address already in use",
                                 _PORT_ADVICE) from None
             raise
+
+    async def _leave(self) -> None:
+        """Run the `on_leave` hooks while the host still runs (shielded: we are being
+        cancelled). Each hook bounds its own time (e.g. PresenceConfig.withdraw_timeout)."""
+        with trio.CancelScope(shield=True):
+            for hook in self.on_leave:
+                try:
+                    await hook()
+                except Exception:  # one hook's failure must not skip the others or the close
+                    log.exception("leave hook failed")
 
     async def _meet_bootstraps(self) -> None:
         """Connect to every bootstrap, retrying with backoff for a bounded time.

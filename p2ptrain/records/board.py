@@ -136,10 +136,14 @@ class RunRecords:
 
     # -- peers (presence) -----------------------------------------------------------------
     async def publish_presence(self, addrs: list[str], role: str, conns: dict[str, str] | None,
-                               ttl: float) -> int:
-        return await self.dht.store(keys.presence(self.run_id), codecs.encode_presence(addrs, role, conns), ttl)
+                               ttl: float, run: str | None = None, left: bool = False) -> int:
+        """`run`: in the lobby, the run we train in; `left`: we left cleanly (replaces our
+        record, so readers see us gone at once instead of when it expires)."""
+        return await self.dht.store(keys.presence(self.run_id),
+                                    codecs.encode_presence(addrs, role, conns, run=run, left=left), ttl)
 
     async def read_presence(self) -> dict[str, dict]:
-        """peer id (str) -> {"addrs", "role", "conns"} for every live, verified presence record."""
+        """peer id (str) -> {"addrs", "role", "conns", "run"} for every live, verified presence
+        record of a peer that has not left."""
         got = await self._read(keys.presence(self.run_id), lambda _, v: codecs.decode_presence(v), "presence")
-        return {peer_id_to_str(sub): info for sub, info, _ in got}
+        return {peer_id_to_str(sub): info for sub, info, _ in got if not info.pop("left")}

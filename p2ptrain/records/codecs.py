@@ -13,6 +13,7 @@ the writer's peer id, so the peer a record speaks for is the subkey, never a fie
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 
 import msgpack
@@ -236,22 +237,39 @@ def decode_data(value: bytes) -> DataRecord:
 
 
 # -- presence ------------------------------------------------------------------------------
-def encode_presence(addrs: list[str], role: str, conns: dict[str, str] | None = None) -> bytes:
-    """`conns`: neighbour peer id -> connection kind (p2ptrain.net.nat.connection_kinds)."""
-    obj = {"addrs": addrs[:MAX_ADDRS], "role": role}
-    if conns:
+def encode_presence(addrs: list[str], role: str, conns: dict[str, str] | None = None, run: str | None = None,
+                    left: bool = False) -> bytes:
+    """`conns`: neighbour peer id -> connection kind (p2ptrain.net.nat.connection_kinds);
+    `run`: the run a lobby record's peer trains in; `left`: the peer left cleanly."""
+    obj: dict = {"addrs": [] if left else addrs[:MAX_ADDRS], "role": role}
+    if conns and not left:
         obj["conns"] = dict(sorted(conns.items())[:MAX_CONNS])
+    if run:
+        obj["run"] = run
+    if left:
+        obj["left"] = True
     return msgpack.packb(obj, use_bin_type=True)
 
 
+RUN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+"""A run named in a lobby record: `status` prints it to a terminal."""
+
+
 def decode_presence(value: bytes) -> dict:
-    """{"addrs", "role", "conns"}. Addresses that are not strings and neighbours of an
-    unknown kind are only left out; a field of the wrong type refuses the record."""
+    """{"addrs", "role", "conns", "run", "left"}. Addresses that are not strings and
+    neighbours of an unknown kind are only left out; a field of the wrong type refuses the
+    record, and so does a run name `status` could not print safely."""
     obj = _unpack(value, MAX_PRESENCE_BYTES, "presence", maps=MAX_CONNS, strs=512)
     addrs, role, conns = obj.get("addrs"), obj.get("role", ""), obj.get("conns", {})
     if not isinstance(addrs, list):
         raise RecordError("malformed", "presence record's addrs is not a list")
     if not isinstance(role, str) or not isinstance(conns, dict):  # str() made a role of anything
         raise RecordError("malformed", "presence record's role or conns is of the wrong type")
+    run, left = obj.get("run"), obj.get("left", False)
+    if run is not None and not (isinstance(run, str) and RUN_NAME.fullmatch(run)):
+        raise RecordError("malformed", "presence record's run is not a plain name")
+    if not isinstance(left, bool):
+        raise RecordError("malformed", "presence record's left is not a bool")
     return {"addrs": [a for a in addrs if isinstance(a, str)], "role": role,
-            "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in KINDS}}
+            "conns": {k: v for k, v in conns.items() if isinstance(k, str) and v in KINDS},
+            "run": run, "left": left}

@@ -101,6 +101,7 @@ class Trainer:
         # the state they read, waits for them (`_reported`).
         self._bg: trio.Nursery | None = None
         self._reported: trio.Event | None = None
+        self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await self.publish_state()
@@ -275,7 +276,8 @@ class Trainer:
         report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
                       bytes_sent=out.bytes_sent, bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
                       seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
-                      **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}))
+                      **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}),
+                      **self.pace.commit(self.committed, self.local.step, time.monotonic()))
         self._reported = trio.Event()
         if self._bg is not None and self.local.evaluates_committed:
             self._bg.start_soon(self._report, t, tm, report, self._reported)
@@ -363,7 +365,7 @@ class Trainer:
 
     def _progress(self, t: int):
         """Inner-step progress: a bar on a terminal, plain log lines otherwise."""
-        return progress.make(f"outer step {t}", self.events.json_mode, "inner steps")
+        return self.pace.bar(t, self.committed, self.local.step, self.events.json_mode, time.monotonic())
 
     async def publish_state(self, loss: float | None = None, val_loss: float | None = None,
                             params: str | None = None) -> None:
