@@ -5,6 +5,7 @@ measure; these show that each part does what its name says, and that the bench r
 from __future__ import annotations
 
 import numpy as np
+import trio
 
 from conftest import trio_test
 from test_dht_memory import join_all, make_swarm
@@ -149,3 +150,39 @@ async def test_provider_copies_sort_first_and_name_the_honest_checkpoint():
     now = await squatter.newest_providers(nodes[4], RUN, set())
     copies = [p for p in now if p.peer in {f.peer_id_str for f in fakes}]
     assert len(copies) == 2 and all(p.manifest == "aa" * 32 and p.step == 3 for p in copies)
+
+
+@trio_test()
+async def test_the_slot_hog_holds_what_one_identity_may_and_an_honest_fetch_is_still_served():
+    """The slot part opens 8 slow requests for a donor's manifest from one identity, and
+    reopens each as it ends; the donor gives that identity 2 slots and a short queue, refuses
+    the rest, and serves an honest request at once."""
+    import hashlib
+    import os
+    import types
+
+    from fakehost import PipeNet
+    from p2ptrain.ckpt import fetch, providers
+    from p2ptrain.ckpt.fetch import BlobServer, ServeConfig
+
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        donor_id, hog_id, honest_id = (Identity.generate() for _ in range(3))
+        blobs = BlobServer(net.host(donor_id.peer_id), config=ServeConfig(upload_mbps=0, slot_allowance=5.0,
+                                                                          slot_min_mbps=1.0))
+        digest = blobs.add(os.urandom(1 << 20))
+        node = types.SimpleNamespace(host=net.host(hog_id.peer_id), identity=hog_id,
+                                     rpc=types.SimpleNamespace(learn_addrs=lambda peer, addrs: None))
+        donor = providers.Provider(donor_id.peer_id_str, 2, digest, "bb" * 32, "cc" * 32, (), ())
+        out = {"refused": 0, "opened": 0, "ended": 0}
+        scope = await nursery.start(squatter._hog, node, [donor], out)
+        await trio.sleep(0.5)
+        assert blobs.slots.active == {hog_id.peer_id: 2} and blobs.slots.waiting == 4
+        t0 = trio.current_time()
+        data = await fetch.request(net.host(honest_id.peer_id), donor_id.peer_id, digest, 2 << 20, timeout=60.0)
+        assert hashlib.sha256(data).hexdigest() == digest and trio.current_time() - t0 < 1.0
+        await trio.sleep(30)  # it keeps coming back as its requests are reset or refused
+        assert out["opened"] > 8 and out["ended"] > 2, out
+        scope.cancel()
+        nursery.cancel_scope.cancel()
+
