@@ -1,4 +1,4 @@
-"""`p2ptrain bench redteam`: a real run attacked one attack at a time (issue 15).
+"""`p2ptrain bench redteam`: a real run attacked one attack at a time (issues 15 and 32).
 
 Each scenario is a fresh run on 127.0.0.1: a bootstrap, HONEST `p2ptrain join` processes
 (tiny preset, H inner steps, `--max-outer-steps STEPS`) and the attack's own processes with
@@ -23,6 +23,33 @@ their own identities:
   sybil-K         K identities join with the honest peers, free-ride (zeros) for their first
                   2 steps, then each sends -4 x its pseudo-gradient with a header true to it
                   (hole 6; K = 1, 2, 4)
+ Issue 32's attacks (hostile join processes: p2ptrain/bench/adversary.py; record writers and
+ requesters: p2ptrain/bench/squatter.py):
+  selective       2 Sybils join; Sybil j sends round control traffic (roster confirmations,
+                  headers, votes) only to honest peer j and the other Sybil, and resets every
+                  control stream anyone else opens to it
+  inflate         2 Sybils join and name a pool of 6 Sybil identities (4 never run) in every
+                  roster confirmation they send, each view hashed as an honest one
+  expiry          a squatter re-stores a ready record for the current and next step every 5 s,
+                  8 s expiry, ready time 10 minutes early; it serves no rounds
+  eclipse         before the honest peers start, a squatter stores 5 ~60 KiB records under each
+                  of the next 3 `ready/<t>` keys (and keeps 3 steps ahead)
+  provider        the last honest peer joins late, after a squatter copied the newest honest
+                  provider record under 2 identities whose peer ids sort first, on hosts that
+                  accept the fetch stream and never answer
+  slot            the last honest peer joins late, after one squatter identity holds 8 requests
+                  read at 1 KiB/s (reopened as they end) at every donor of the newest checkpoint
+  slowloris       one member trains honestly but sends every bulk frame a byte per 0.1 s
+  reputation      on a run of its own with `--aggregation robust` (measured against that
+                  run's own baseline, `baseline-robust`): 2 Sybil identities publish reports
+                  naming every honest peer, refreshed every 5 s; `not_applicable` in the
+                  summary when a robust run cannot be made
+  sybil-kK        K = 4 or 8 identities join and each sends -2.5 x its pseudo-gradient from
+                  its first step, header true to it: within the probation bound (3 x each
+                  honest anchor) and the 10x-median rule (issue 32 item 9; `ANTI_SCALE`)
+  late-honest     (a control, only when named) provider's and slot's late join, no attacker:
+                  provider and slot are measured against it when it ran
+Groups hold up to H + 8 members (sybil-k8 can share a group with all honest peers).
 Per scenario: honest outer steps committed (each honest peer stops after STEPS; a peer left
 alone after the others finished gets 30 s more) vs the baseline's (`progress_ratio`; the goal
 is >= 0.8), the fraction of started steps that committed, the honest commit rate vs the baseline's
@@ -32,7 +59,10 @@ protocol harm with plain load), steps where honest peers committed different par
 peers' validation loss at the run's last step (the highest step at least two honest peers
 committed) vs the baseline's at the same step (`val_loss_pct`), and over every step both
 committed (`val_curve_pct`: the mean of the honest per-step means vs the baseline's).
-The last JSON line is `bench_redteam_summary`. Figures are from a noisy shared machine.
+For provider and slot, `newcomer` says when the late peer started, what it fetched and when it
+first committed. The last JSON line is `bench_redteam_summary`: the worst ratios over the
+attacks (controls excluded), `sybil_k4_val_loss_pct` and `sybil_k8_val_loss_pct` (None when not
+run), and `not_applicable`. Figures are from a noisy shared machine.
 """
 
 from __future__ import annotations
