@@ -30,8 +30,9 @@ their own identities:
                   control stream anyone else opens to it
   inflate         2 Sybils join and name a pool of 6 Sybil identities (4 never run) in every
                   roster confirmation they send, each view hashed as an honest one
-  expiry          a squatter re-stores a ready record for the current and next step every 5 s,
-                  8 s expiry, ready time 10 minutes early; it serves no rounds
+  expiry          from before the honest peers start, a squatter re-stores a ready record for
+                  the current and next step every 5 s, 8 s expiry, ready time 10 minutes
+                  early; it serves no rounds
   eclipse         before the honest peers start, a squatter stores 5 ~60 KiB records under each
                   of the next 3 `ready/<t>` keys (and keeps 3 steps ahead)
   provider        the last honest peer joins late, after a squatter copied the newest honest
@@ -88,7 +89,7 @@ CONTROLS = ("extra-honest", "late-honest")
 LATE = ("provider", "slot", "late-honest")
 # Attacks by a record writer or requester process (p2ptrain/bench/squatter.py), and whether
 # it must be in place before the honest peers start (it writes under keys they will read).
-SQUATTERS = {"expiry": False, "eclipse": True, "provider": False, "slot": False, "reputation": False}
+SQUATTERS = {"expiry": True, "eclipse": True, "provider": False, "slot": False, "reputation": False}
 # Sybil pool sizes: inflate runs 2 Sybils that name a pool of 6 (4 never run: names are free).
 INFLATE_RUNNING, INFLATE_POOL = 2, 6
 

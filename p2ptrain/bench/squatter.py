@@ -3,8 +3,8 @@
 
 Real libp2p, its own process, identities that cost nothing to make; it trains nothing. It
 follows the run's step from the ready records honest peers publish (`ready/<t>`), and:
-  expiry      re-stores a ready record for the current and the next step every 5 s with an
-              8 s expiry and a ready time 10 minutes early (the simulator's `expiry`
+  expiry      re-stores a ready record for the current and the next step (from before the
+              run's first step) every 5 s with an 8 s expiry and a ready time 10 minutes early (the simulator's `expiry`
               attack, `p2ptrain.sim.world`); it serves no rounds, so a group that elects
               it waits for a member that never confirms
   eclipse     stores, from 5 identities each, ~60 KiB records under the next 3 `ready/<t>`
@@ -89,13 +89,14 @@ async def _store(dht, rec, out: dict) -> None:
 
 
 async def expiry_once(dht, run_id: str, t: int, addrs: list[str], out: dict) -> None:
-    """Our ready record for steps t and t+1: 10 minutes early, expiring in 8 s."""
+    """Our ready record for steps t and t+1 (0 and 1 before the run starts): 10 minutes
+    early, expiring in 8 s."""
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
     from p2ptrain.run import keys, records
 
     value = records.encode_ready(wall_time() - EARLY, addrs, False)
-    for s in (t, t + 1):
+    for s in (max(t, 0), max(t, 0) + 1):
         await _store(dht, make_record(dht.identity, keys.ready(run_id, s), value, wall_time() + 8), out)
 
 
@@ -156,8 +157,10 @@ async def attack(args) -> None:
     placed = [False]
 
     def in_place() -> None:
-        if not placed[0] and args.ready_file:
-            Path(args.ready_file).write_text("ready\n")
+        if not placed[0]:
+            if args.ready_file:
+                Path(args.ready_file).write_text("ready\n")
+            said[0] = -1e9  # say what it did at once: a short run may end before the next report
         placed[0] = True
 
     main = node_for(Identity.generate())
@@ -179,7 +182,7 @@ async def attack(args) -> None:
         while True:
             with trio.move_on_after(15):
                 t = out["step"] = await current_step(dht, args.run, out["step"])
-                if args.mode == "expiry" and t >= 0:
+                if args.mode == "expiry":
                     await expiry_once(dht, args.run, t, main.rpc.local_addrs(), out)
                     in_place()
                 elif args.mode == "eclipse":
