@@ -188,11 +188,10 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
             hostile = [group.start(["garbage", "--bootstrap", baddr, "--count", "400", "--seconds", "20"], "a0",
                                    module="p2ptrain.bench.attacker")]
         late_t0 = None
-        if late:  # the newcomer: once the attacker copied or hogs a checkpoint (the control: once one exists)
-            if attack == "late-honest":
-                _wait_commit(peers, t0 + limit / 2)
-            else:
+        if late:  # the newcomer: once a step committed (so it must catch up) and the attacker is in place
+            if attack != "late-honest":
                 _wait_file(placed, hostile[0], limit / 2)
+            _wait_commit(peers, t0 + limit / 2)
             late_t0 = time.monotonic()
             peers.append(group.start(_join(baddr, run, work, f"h{early}", False, mine, run[0].parent), f"h{early}"))
         wait_for(peers, t0 + limit, straggle=30.0)
