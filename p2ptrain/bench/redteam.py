@@ -49,7 +49,8 @@ their own identities:
                   its first step, header true to it: within the probation bound (3 x each
                   honest anchor) and the 10x-median rule (issue 32 item 9; `ANTI_SCALE`)
   late-honest     (a control, only when named) provider's and slot's late join, no attacker:
-                  provider and slot are measured against it when it ran
+                  provider and slot are measured against it when it ran (in all three the
+                  first H-1 peers commit 4 x STEPS steps, the newcomer STEPS)
 Groups hold up to H + 8 members (sybil-k8 can share a group with all honest peers).
 Per scenario: honest outer steps committed (each honest peer stops after STEPS; a peer left
 alone after the others finished gets 30 s more) vs the baseline's (`progress_ratio`; the goal
@@ -84,9 +85,12 @@ ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm"
 # group (dropfwd) can be told apart from the effect of a 4th honest member; and the late
 # joiner's run with no attacker (what provider and slot are measured against, when named).
 CONTROLS = ("extra-honest", "late-honest")
-# Attacks on a newcomer: the last honest peer joins once the attacker is in place (after the
-# first checkpoint exists), so it must fetch one; the others start with --min-peers H-1.
+# Attacks on a newcomer: the last honest peer joins once the attacker is in place and a step
+# committed, so it must fetch a checkpoint; the others start with --min-peers H-1.
 LATE = ("provider", "slot", "late-honest")
+LATE_STEPS = 4
+"""In those, the first peers commit LATE_STEPS x STEPS steps (the newcomer STEPS): they are
+still training when it arrives, whatever a step costs on this machine."""
 # Attacks by a record writer or requester process (p2ptrain/bench/squatter.py), and whether
 # it must be in place before the honest peers start (it writes under keys they will read).
 SQUATTERS = {"expiry": True, "eclipse": True, "provider": False, "slot": False, "reputation": False}
@@ -175,7 +179,9 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
         late = attack in LATE
         early = honest - 1 if late else honest
         mine = ["--max-outer-steps", str(steps), "--min-peers", str(early)]
-        peers = [group.start(_join(baddr, run, work, f"h{i}", i == 0, mine, run[0].parent), f"h{i}")
+        # the first peers train on while the newcomer starts and catches up (its own STEPS)
+        theirs = ["--max-outer-steps", str(LATE_STEPS * steps), "--min-peers", str(early)] if late else mine
+        peers = [group.start(_join(baddr, run, work, f"h{i}", i == 0, theirs, run[0].parent), f"h{i}")
                  for i in range(early)]
         if attack in SQUATTERS and not SQUATTERS[attack]:
             squat()
