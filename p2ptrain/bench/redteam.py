@@ -50,7 +50,7 @@ their own identities:
                   honest anchor) and the 10x-median rule (issue 32 item 9; `ANTI_SCALE`)
   late-honest     (a control, only when named) provider's and slot's late join, no attacker:
                   provider and slot are measured against it when it ran (in all three the
-                  first H-1 peers commit 4 x STEPS steps, the newcomer STEPS)
+                  first H-1 peers commit STEPS + 20 steps, the newcomer STEPS)
 Groups hold up to H + 8 members (sybil-k8 can share a group with all honest peers).
 Per scenario: honest outer steps committed (each honest peer stops after STEPS; a peer left
 alone after the others finished gets 30 s more) vs the baseline's (`progress_ratio`; the goal
@@ -88,9 +88,9 @@ CONTROLS = ("extra-honest", "late-honest")
 # Attacks on a newcomer: the last honest peer joins once the attacker is in place and a step
 # committed, so it must fetch a checkpoint; the others start with --min-peers H-1.
 LATE = ("provider", "slot", "late-honest")
-LATE_STEPS = 4
-"""In those, the first peers commit LATE_STEPS x STEPS steps (the newcomer STEPS): they are
-still training when it arrives, whatever a step costs on this machine."""
+LATE_EXTRA = 20
+"""In those, the first peers commit STEPS + LATE_EXTRA steps (the newcomer STEPS): they are
+still training when it arrives (its start takes 10-20 s on a loaded machine, a tiny step 1-2 s)."""
 # Attacks by a record writer or requester process (p2ptrain/bench/squatter.py), and whether
 # it must be in place before the honest peers start (it writes under keys they will read).
 SQUATTERS = {"expiry": True, "eclipse": True, "provider": False, "slot": False, "reputation": False}
@@ -180,7 +180,7 @@ def scenario(work: Path, run: tuple[Path, str], attack: str, honest: int, steps:
         early = honest - 1 if late else honest
         mine = ["--max-outer-steps", str(steps), "--min-peers", str(early)]
         # the first peers train on while the newcomer starts and catches up (its own STEPS)
-        theirs = ["--max-outer-steps", str(LATE_STEPS * steps), "--min-peers", str(early)] if late else mine
+        theirs = ["--max-outer-steps", str(steps + LATE_EXTRA), "--min-peers", str(early)] if late else mine
         peers = [group.start(_join(baddr, run, work, f"h{i}", i == 0, theirs, run[0].parent), f"h{i}")
                  for i in range(early)]
         if attack in SQUATTERS and not SQUATTERS[attack]:
