@@ -4,7 +4,6 @@ digest is compared with a fresh-session round on the same inputs: reuse changes 
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -87,37 +86,7 @@ def test_a_round_of_one_returns_its_own_vector():
     trio.run(main)
 
 
-class _TrickleIO:
-    """A Sybil's bulk IO: every frame leaves one byte every `every` seconds."""
-
-    def __init__(self, io, every: float) -> None:
-        self.io, self.every = io, every
-        if hasattr(io, "recv_some"):
-            self.recv_some = io.recv_some
-
-    def sendall(self, parts) -> None:
-        data = b"".join(bytes(p) for p in parts)
-        for i in range(len(data)):
-            self.io.sendall([data[i:i + 1]])  # raises once the receiver closed: the thread ends
-            time.sleep(self.every)
-
-    def __getattr__(self, name):
-        return getattr(self.io, name)
-
-
-class TricklingService(AllReduceService):
-    """Sends its bulk frames (data and votes) one byte every 0.1 s (slowloris), and never
-    votes to abort (its own send timeout would otherwise end the round for everyone)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        wrap = self.sessions._wrap
-        self.sessions._wrap = lambda io: _TrickleIO(wrap(io), 0.1)
-
-        async def no_abort(*args, **kwargs) -> None:
-            pass
-
-        self.board.abort = no_abort
+from p2ptrain.bench.adversary import TricklingService  # noqa: E402  (the red-team bench's slowloris part)
 
 
 @pytest.mark.parametrize("world, direct", [(2, True), (3, True), (2, False)],

@@ -1,7 +1,9 @@
 """The red team's hostile parts against real libp2p nodes in one process (127.0.0.1):
 a member that withholds its commit vote (p2ptrain/bench/adversary.py `WithholdingService`)
 makes its round abort on every member, none committing; the members retry without it and
-commit. Garbage on every run protocol (p2ptrain/bench/attacker.py `garbage`) is dropped and
+commit. A selective member (`SelectiveService`) confirms rosters with the peers it chose
+only and refuses everyone else's control streams; an inflating one (`InflatingService`) names
+its Sybil pool in a roster view whose hash checks out. Garbage on every run protocol (p2ptrain/bench/attacker.py `garbage`) is dropped and
 the next round still commits. A forwarder that drops the partial sums it relays
 (`DroppingService`) is NOT caught: the round commits without those contributions (the
 known hole, asserted exactly as it is today)."""
@@ -44,6 +46,60 @@ def test_a_withheld_vote_aborts_the_round_on_every_member_and_the_retry_without_
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def _confirm(run: str, t: int, attempt: int, view: list[str]) -> bytes:
+    from p2ptrain.run import election
+    from p2ptrain.run import roster as rosters
+
+    view = election.ring_order(run, t, view)
+    return rosters.Confirm(election.roster_hash(run, t, attempt, view), "ab" * 32, 1, tuple(view)).encode()
+
+
+def test_a_selective_member_confirms_with_its_chosen_peer_only_and_refuses_the_others():
+    from p2ptrain.bench.adversary import SelectiveService
+    from p2ptrain.identity import peer_id_from_str
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, [AllReduceService, AllReduceService, SelectiveService],
+                                         frame_timeout=5.0, setup_timeout=5.0)
+            members = [n.identity.peer_id_str for n in nodes]
+            svcs[2].answers.add(peer_id_from_str(members[0]))  # it talks to member 0 only
+            payload = _confirm("run", 1, 0, members)
+            got = await each_member(3, lambda i: svcs[i].exchange("run", "1/0/roster", members, payload, 4.0))
+            nursery.cancel_scope.cancel()
+        return members, got, svcs[2].refused
+
+    members, got, refused = trio.run(main)
+    a, b, s = members
+    assert got[0][s] == got[0][b] is not None  # the chosen one hears from everyone
+    assert got[1][s] is None and got[1][a] is not None  # the other never hears from it
+    assert got[2][a] is not None and got[2][b] is None  # and it drops what the other sent
+    assert refused >= 1
+
+
+def test_an_inflating_member_names_its_pool_in_a_view_whose_hash_checks_out():
+    from p2ptrain.bench.adversary import InflatingService
+    from p2ptrain.identity import Identity
+    from p2ptrain.run import roster as rosters
+
+    pool = [Identity.generate().peer_id_str for _ in range(3)]
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, [AllReduceService, InflatingService])
+            svcs[1].pool = tuple(pool)
+            members = [n.identity.peer_id_str for n in nodes]
+            payload = _confirm("run", 1, 0, members)
+            got = await each_member(2, lambda i: svcs[i].exchange("run", "1/0/roster", members, payload, 4.0))
+            nursery.cancel_scope.cancel()
+        return members, got
+
+    members, got = trio.run(main)
+    c = rosters.decode(got[0][members[1]], "run", 1, 0)  # a well-formed confirmation ...
+    assert c is not None and set(c.view) == set(members) | set(pool)  # ... of a view with the pool in it
+    assert rosters.decode(got[1][members[0]], "run", 1, 0).view != c.view
 
 
 def test_garbage_on_every_run_protocol_is_dropped_and_the_next_round_commits():

@@ -33,6 +33,18 @@ Modes:
            everyone decodes, so the round commits without half of the other members'
            chunk contributions (issue 15, hole 5: known, not defended; DESIGN "What ring
            verification can and cannot catch"). Ring rounds only (robust rounds: honest).
+  anti     sends -ANTI_SCALE (2.5) x its pseudo-gradient from its first step, header true to
+           it: an update against descent, as large as the tightest norm bound allows (an
+           honest anchor's probation factor, 3x: `run.influence.objections`) with a margin
+           for the spread of honest norms, since it signs before it sees theirs (issue 32
+           item 9: k such Sybils against H honest members)
+  selective:PEER,...  exchanges round control traffic (roster confirmations, headers,
+           votes) only with the listed peers: it sends to nobody else and resets every
+           control stream anyone else opens to it (issue 31 item 5, issue 32 "selective")
+  inflate:PEER,...    names the listed peers (its Sybil pool) in every roster confirmation
+           it sends, its view hashed as an honest one (view inflation)
+  slowloris           trains honestly, but every bulk frame it sends (data and votes)
+           leaves one byte every 0.1 s, and it never votes to abort (issue 32 item 4)
 """
 
 from __future__ import annotations
@@ -48,15 +60,20 @@ import trio
 import p2ptrain  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain import kernels as K
-from p2ptrain.identity import Identity, public_from_peer_id_bytes, verify
+from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce import ring, ringvote
-from p2ptrain.reduce.service import AllReduceService, _Plane
+from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL
+from p2ptrain.reduce.service import VOTE_PROTOCOL, AllReduceService, _Plane
 from p2ptrain.run.round import Contributor
 
 CONTRIBUTION_MODES = ("forge", "nan", "norm", "replay", "signflip", "noise", "zeros", "early-ready",
-                      "chunknorm", "sybil")
+                      "chunknorm", "sybil", "anti")
+ANTI_SCALE = 2.5
+"""The anti-update's size in units of the Sybil's own honest norm: under the probation bound
+(3 x an honest member's anchor, its own norm this round), with room for honest norms up to
+17 % below the Sybil's own."""
 # What an honest-about-its-bytes attacker scales its header's norms by.
-_HEADER_SCALE = {"norm": 1000.0, "zeros": 0.0, "sybil": 4.0, "signflip": 10.0, "noise": 10.0}
+_HEADER_SCALE = {"norm": 1000.0, "zeros": 0.0, "sybil": 4.0, "signflip": 10.0, "noise": 10.0, "anti": ANTI_SCALE}
 
 
 def flip_one_byte(data: bytes) -> bytes:
@@ -195,6 +212,91 @@ class DroppingService(AllReduceService):
         return res
 
 
+class SelectiveService(AllReduceService):
+    """Talks round control (roster confirmations, headers, abort and commit messages) with
+    `answers` only: sends to nobody else, and resets every control stream anyone else opens
+    to it, as a refused dial. Its DHT traffic and training are honest: it wants to be elected."""
+
+    def __init__(self, *args, answers=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.answers = {peer_id_from_str(p) for p in answers} | {self.identity.peer_id}
+        self.refused = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(super().run)
+            self.host.set_stream_handler(VOTE_PROTOCOL, self._refusing(self._handle_vote))
+            self.host.set_stream_handler(CONTROL_PROTOCOL, self._refusing(self.ctl.serve))
+            task_status.started(port)
+
+    def _refusing(self, handler):
+        async def handle(stream) -> None:
+            if stream.muxed_conn.peer_id.to_bytes() in self.answers:
+                return await handler(stream)
+            self.refused += 1
+            with trio.move_on_after(1):
+                await stream.reset()
+        return handle
+
+    async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
+        return await super()._send_all([p for p in ids if p in self.answers], msg)
+
+
+class InflatingService(AllReduceService):
+    """Adds `pool` to the view of every roster confirmation it sends (hashed as an honest
+    view would be: `p2ptrain.sim.service._inflated`, the simulator's same attack)."""
+
+    def __init__(self, *args, pool=(), **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool = tuple(pool)
+
+    async def exchange(self, run_id, round_id, members, payload, timeout, unreachable_silent=False,
+                       answer_strangers=False):
+        from p2ptrain.sim.service import _inflated
+
+        if round_id.endswith("/roster"):
+            payload = _inflated(payload, run_id, round_id, self.pool)
+        return await super().exchange(run_id, round_id, members, payload, timeout, unreachable_silent,
+                                      answer_strangers)
+
+
+class TrickleIO:
+    """A bulk IO whose every frame leaves one byte every `every` seconds (slowloris)."""
+
+    def __init__(self, io, every: float) -> None:
+        self.io, self.every = io, every
+        if hasattr(io, "recv_some"):
+            self.recv_some = io.recv_some
+
+    def sendall(self, parts) -> None:
+        import time
+
+        data = b"".join(bytes(p) for p in parts)
+        for i in range(len(data)):
+            self.io.sendall([data[i:i + 1]])  # raises once the receiver closed: the thread ends
+            time.sleep(self.every)
+
+    def __getattr__(self, name):
+        return getattr(self.io, name)
+
+
+class TricklingService(AllReduceService):
+    """Sends its bulk frames (data and votes) one byte every `every` s, and never votes to
+    abort (its own send timeout would otherwise end the round for everyone)."""
+
+    def __init__(self, *args, every: float = 0.1, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        wrap = self.sessions._wrap
+        self.sessions._wrap = lambda io: TrickleIO(wrap(io), every)
+        # it waits as long as its trickle takes: its own frame deadline would end its round
+        self.config = dataclasses.replace(self.config, frame_timeout=max(self.config.frame_timeout, 600.0))
+
+        async def no_abort(*args, **kwargs) -> None:
+            pass
+
+        self.board.abort = no_abort
+
+
 class HostileContributor(Contributor):
     def __init__(self, mode: str) -> None:
         if mode not in CONTRIBUTION_MODES:
@@ -215,6 +317,8 @@ class HostileContributor(Contributor):
         if self.mode == "sybil":
             self.attacking = len(self.steps_seen) >= 2
             return delta * np.float32(-4.0) if self.attacking else np.zeros_like(delta)
+        if self.mode == "anti":
+            return delta * np.float32(-ANTI_SCALE)
         if self.mode == "noise":
             z = np.random.default_rng(0).standard_normal(delta.size)
             return (z * (10 * np.linalg.norm(delta) / max(np.linalg.norm(z), 1e-30))).astype(np.float32)
@@ -250,6 +354,12 @@ def parts_for(mode: str):
         return Parts(service=WithholdingService)
     if mode == "dropfwd":
         return Parts(service=DroppingService)
+    if mode.startswith("selective:"):
+        return Parts(service=functools.partial(SelectiveService, answers=mode.split(":", 1)[1].split(",")))
+    if mode.startswith("inflate:"):
+        return Parts(service=functools.partial(InflatingService, pool=mode.split(":", 1)[1].split(",")))
+    if mode == "slowloris":
+        return Parts(service=TricklingService)
     if mode == "extra-honest":  # the red-team bench's control: the same process, nothing hostile
         return Parts()
     HostileContributor(mode)  # validates the mode
