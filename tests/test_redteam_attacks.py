@@ -14,7 +14,8 @@ from p2ptrain.bench.adversary import ANTI_SCALE, HostileContributor
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import Identity
 from p2ptrain.run import contribution as C
-from p2ptrain.run import influence, keys
+from p2ptrain.records import RunRecords, codecs, keys
+from p2ptrain.run import influence
 from p2ptrain.run.round import Contributor
 
 RUN = "r" * 16
@@ -107,7 +108,7 @@ async def test_eclipse_records_stored_first_hide_no_honest_ready_record():
 async def test_expiry_and_reputation_parts_store_what_they_claim():
     """expiry: a ready record 10 minutes early that expires in 8 s, for this step and the next;
     reputation: two fresh identities each name every writer of the step's ready records."""
-    from p2ptrain.run import elect, reputation
+    from p2ptrain.run import elect
 
     _, nodes = make_swarm(8)
     await join_all(nodes)
@@ -125,19 +126,18 @@ async def test_expiry_and_reputation_parts_store_what_they_claim():
     rep: dict = {}
     await squatter.reputation_once(atk, RUN, 2, fakes, rep)
     assert rep["named"] == 4 and rep["stored"] == 2, rep
-    reports = await reputation.read(nodes[0], RUN)
+    reports = await RunRecords(nodes[0], RUN).read_reputation()
     assert {f.peer_id_str for f in fakes} <= set(reports)
     assert set(reports[fakes[0].peer_id_str]) == {n.identity.peer_id_str for n in nodes[:4]}
 
 
 @trio_test()
 async def test_provider_copies_sort_first_and_name_the_honest_checkpoint():
-    from p2ptrain.ckpt import providers
 
     _, nodes = make_swarm(6)
     await join_all(nodes)
     honest = nodes[0]
-    value = providers.encode(3, "aa" * 32, "bb" * 32, "cc" * 32, [n.identity.peer_id_str for n in nodes[:3]],
+    value = codecs.encode_provider(3, "aa" * 32, "bb" * 32, "cc" * 32, [n.identity.peer_id_str for n in nodes[:3]],
                              ["/ip4/127.0.0.1/tcp/1"])
     await honest.store(keys.providers(RUN), value, ttl=600)
     got = await squatter.newest_providers(nodes[5], RUN, set())

@@ -38,7 +38,7 @@ EARLY = 600.0
 async def current_step(dht, run_id: str, known: int) -> int:
     """The highest step with ready records, searched from `known` (the last one found, -1:
     none yet) a few steps on; `known` again when none is found there."""
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
 
     for t in range(max(0, known), max(0, known) + 4):
         if await dht.get(keys.ready(run_id, t)):
@@ -52,9 +52,9 @@ async def current_step(dht, run_id: str, known: int) -> int:
 
 async def newest_providers(dht, run_id: str, skip: set[str]) -> list:
     """The provider records (not signed by `skip`) of the newest step any of them names."""
-    from p2ptrain.ckpt import providers
+    from p2ptrain.records import codecs
     from p2ptrain.identity import peer_id_to_str
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
 
     got = []
     for sub, rec in (await dht.get(keys.providers(run_id))).items():
@@ -62,8 +62,8 @@ async def newest_providers(dht, run_id: str, skip: set[str]) -> list:
         if peer in skip:
             continue
         try:
-            got.append(providers.decode(peer, rec.value))
-        except providers.ProviderError:
+            got.append(codecs.decode_provider(peer, rec.value))
+        except codecs.RecordError:
             continue
     top = max((p.step for p in got), default=-1)
     return [p for p in got if p.step == top]
@@ -93,9 +93,9 @@ async def expiry_once(dht, run_id: str, t: int, addrs: list[str], out: dict) -> 
     early, expiring in 8 s."""
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
-    from p2ptrain.run import keys, records
+    from p2ptrain.records import codecs, keys
 
-    value = records.encode_ready(wall_time() - EARLY, addrs, False)
+    value = codecs.encode_ready(wall_time() - EARLY, addrs, False)
     for s in (max(t, 0), max(t, 0) + 1):
         await _store(dht, make_record(dht.identity, keys.ready(run_id, s), value, wall_time() + 8), out)
 
@@ -104,7 +104,7 @@ async def eclipse_once(dht, run_id: str, t: int, fakes: list, done: set[int], ou
     """~60 KiB records from each of `fakes` under ready/<t+1..t+3> (each key once)."""
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
 
     for s in range(t + 1, t + 4):
         if s in done:
@@ -118,11 +118,11 @@ async def reputation_once(dht, run_id: str, t: int, fakes: list, out: dict) -> N
     """Each of `fakes` reports every writer of step t's ready records (but themselves)."""
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
-    from p2ptrain.run import keys, reputation
+    from p2ptrain.records import codecs, keys
 
     mine = {i.peer_id_str for i in fakes} | {dht.identity.peer_id_str}
     honest = [p for p in await _writers(dht, run_id, t) if p not in mine]
-    value = reputation.encode_report({p: t for p in honest})
+    value = codecs.encode_report({p: t for p in honest})
     for ident in fakes:
         await _store(dht, make_record(ident, keys.reputation(run_id), value, wall_time() + 600), out)
     out["named"] = len(honest)
@@ -130,13 +130,13 @@ async def reputation_once(dht, run_id: str, t: int, fakes: list, out: dict) -> N
 
 async def copy_provider(dht, run_id: str, p, fakes: list, addrs: list[list[str]], out: dict) -> None:
     """Provider record `p` re-signed by each of `fakes`, naming its own (silent) address."""
-    from p2ptrain.ckpt import providers
+    from p2ptrain.records import codecs
     from p2ptrain.clock import wall_time
     from p2ptrain.dht.record import make_record
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
 
     for ident, a in zip(fakes, addrs):
-        value = providers.encode(p.step, p.manifest, p.sha256, p.params, list(p.members), a)
+        value = codecs.encode_provider(p.step, p.manifest, p.sha256, p.params, list(p.members), a)
         await _store(dht, make_record(ident, keys.providers(run_id), value, wall_time() + 600), out)
     out["copied_step"] = p.step
 
@@ -218,7 +218,7 @@ def _big(step: int) -> bytes:
 
 async def _writers(dht, run_id: str, t: int) -> list[str]:
     from p2ptrain.identity import peer_id_to_str
-    from p2ptrain.run import keys
+    from p2ptrain.records import keys
 
     return sorted(peer_id_to_str(s) for s in await dht.get(keys.ready(run_id, t)))
 
