@@ -136,15 +136,7 @@ def test_server_routes_on_a_real_socket():
         seen["metrics"] = _get(url + "metrics")
         seen["state"] = _get(url + "api/state")
 
-    async def main() -> None:
-        dash = Dashboard(DashboardConfig(listen="127.0.0.1:0", poll_interval=0.1), events)
-        async with trio.open_nursery() as nursery:
-            url = await nursery.start(dash.run)
-            with trio.fail_after(30):
-                await trio.to_thread.run_sync(client, url)
-            nursery.cancel_scope.cancel()
-
-    trio.run(main)
+    _serve_while(DashboardConfig(listen="127.0.0.1:0", poll_interval=0.1), events, client)
     code, ctype, body = seen["page"]
     assert code == 200 and ctype.startswith("text/html") and b'id="loss-chart"' in body
     assert b"http" not in body.replace(b"http-equiv", b"")  # nothing loaded from elsewhere
@@ -338,8 +330,17 @@ def test_a_request_for_another_host_name_is_refused():
                      "box.lan:%d" % port, None):
             codes[host] = (_raw_get(port, "/api/state", host), _raw_get(port, "/metrics", host))
 
+    _serve_while(DashboardConfig(listen="127.0.0.1:0", allowed_hosts=("box.lan",)), events, client)
+    refused = ("evil.example", next(h for h in codes if h and h.startswith("evil.example:")),
+               "127.0.0.1.evil.example", "localhost.evil.example", "")
+    assert all(codes[h] == (403, 403) for h in refused), codes
+    assert all(v == (200, 200) for h, v in codes.items() if h not in refused), codes
+
+
+def _serve_while(config, events, client) -> None:
+    """Serve a dashboard on 127.0.0.1 while `client(url)` runs in a thread (bounded: 30 s)."""
     async def main() -> None:
-        dash = Dashboard(DashboardConfig(listen="127.0.0.1:0", allowed_hosts=("box.lan",)), events)
+        dash = Dashboard(config, events)
         async with trio.open_nursery() as nursery:
             url = await nursery.start(dash.run)
             with trio.fail_after(30):
@@ -347,7 +348,3 @@ def test_a_request_for_another_host_name_is_refused():
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    refused = ("evil.example", next(h for h in codes if h and h.startswith("evil.example:")),
-               "127.0.0.1.evil.example", "localhost.evil.example", "")
-    assert all(codes[h] == (403, 403) for h in refused), codes
-    assert all(v == (200, 200) for h, v in codes.items() if h not in refused), codes
