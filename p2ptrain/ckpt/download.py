@@ -118,11 +118,12 @@ class CheckpointServer:
 
 async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
                max_group: int = providers.MAX_MEMBERS, trusted: frozenset[str] = frozenset(),
-               reject: frozenset[str] | set[str] = frozenset()) -> providers.Choice | None:
-    """The newest attested checkpoint of the run (see `providers.choose`); providers'
-    addresses go to the address book so their chunks can be fetched."""
+               reject: frozenset[str] | set[str] = frozenset(),
+               ignore: frozenset[str] | set[str] = frozenset()) -> providers.Choice | None:
+    """The run's head (see `providers.choose`) at `min_step` or later, `ignore`'s records
+    unread (our own: not a vote)."""
     recs = await RunRecords(dht, run_id).read_providers()
-    return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject)
+    return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject, ignore)
 
 
 async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
@@ -302,7 +303,7 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
     failed: FetchError | None = None
     for _ in range(tries):
         choice = await find(node.dht, run_id, spec.genesis.sha256, min_step, spec.train.group_size,
-                            trusted, skip)
+                            trusted, skip, ignore={node.identity.peer_id_str})
         if choice is None:
             break
         if choice.step <= have_step:

@@ -12,15 +12,22 @@ state). `choose` accepts a (step, manifest) only when at least half of the group
 committed it signed the same manifest hash: members are named by the records themselves,
 and only a signer that is in the member list it names counts. The member list must name
 distinct peers, and while more than one peer advertises anything, one self-attesting peer
-is not a quorum. At step 0 there is no group yet; the genesis hash in
-the run manifest (signed by the run's initiator) is the authority instead, so a step-0
-record counts only if its whole-blob hash is the genesis hash.
+is its own quorum (a peer that trained alone: its state is the run's until others
+commit with it). At step 0 there is no group yet; the genesis hash in the run manifest
+(signed by the run's initiator) is the authority instead, so a step-0 record counts only
+if its whole-blob hash is the genesis hash.
 
-Ranking (issue 15, hole 3): first by attesters the caller has itself seen do verified work
-(`trusted`: peers it committed rounds with, p2ptrain.run.standing), then by attesters, and
-only then by step -- so a few fresh identities that claim step 10**6 cannot outbid the
-group that actually trained. Checkpoints whose whole-blob hash the caller already found
-unloadable (`reject`) are never chosen again.
+This is the run's *head* (docs/PROTOCOL.md, rule H1): the state a newcomer, a restarted
+peer and a peer catching up adopt. Ranking (issue 15, hole 3): first by attesters the
+caller has itself seen do verified work (`trusted`: peers it committed rounds with,
+p2ptrain.run.standing), then any trained state over the genesis (genesis records are
+published by every peer that has not trained yet: before, three joiners' genesis records
+outvoted the one peer that had trained 116 steps, issue 31), then by attesters, and only
+then by step -- so a few fresh identities that claim step 10**6 cannot outbid the group
+that actually trained. The caller's own records are not votes (`ignore`): a restarted
+peer's old record outranked the state its partner trained on without it (issue 31).
+Checkpoints whose whole-blob hash the caller already found unloadable (`reject`) are
+never chosen again.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from dataclasses import dataclass
 
 from p2ptrain.records.codecs import MAX_MEMBERS, Provider
 
-__all__ = ["Choice", "Provider", "MAX_MEMBERS", "choose", "best_state"]
+__all__ = ["Choice", "Provider", "MAX_MEMBERS", "choose"]
 
 
 @dataclass(frozen=True)
@@ -45,12 +52,15 @@ class Choice:
 
 def choose(records: list[Provider], genesis_sha256: str, min_step: int = 0,
            max_group: int = MAX_MEMBERS, trusted: frozenset[str] | set[str] = frozenset(),
-           reject: frozenset[str] | set[str] = frozenset()) -> Choice | None:
-    """The best-attested checkpoint (or genesis at step 0) at `min_step` or later. Groups
-    larger than the run's group size (`max_group`) are not groups of this run."""
-    known = {r.peer for r in records}
+           reject: frozenset[str] | set[str] = frozenset(),
+           ignore: frozenset[str] | set[str] = frozenset()) -> Choice | None:
+    """The head: the best-attested checkpoint (or genesis at step 0) at `min_step` or later.
+    Groups larger than the run's group size (`max_group`) are not groups of this run; records
+    signed by `ignore` (the caller itself) are not read."""
     by_key: dict[tuple[int, str], list[Provider]] = {}
     for r in records:
+        if r.peer in ignore:
+            continue
         if r.step >= min_step and len(r.members) <= max_group and r.sha256 not in reject:
             by_key.setdefault((r.step, r.manifest), []).append(r)
     best: tuple[tuple[int, int, int], Choice] | None = None
@@ -64,49 +74,31 @@ def choose(records: list[Provider], genesis_sha256: str, min_step: int = 0,
                             tuple(sorted({r.peer for r in genesis})), ())
             vouch = choice.providers
         else:
-            attesters = _quorum(recs, known)
+            attesters = _quorum(recs)
             if not attesters:
                 continue
             ref = next(r for r in recs if r.peer in attesters)
             choice = Choice(step, manifest, ref.sha256, ref.params, providers, attesters)
             vouch = attesters
-        rank = (len(set(vouch) & set(trusted)), len(vouch), step)
+        rank = (len(set(vouch) & set(trusted)), step > 0, len(vouch), step)
         if best is None or rank > best[0]:
             best = (rank, choice)
     return best[1] if best else None
 
 
-def _quorum(recs: list[Provider], known: set[str]) -> tuple[str, ...]:
+def _quorum(recs: list[Provider]) -> tuple[str, ...]:
     """Signers of one (step, manifest) that form at least half of the group they name.
 
     Records naming different member lists are counted separately: a peer that lists a
-    group of its own inventing is a group of one that nobody else confirms. Listed members
-    must be distinct (padding the list with invented names only raises the bar), and a lone
-    signer is a quorum only when it is the only peer advertising anything."""
+    group of its own inventing is a group of one that nobody else confirms, and ranks below
+    every state two or more signers attest. Listed members must be distinct (padding the
+    list with invented names only raises the bar)."""
     groups: dict[tuple[str, ...], set[str]] = {}
     for r in recs:
         if r.members and r.peer in r.members and len(set(r.members)) == len(r.members):
             groups.setdefault(r.members, set()).add(r.peer)
-    need_two = len(known) > 1
     best: tuple[str, ...] = ()
     for members, signers in groups.items():
-        if need_two and len(signers) < 2:
-            continue
         if len(signers) >= math.ceil(len(members) / 2) and len(signers) > len(best):
             best = tuple(sorted(signers))
     return best
-
-
-def best_state(votes: dict[tuple[int, str], list]) -> tuple[tuple[int, str], list] | None:
-    """The run's current (step, checkpoint hash) from peers' state records: the one the most
-    peers publish, the newest among equals. A step only one peer claims is a claim, not a
-    state (issue 15: one record at step 10**6 made every newcomer wait 120 s for a checkpoint
-    that never comes), and a few identities agreeing on a fake step are outnumbered by the
-    group that trains; only when no state has two publishers (a run of one, or a split) does
-    a lone record count, and then the lowest such step, which no liar can move past the truth."""
-    multi = {k: v for k, v in votes.items() if len(set(v)) >= 2}
-    if multi:
-        return max(multi.items(), key=lambda kv: (len(set(kv[1])), kv[0][0]))
-    if votes:
-        return min(votes.items(), key=lambda kv: kv[0])
-    return None

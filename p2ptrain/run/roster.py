@@ -1,23 +1,26 @@
-"""Roster agreement for one contribution round (pure logic: no I/O).
+"""Roster agreement for one contribution round (pure logic: no I/O). docs/PROTOCOL.md, G1 and Q1.
 
-Members elect their group from the ready records each of them saw, and a record that
-arrives near the deadline can be in one member's view and not in another's: a newcomer's,
-typically. Each member then confirms a different roster. Dropping whoever disagrees (the
-old rule) let two halves of one group each confirm itself and commit two different averages
-for the same step: a fork (seen in CI: a newcomer and one member committed a step without
-the other two, who committed it as a pair).
+Members elect their group from the ready records each of them saw; a record that arrives
+near the deadline can be in one member's election and not in another's. Each member then
+confirms the roster it elected (less the members it already left out), and:
 
-So a confirmation message carries the sender's whole view, not only its hash:
-  1. on the first disagreement every member moves to the union of the views it heard
-     from members starting at the same params (peers vouched for by their ready records,
-     less members that did not answer us). Members that heard each other compute the same
-     union, so the next attempt agrees;
-  2. after that, a member drops the dissenters only while the members that agree are a
-     strict majority of the members that answered from the same params. Two disjoint
-     halves can then not both go on: at most one side holds a majority of the members
-     that heard each other, and the other skips the step and catches up to it.
-Silent members (crashed, or identities that post a ready record and never answer) count
-for nothing, so they cannot block a group.
+  G1. the roster is the elected group less the members that did not confirm exactly our
+      roster: nobody is ever *added* from another member's claimed view (before, members
+      moved to the union of the views they heard, and one Sybil that named its whole pool
+      grew a group of 4 to 8 members, issue 31);
+  Q1. a roster commits only while it holds a strict majority of the group as elected, or
+      exactly half of it including the group's first member in ring order (the tie-break
+      every member of the elected group computes alike). Two disjoint rosters drawn from
+      one elected group can then never both go on: at most one side holds that quorum,
+      and the other skips the step and catches up. Before, the bar was a majority of
+      whoever *answered*, which selective answering splits at will (two Sybils in a group
+      of 4 made two committing pairs: a fork).
+
+Members that start from different states no longer leave each other out (rule R1 is gone):
+their round merges the states (`p2ptrain.run.merge`, rule M1), so a confirmation carries the
+sender's base, and the weight its base carries in a merge. A member that cuts frames
+differently (another layout version) or names a base at another step is incompatible, not
+mergeable: it counts as silent.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from p2ptrain.run import election
 MAX_VIEW = 512
 """Largest view a member may send (groups are far smaller; a longer one is malformed)."""
 MAX_BYTES = MAX_VIEW * 64 + 256
+MAX_WEIGHT = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -41,23 +45,38 @@ class Confirm:
     """The sender's frame cut: size and layout version (`p2ptrain.reduce.schedule.frame_tag`)."""
     view: tuple[str, ...]
     """The roster the sender confirms, in ring order."""
+    weight: int = 1
+    """The weight the sender's base claims in a merge: the members that trained the round
+    that produced it (`p2ptrain.run.merge.weights` caps it)."""
 
     def encode(self) -> bytes:
-        return "/".join([self.rh, self.base, str(self.chunk), ",".join(self.view)]).encode()
+        return "/".join([self.rh, self.base, str(self.chunk), str(self.weight), ",".join(self.view)]).encode()
+
+    def agrees(self, other: "Confirm") -> bool:
+        """Same roster and frame cut: the two can run one round (their bases may differ)."""
+        return self.rh == other.rh and self.chunk == other.chunk and self.view == other.view
+
+
+def _small_int(text: str) -> int | None:
+    if not (text.isascii() and text.isdigit()) or len(text) > 12:  # int() takes " 7", "+7", "1_0"
+        return None
+    return int(text)
 
 
 def decode(raw: bytes | None, run_id: str, step: int, attempt: int) -> Confirm | None:
     """A member's confirmation, or None when absent or malformed (a hash that does not
-    match the view it claims, an oversized view): such a member counts as silent."""
+    match the view it claims, an oversized view, a weight out of range): such a member
+    counts as silent."""
     if raw is None or len(raw) > MAX_BYTES:
         return None
     try:
-        rh, base, chunk, view = raw.decode().split("/", 3)
-        if not (chunk.isascii() and chunk.isdigit()):  # int() takes " 7", "+7", "1_0"
-            return None
-        c = Confirm(rh, base, int(chunk), tuple(v for v in view.split(",") if v))
+        rh, base, chunk, weight, view = raw.decode().split("/", 4)
     except (UnicodeDecodeError, ValueError):
         return None
+    c_chunk, c_weight = _small_int(chunk), _small_int(weight)
+    if c_chunk is None or c_weight is None or c_weight > MAX_WEIGHT or len(base) != 64:
+        return None
+    c = Confirm(rh, base, c_chunk, tuple(v for v in view.split(",") if v), c_weight)
     if not c.view or len(c.view) > MAX_VIEW or len(set(c.view)) != len(c.view):
         return None
     if c.rh != election.roster_hash(run_id, step, attempt, list(c.view)):
@@ -68,52 +87,43 @@ def decode(raw: bytes | None, run_id: str, step: int, attempt: int) -> Confirm |
 @dataclass(frozen=True)
 class Verdict:
     agreeing: list[str]
-    """Roster members that confirmed exactly our roster, params and frame size (us included)."""
-    responders: frozenset[str]
-    """Members that answered from our params and frame size, whatever roster they saw."""
-    union: frozenset[str]
-    """Our roster and the views of those responders, less the roster members that were silent."""
+    """Roster members that confirmed exactly our roster and frame cut (us included), in
+    roster order."""
+    confirms: dict
+    """member -> its Confirm, for the agreeing members (their bases and weights: the merge)."""
     silent: frozenset[str] = frozenset()
     """Roster members we heard nothing (valid) from."""
-
-    @property
-    def views_differ(self) -> bool:
-        """Someone starting where we do saw another roster: a reconcilable split."""
-        return bool(self.responders - set(self.agreeing))
-
-    def majority(self) -> bool:
-        """May we go on with `agreeing` alone? Only as a strict majority of the responders."""
-        return 2 * len(self.agreeing) > len(self.responders)
 
 
 def reconcile(mine: Confirm, replies: dict[str, Confirm | None]) -> Verdict:
     """Judge one round of confirmations (`replies` maps each roster member, us included, to
     its decoded message)."""
-    same = {p: c for p, c in replies.items() if c is not None and c.base == mine.base and c.chunk == mine.chunk}
-    agreeing = [p for p in mine.view if same.get(p) == mine]
+    agreeing = [p for p in mine.view if replies.get(p) is not None and replies[p].agrees(mine)]
     silent = {p for p in mine.view if replies.get(p) is None}
-    union = set(mine.view) - silent
-    for c in same.values():
-        union |= set(c.view)
-    return Verdict(agreeing, frozenset(same), frozenset(union - silent), frozenset(silent))
+    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent))
+
+
+def quorum(roster: list[str], elected: list[str]) -> bool:
+    """Q1: may `roster` commit for the group `elected` (ring order)? A strict majority, or
+    exactly half holding the elected group's first member."""
+    held = len(set(roster) & set(elected))
+    return 2 * held > len(elected) or (2 * held == len(elected) and bool(elected) and elected[0] in roster)
 
 
 class RosterPlan:
     """What a member does after each confirmation of one step (pure; see the module doc):
-    ('go', roster) reduce now; ('merge', None) reconcile on the union (the caller vouches for
-    new peers: I/O); ('retry', roster) confirm that roster next; ('skip', None) skip the step."""
+    ('go', roster) reduce now; ('retry', roster) confirm that smaller roster next; ('skip',
+    None) skip the step (the rest of the group may commit it: we catch up)."""
 
-    def __init__(self) -> None:
-        self.merged = False
+    def __init__(self, elected: list[str]) -> None:
+        self.elected = list(elected)
 
     def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
         if v.agreeing == roster:
             return "go", roster
-        if v.views_differ and not self.merged:  # rule 1, once
-            self.merged = True
-            return "merge", None
-        if v.majority():  # rule 2
-            return "retry", list(v.agreeing)
+        nxt = list(v.agreeing)
+        if len(nxt) < len(roster) and quorum(nxt, self.elected):
+            return "retry", nxt
         return "skip", None
 
 

@@ -1,11 +1,13 @@
 """One contribution round: a group's verified reduction of its members' pseudo-gradients.
 
 Attempts, each with a fresh roster (members this peer still trusts):
-  1. confirm the roster with every member: its hash, the params we start from and the frame
-     size must all agree (`exchange`). Members that saw another roster are reconciled with
-     once (the union of the views); after that dissenters are dropped, but only while those
-     who agree are a majority of those who answered (`p2ptrain.run.roster`: never two halves
-     of one group committing two averages);
+  1. confirm the roster with every member: its hash and the frame size must agree, and each
+     member names its base (the state it starts from) and that base's weight. The roster
+     shrinks to the members that confirmed exactly ours, and goes on only while it holds the
+     elected group's quorum (`p2ptrain.run.roster`, rules G1 and Q1: never two disjoint
+     parts of one group committing). Members with different bases merge them first
+     (`p2ptrain.run.merge`, rule M1): each fetches the bases it lacks, averages them, and the
+     roster checks that everyone computed the same merged state before any data moves;
   2. encode our contribution (int8 ring payloads, or the butterfly's per-chunk copies), sign
      a header describing it (`p2ptrain.run.contribution`), exchange headers and verify
      them; members with a bad header are rejected (`Ledger.reject`) and we try again (a
@@ -13,8 +15,9 @@ Attempts, each with a fresh roster (members this peer still trusts):
   3. run the all-reduce with every frame held to those headers; a `RoundFailed` naming
      culprits rejects them and we try again.
 Sparse runs (issue 18) replace steps 2-3 with the compressed collective (`reduce.sparse`).
-Alone (every other member dropped out) a trainer commits its own step unless it is a
-newcomer or its group did not confirm it: both skip and catch up instead (see `run`).
+Alone (every other member dropped out) a trainer may commit its own step only while its
+roster still holds the quorum (a group of one, or the tie-breaking half of a pair) and it is
+no newcomer; the trainer then applies rule H2 (no lone lineage) before committing it.
 The service is reached through `ReduceService` (tests drive this logic with a fake in
 memory); what this peer sends and signs is a `Contributor` (hostile-peer tests subclass it).
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import numpy as np
 import trio
@@ -32,7 +35,7 @@ import trio
 from p2ptrain.reduce import butterfly, ring
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
-from p2ptrain.run import election
+from p2ptrain.run import election, merge
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
                                        streamed_material, trained_scale)
@@ -41,7 +44,16 @@ from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.roundparts import Contributor, ReduceService  # noqa: F401 - the round's seams, re-exported
 
 log = logging.getLogger("p2ptrain.run.round")
-Vouch = Callable[[int, set[str]], Awaitable[set[str]]]
+
+
+class BaseSource(Protocol):
+    """Where a merge round gets states (the trainer: its own snapshot, peers' checkpoints)."""
+
+    async def own(self) -> bytes:
+        """Our committed state's checkpoint bytes."""
+
+    async def fetch(self, t: int, base: str, holders: tuple[str, ...], timeout: float) -> bytes:
+        """The checkpoint of step `t` whose params hash is `base`, from `holders`; raises on failure."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,12 @@ class Outcome:
     """Sparse runs: our compressed contribution's size (computed), beside the counted bytes."""
     alone: bool = False
     """The result is our own delta: every other member dropped out. The caller must not
-    commit it if others train this step (it would fork from them: `Trainer.outer_step`)."""
+    commit it while others are near (rule H2: `Trainer.commit_step`)."""
+    merged: tuple[bytes, str] | None = None
+    """A merge round's merged base (checkpoint bytes, params hash): the committed state is
+    the outer step applied to it, not to our own base (`p2ptrain.run.merge`)."""
+    weight: int = 1
+    """The new state's weight in later merges: the members that trained this round."""
     scale: float = 1.0  # average = result x scale: the mean over those that trained (trained_scale)
     seconds: dict = field(default_factory=dict)
     """Where the round's time went (roster, prepare, headers, reduce; summed over attempts;
@@ -128,7 +145,8 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
 
 class ContributionRound:
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
-                 contributor: Contributor | None = None, sparse=None, vouch: Vouch | None = None) -> None:
+                 contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
+                 group_size: int = 4, merge_timeout: float = 60.0) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -139,20 +157,22 @@ class ContributionRound:
         self.ring_cfg = ring.RingConfig(config.ring_mode, sub_chunk_bytes=config.sub_chunk_bytes)
         self.sparse = sparse
         """A `p2ptrain.reduce.sparse.SparseReducer` in sparse runs (it holds our error feedback)."""
-        self.vouch = vouch
+        self.bases = bases
+        """Merge rounds get states here; None: a member with another base is left out (tests
+        that drive one round in memory)."""
+        self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
-        """Which of some peers hold a ready record for a step (and are dialable): merging
-        another member's view admits only those."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False, first_wait: float | None = None) -> Outcome:
-        """Reduce `delta` with `group` (ring order), starting from params hash `base`.
-        `first_wait`: seconds the first roster confirmation waits for members (a group
-        elected while its phases still trained meets when the slowest phase ends, not within
-        the exchange timeout); later attempts wait the exchange timeout."""
+                  joining: bool = False, first_wait: float | None = None, weight: int = 1) -> Outcome:
+        """Reduce `delta` with `group` (ring order, as elected), starting from params hash
+        `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
+        confirmation waits for members (a group elected while its phases still trained
+        meets when the slowest phase ends, not within the exchange timeout); later attempts
+        wait the exchange timeout."""
         out = Outcome(None, list(group))
-        roster, unconfirmed = list(group), False
-        plan, probe = rosters.RosterPlan(), rosters.LeaveOneOut(self.run_id, t)
+        roster, elected = list(group), list(group)
+        plan, probe = rosters.RosterPlan(elected), rosters.LeaveOneOut(self.run_id, t)
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         attempt = -1
@@ -167,14 +187,16 @@ class ContributionRound:
                 return out
             roster = [p for p in roster if p not in left_out]
             out.members = roster
+            if not rosters.quorum(roster, elected):  # Q1: the rest of the group may commit
+                log.info("step %d attempt %d: %d of the %d elected are no quorum", t, attempt, len(roster),
+                         len(elected))
+                return out
             if roster == [self.me]:
-                # Alone. A newcomer that missed its group's round must not commit alone: its
-                # zero step would move its params (momentum) away from the group's. Nor may a
-                # member whose group did not confirm it (it saw another group, or another
-                # base): the others may be committing this step without it, and its own step
-                # would fork it from them for good (its base hash would never match again).
-                # Both skip the step and catch up to what the group commits.
-                if not (joining or unconfirmed or probe.fails):
+                # Alone, and still the group's quorum (a group of one, or the tie-breaking
+                # member of a pair whose partner dropped out). A newcomer must not commit
+                # alone: its zero step would only move its params (momentum) away from the
+                # run's. The trainer applies H2 (no lone lineage) to the rest.
+                if not joining:
                     out.result, out.alone = delta.copy(), True
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
@@ -182,16 +204,24 @@ class ContributionRound:
             wait = first_wait if attempt == 0 and first_wait is not None else self.config.exchange_timeout
             if attempt > 0:
                 wait += self.config.abort_skew
-            verdict = await self._confirm(t, attempt, roster, rh, base, wait)
+            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
-                unconfirmed = True
                 log.info("step %d attempt %d: roster not confirmed by %s: %s", t, attempt,
                          sorted(set(roster) - set(verdict.agreeing)), action)
                 if action == "skip":  # the other side may commit; never both (p2ptrain.run.roster)
                     return out
-                roster = await self._merge(t, roster, verdict, probe.out) if action == "merge" else nxt
+                roster = nxt
+                continue
+            t0 = trio.current_time()
+            out.merged = None
+            merged_ok = await self._merge_bases(out, t, attempt, roster, base, verdict)
+            out.took("merge", t0)
+            if not merged_ok:  # nobody is named: as an unexplained abort (leave-one-out)
+                roster = probe.failed(roster)
+                if roster is None:
+                    return out
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
             self._unexplained = False
@@ -199,6 +229,7 @@ class ContributionRound:
                 if probe.left is not None:  # its absence made the difference
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
+            out.merged = None
             if self._unexplained:
                 roster = probe.failed(roster)
                 if roster is None:
@@ -208,27 +239,52 @@ class ContributionRound:
         return out
 
     async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str,
-                       timeout: float) -> rosters.Verdict:
-        """Every member's roster, params and frame size against ours: a peer that forked (or
-        caught up to another fork's state) is left out rather than averaged with, one that
-        cuts the tensor differently (another version) is left out instead of failing every
-        round, and one that saw another roster is reconciled with (`p2ptrain.run.roster`)."""
-        mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster))
-        # Answering strangers: a newcomer whose roster lists us while ours lacks it hears our
-        # view, and merges as we do, instead of taking us for silent (`reduce.exchange`).
+                       timeout: float, weight: int) -> rosters.Verdict:
+        """Every member's roster and frame size against ours, with its base and weight: one
+        that saw another roster, or cuts the tensor differently (another version), is left
+        out (`p2ptrain.run.roster`); one with another base is merged with."""
+        mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster),
+                               max(0, min(int(weight), rosters.MAX_WEIGHT)))
+        # Answering strangers: a member whose roster lists us while ours lacks it hears our
+        # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
                                       unreachable_silent=True, answer_strangers=True)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
+        if self.bases is None:  # no way to merge: another base cannot share a round with us
+            replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}
         return rosters.reconcile(mine, replies)
 
-    async def _merge(self, t: int, roster: list[str], verdict: rosters.Verdict, left_out: set[str]) -> list[str]:
-        """The union of the views we heard; peers we did not elect ourselves only where their
-        own ready record for this step vouches for them (a claim of a view is not enough),
-        never one we rejected or left out this step."""
-        extra = set(verdict.union) - set(roster) - self.ledger.left_out(t) - left_out
-        vouched = await self.vouch(t, extra) if extra and self.vouch is not None else set()
-        keep = (set(verdict.union) & set(roster)) | (extra & vouched)
-        return election.ring_order(self.run_id, t, sorted(keep))
+    async def _merge_bases(self, out: Outcome, t: int, attempt: int, roster: list[str], base: str,
+                           verdict: rosters.Verdict) -> bool:
+        """Rule M1: when the confirmed members start from different states, fetch the ones we
+        lack, average them (`p2ptrain.run.merge`) and check with every member that each
+        computed the same merged state. True when the attempt may reduce (no merge needed,
+        or everyone agrees on it: `out.merged`); False aborts the attempt for everyone
+        (a member that reports another or no merged state never reaches the data plane)."""
+        mp = merge.plan({p: (c.base, c.weight) for p, c in verdict.confirms.items()}, self.group_size)
+        if not mp.needed:
+            return True
+        mine = b"fail"
+        try:
+            with trio.fail_after(self.merge_timeout):
+                states = {base: await self.bases.own()}
+                for b, holders in mp.missing(base):
+                    states[b] = await self.bases.fetch(t, b, tuple(h for h in holders if h != self.me),
+                                                       self.merge_timeout)
+            data, h = await trio.to_thread.run_sync(merge.average, mp, states, t)
+            out.merged, mine = (data, h), h.encode()
+        except (trio.TooSlowError, merge.MergeError, OSError, ValueError) as exc:
+            log.info("step %d attempt %d: merge of %d bases failed: %s", t, attempt, len(mp.bases), exc)
+        except Exception as exc:  # a fetch failure of any kind: this attempt, not the peer
+            log.info("step %d attempt %d: merge fetch failed: %r", t, attempt, exc)
+        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/merge", roster, mine,
+                                      self.config.exchange_timeout + self.merge_timeout, unreachable_silent=True)
+        if out.merged is None or any(got.get(p) != mine for p in roster):
+            log.info("step %d attempt %d: the members did not all reach one merged state", t, attempt)
+            out.merged = None
+            self._unexplained = True
+            return False
+        return True
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:
@@ -353,6 +409,7 @@ class ContributionRound:
                               for _, c, j in ring.schedule(rank, len(lay), lay)[1])
         self.ledger.remember(t, ok)
         out.result, out.headers, out.scores = res.result, ok, res.scores
+        out.weight = max(1, sum(1 for h in ok.values() if h.tokens > 0))
         out.scale = 1.0 if self.config.robust is not None else trained_scale((h.norm for h in ok.values()), len(lay))
         return True
 
@@ -382,4 +439,5 @@ class ContributionRound:
         out.bytes_sent += res.bytes_sent
         out.bytes_recv += res.bytes_recv
         out.members, out.result, out.payload_bytes = res.members, res.result, res.payload_bytes
+        out.weight = max(1, len(res.members))
         return True

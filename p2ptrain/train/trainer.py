@@ -22,7 +22,8 @@ import numpy as np
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.ckpt.download import CheckpointServer, adopt
+from p2ptrain.ckpt.download import CheckpointServer, adopt, download, find
+from p2ptrain.ckpt.providers import Choice
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.sparse import SparseReducer
@@ -32,10 +33,12 @@ from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
-from p2ptrain.identity import peer_id_from_str
+from p2ptrain.identity import peer_id_from_str, peer_id_to_str
 from p2ptrain.train import progress
 
 log = logging.getLogger("p2ptrain.train.trainer")
+NEAR = 3
+"""Rule H2's reach: a peer whose state is within this many steps of ours holds our lone commits."""
 
 
 @dataclass
@@ -84,10 +87,14 @@ class Trainer:
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
-            contributor, sparse, vouch=self._vouch)
+            contributor, sparse, bases=self, group_size=spec.train.group_size,
+            merge_timeout=spec.timeouts.exchange * 6)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
+        self.weight = 0 if local.step == 0 else 1
+        """Our state's weight in merge rounds (`p2ptrain.run.merge`): the members that trained
+        the round that produced it; 1 for a state we adopted or resumed, 0 for the genesis."""
         self.last_roster: set[str] = set()
         # steps we announced ahead (join-ahead) -> (that ready_at, announce it again as joining:
         # an early ready_at must not start the clock)
@@ -128,17 +135,23 @@ class Trainer:
     async def wait_for_peers(self) -> None:
         with trio.move_on_after(self.config.start_timeout):
             while True:
-                best = await states.latest_state(self.dht, self.run_id)
-                if best is not None and best[0] == 0 and len(best[2]) >= self.config.min_peers:
-                    return
-                if best is not None and best[0] > 0:
+                head = await self.head()
+                if head is not None and head.step > 0:
                     # The run started without us -- if that is more than a claim: only a state we
-                    # can adopt ends the wait (Sybil state records cannot).
-                    await self.catch_up(best[0], patience=5.0)
+                    # can adopt ends the wait (Sybil records naming states nobody serves cannot).
+                    await self.catch_up(head.step, patience=5.0)
                     if self.local.step > 0:
                         return
+                if len(await states.peers_at_step(self.dht, self.run_id, 0)) >= self.config.min_peers:
+                    return
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
+
+    async def head(self):
+        """The run's head (rule H1, `p2ptrain.ckpt.providers.choose`): the best-attested state
+        others publish; our own records are not votes."""
+        return await find(self.dht, self.run_id, self.spec.genesis.sha256, 0, self.spec.train.group_size,
+                          self.ledger.standing.trusted(), self.ledger.rejected_ckpts, ignore={self.me})
 
     async def _round_underway(self, t: int) -> bool:
         """Have peers that trained step t posted their ready records? Then its election is
@@ -173,16 +186,17 @@ class Trainer:
                 return
 
     async def sync_with_run(self) -> bool:
-        """Adopt the run's newest state if it is ahead of ours. Returns True when others are
-        already training the current step: we then join it at once with a zero
-        pseudo-gradient instead of making everyone wait for our inner steps."""
-        best = await states.latest_state(self.dht, self.run_id)
-        if best is None:
+        """Adopt the run's head if it is ahead of ours (rule H1: a newcomer and a restarted
+        peer alike; never by a vote of state records, where our own stale record and other
+        newcomers' genesis records outvoted the peer that had trained, issue 31). Returns
+        True when others are already training the current step: we then join it at once
+        with a zero pseudo-gradient instead of making everyone wait for our inner steps."""
+        head = await self.head()
+        if head is None:
             return False
-        if best[0] > self.local.step:  # a claimed step nobody serves costs 5 s, not the timeout
-            await self.catch_up(best[0], patience=5.0)
-        others = [p for p in best[2] if p != self.node.identity.peer_id]
-        return best[0] == self.local.step and bool(others) and self.local.step > 0
+        if head.step > self.local.step:  # a claimed step nobody serves costs 5 s, not the timeout
+            await self.catch_up(head.step, patience=5.0)
+        return head.step == self.local.step and self.local.step > 0
 
     async def outer_step(self, joining: bool) -> bool:
         """One outer step; returns whether the next one starts as a zero-contribution join."""
@@ -255,22 +269,33 @@ class Trainer:
         # Elected ahead, the members meet when their phases end: wait for them as long as the
         # election would have (its join window), not the exchange timeout.
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   None if elected is None else self.elect_cfg.window)
+                                   None if elected is None else self.elect_cfg.window, weight=self.weight)
         tm.update(out.seconds)
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
             return await self._skip(t, "no round committed")
-        if out.alone and await self._others_ready(t):
-            # Others train this step (they missed our deadline, e.g. under load): our own delta
-            # alone would fork us from them for good. Skip and catch up to what they commit.
-            return await self._skip(t, "alone while others train this step")
+        if out.alone and await self._others_near(t):
+            # Rule H2 (no lone lineage): others train near our step (they missed our deadline,
+            # or are a few steps behind): our own delta alone would start a lineage of one
+            # beside theirs. Skip, keep the delta for our next try of this step, and catch up
+            # to what they commit (or meet them here: the next round merges our states).
+            return await self._skip(t, "alone while others train near this step")
+        if out.merged is not None:
+            self.events.emit("states_merged", step=t, params_sha256=out.merged[1])
         if out.scores is not None:
             await self.ledger.note_outliers(self.dht, self.run_id, t, out.members, out.headers, out.scores)
         # the last step's evaluation and state record read the state we are about to change
         await self._wait_reported()
         lap = _lap(tm, "last_report", lap)
         self.last_roster = set(out.members)
-        sha = await trio.to_thread.run_sync(lambda: self.local.outer_step(out.average()))
+
+        def apply() -> str:  # a merge round's state first (`p2ptrain.run.merge`), then the step
+            if out.merged is not None:
+                self.local.load_state_at(out.merged[0])
+            return self.local.outer_step(out.average())
+
+        sha = await trio.to_thread.run_sync(apply)
+        self.weight = out.weight
         _lap(tm, "outer_step", lap)
         self.committed += 1
         report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
@@ -333,32 +358,28 @@ class Trainer:
         self._refused = (self._refused - suspects) | gone  # one that answers again is back
         return [p for p in group if p not in gone]
 
-    async def _others_ready(self, t: int) -> bool:
-        """Whether another peer trains step t: one with a ready record whose dial is not
-        refused (a crashed one's record outlives it and is no one to fork from; a live one,
-        however loaded or partitioned from us, still counts). Probed 16 at a time, stopping
-        at the first: in a run of many groups the others are many, and mostly alive."""
+    async def _others_near(self, t: int) -> bool:
+        """Rule H2: whether another peer of the run trains near step t: one with a trained
+        ready record for t, or a state record within `NEAR` steps of ours, whose dial is not
+        refused (a crashed one's records outlive it and are no one to fork from; a live one,
+        however loaded or partitioned from us, still counts). A peer far behind (a newcomer
+        still at the genesis) does not hold us: it adopts our state first (H1) and then
+        joins with zeros. Probed 16 at a time, stopping at the first: in a run of many
+        groups the others are many, and mostly alive."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        others = [r for r in recs if r.peer != self.me and r.peer not in self.ledger.ignored]
+        near = {r.peer: list(r.addrs) for r in recs if not r.joining}
+        for sub, st in await RunRecords(self.dht, self.run_id).read_states():
+            peer = peer_id_to_str(sub)
+            if abs(st.step - t) <= NEAR and peer not in near:
+                near[peer] = list(st.addrs)
+        others = sorted(p for p in near if p != self.me and p not in self.ledger.ignored)
         for i in range(0, len(others), 16):
-            batch = others[i:i + 16]
-            for r in batch:
-                self._learn(r.peer, list(r.addrs))
-            peers = {r.peer for r in batch}
-            if peers - await self.round.svc.unreachable(peers, refused_only=True):
+            batch = set(others[i:i + 16])
+            for p in batch:
+                self._learn(p, near[p])
+            if batch - await self.round.svc.unreachable(batch, refused_only=True):
                 return True
         return False
-
-    async def _vouch(self, t: int, peers: set[str]) -> set[str]:
-        """Those of `peers` with a ready record for step t (their addresses learned) that we
-        can reach: a crashed member's record outlives it, and merging it back into a roster
-        that another member already dropped it from left the two unable to agree (issue 17)."""
-        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        ok = [r for r in recs if r.peer in peers and r.peer not in self.ledger.ignored]
-        for r in ok:
-            self._learn(r.peer, list(r.addrs))
-        vouched = {r.peer for r in ok}
-        return vouched - await self.round.svc.unreachable(vouched) if vouched else set()
 
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
@@ -396,5 +417,31 @@ class Trainer:
                           self.local.load_state_at, timeout=timeout, patience=patience,
                           rejected=self.ledger.rejected_ckpts, trusted=self.ledger.standing.trusted())
         if got is not None:
+            self.weight = 1
             sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
             self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
+
+    # -- BaseSource (p2ptrain.run.round): the states a merge round averages --------------
+    async def own(self) -> bytes:
+        return await trio.to_thread.run_sync(self.local.state_bytes)
+
+    async def fetch(self, t: int, base: str, holders: tuple[str, ...], timeout: float) -> bytes:
+        """The state of step t whose params hash is `base`, as its holders serve it: their
+        provider records name its chunk manifest (published as they committed it, beside
+        their next phase: we wait for them within `timeout`); every chunk is hash-checked,
+        and `merge.average` checks the params against `base`."""
+        with trio.fail_after(timeout):
+            while True:
+                recs = [r for r in await RunRecords(self.dht, self.run_id).read_providers()
+                        if r.peer in holders and r.step == t and r.params == base]
+                if recs:
+                    break
+                await trio.sleep(0.2)
+            for r in recs:
+                self._learn(r.peer, list(r.addrs))
+            ref = recs[0]
+            choice = Choice(t, ref.manifest, ref.sha256, base, tuple(sorted({r.peer for r in recs
+                                                                              if r.manifest == ref.manifest})), ())
+            data, _ = await download(self.node.host, choice, exclude={self.me},
+                                     max_bytes=checkpoint.state_size_limit(self.spec.genesis.bytes))
+            return data
