@@ -93,6 +93,9 @@ class Verdict:
     """member -> its Confirm, for the agreeing members (their bases and weights: the merge)."""
     silent: frozenset[str] = frozenset()
     """Roster members we heard nothing (valid) from."""
+    backed: tuple[str, ...] = ()
+    """Our roster's members (in its order) that a strict majority of the views we heard
+    (ours included) name: the next roster when views differ."""
 
 
 def reconcile(mine: Confirm, replies: dict[str, Confirm | None]) -> Verdict:
@@ -100,7 +103,9 @@ def reconcile(mine: Confirm, replies: dict[str, Confirm | None]) -> Verdict:
     its decoded message)."""
     agreeing = [p for p in mine.view if replies.get(p) is not None and replies[p].agrees(mine)]
     silent = {p for p in mine.view if replies.get(p) is None}
-    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent))
+    views = [c.view for p, c in replies.items() if c is not None and c.chunk == mine.chunk]
+    backed = tuple(p for p in mine.view if p not in silent and 2 * sum(p in v for v in views) > len(views))
+    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed)
 
 
 def quorum(roster: list[str], elected: list[str]) -> bool:
@@ -121,7 +126,12 @@ class RosterPlan:
     def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
         if v.agreeing == roster:
             return "go", roster
-        nxt = list(v.agreeing)
+        # Views differ: go on with the members most views name (a member's view is a claim:
+        # it can drop the claimant's own support, never add a member, G1). Members that
+        # heard the same confirmations compute the same roster, so the next attempt agrees.
+        # Views that only add to ours (a Sybil naming its pool) back all of ours: then the
+        # dissenters are dropped instead.
+        nxt = list(v.backed) if len(v.backed) < len(roster) else list(v.agreeing)
         if len(nxt) < len(roster) and quorum(nxt, self.elected):
             return "retry", nxt
         return "skip", None

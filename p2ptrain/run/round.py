@@ -104,6 +104,8 @@ class Outcome:
     the outer step applied to it, not to our own base (`p2ptrain.run.merge`)."""
     weight: int = 1
     """The new state's weight in later merges: the members that trained this round."""
+    parents: tuple[str, ...] = ()
+    """A merge round's bases (params hashes, sorted): the new state's parents."""
     scale: float = 1.0  # average = result x scale: the mean over those that trained (trained_scale)
     seconds: dict = field(default_factory=dict)
     """Where the round's time went (roster, prepare, headers, reduce; summed over attempts;
@@ -273,6 +275,7 @@ class ContributionRound:
                                                        self.merge_timeout)
             data, h = await trio.to_thread.run_sync(merge.average, mp, states, t)
             out.merged, mine = (data, h), h.encode()
+            out.parents = tuple(b for b, _, _ in mp.bases)
         except (trio.TooSlowError, merge.MergeError, OSError, ValueError) as exc:
             log.info("step %d attempt %d: merge of %d bases failed: %s", t, attempt, len(mp.bases), exc)
         except Exception as exc:  # a fetch failure of any kind: this attempt, not the peer

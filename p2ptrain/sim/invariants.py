@@ -5,13 +5,20 @@ Fed the trainers' own events (`run_joined`, `group_formed`, `outer_step_started`
 contributions, with a view of the world (who is honest, alive, joined, reachable). Steps
 are the step a round trains (a commit event's `step` is the state it produced: t + 1).
 
-  1. commit-or-abort: no two honest peers elected into one group for step t commit
-     different states for t, and no honest member of a committed roster that stays up skips
-     the step its roster committed;
+  1. commit-or-abort: no two honest members of one committed roster commit different
+     states for its step, no two honest peers that elected the same group commit different
+     states for it (rule Q1: never two disjoint parts of one group), and no honest member
+     of a committed roster that stays up skips the step its roster committed. (Peers that
+     elected *different* groups, e.g. on two sides of a partition, may both commit: that is
+     a fork the merge rounds must heal, which invariant 3 checks);
   2. no lone lineage: no honest peer commits alone twice in a row while another live honest
      peer it can reach is in the run;
   3. convergence: at the end (faults over), live honest peers hold states within K steps of
-     each other and agree on every step from K below the newest that two of them hold;
+     each other and, while they are no more than one group (N <= G), agree on every step
+     from K below the newest that two of them hold; in a run of several groups (N > G)
+     every two of them hold states that share an ancestor no more than K steps old (the
+     merge rounds mix every lineage into every other: gossip averaging, docs/PROTOCOL.md
+     M1; a fork that never merges again fails this);
   4. liveness: honest peers commit at least `min_commit_fraction` of the steps they
      started training, retries counted once (checked only in scenarios without faults);
   5. bounded influence: in a committed round with 3 or more trained contributions, none is
@@ -51,6 +58,8 @@ class Monitor:
     world: WorldView
     converge_within: int = 3
     min_commit_fraction: float = 0.95
+    group_size: int | None = None
+    """The run's G: above it, convergence is lineage mixing instead of one state."""
     violations: list[Violation] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -59,6 +68,8 @@ class Monitor:
         self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
         self.skips: dict[int, set[str]] = {}
         self.history: dict[str, dict[int, str]] = {}  # peer -> state step -> params hash
+        self.parents: dict[str, tuple[str, ...]] = {}  # state -> the bases its round started from
+        self.step_of: dict[str, int] = {}
         self.latest: dict[str, int] = {}
         self.lone: dict[str, int] = {}
         self.trained: dict[tuple[str, int], float] = {}  # (peer, step) -> when it started training it
@@ -86,10 +97,14 @@ class Monitor:
             self.skips.setdefault(int(f["step"]), set()).add(peer)
         elif event == "caught_up":
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
+            self.step_of.setdefault(f["params_sha256"], int(f["step"]))
             self.latest[peer] = int(f["step"])
         elif event == "outer_step_committed":
             self._commit(now, peer, int(f["step"]) - 1, f["params_sha256"], tuple(f.get("members") or ()),
                          f.get("loss") is not None)
+            self.step_of.setdefault(f["params_sha256"], int(f["step"]))
+            if f.get("parents"):
+                self.parents.setdefault(f["params_sha256"], tuple(f["parents"]))
 
     def _commit(self, now: float, peer: str, t: int, h: str, roster: tuple[str, ...], trained: bool) -> None:
         self.history.setdefault(peer, {})[t + 1] = h
@@ -100,11 +115,16 @@ class Monitor:
             self.committed.add((peer, t))
         mine = self.commits.setdefault(t, {})
         mine[peer] = (h, roster)
-        group = set(self.groups.get((peer, t), ()))
-        for q, (hq, _) in mine.items():
-            if q != peer and hq != h and (q in group or peer in self.groups.get((q, t), ())):
-                self._flag("commit_or_abort", now, f"step {t}: {_s(peer)} and {_s(q)} were elected into one "
-                           f"group and committed different states", ("coa", t, *sorted((peer, q))))
+        group = self.groups.get((peer, t))
+        for q, (hq, rq) in mine.items():
+            if q == peer or hq == h:
+                continue
+            if q in roster or peer in rq:
+                self._flag("commit_or_abort", now, f"step {t}: {_s(peer)} and {_s(q)} were in one committed "
+                           f"roster and committed different states", ("coa", t, *sorted((peer, q))))
+            elif group is not None and self.groups.get((q, t)) == group:
+                self._flag("commit_or_abort", now, f"step {t}: {_s(peer)} and {_s(q)} elected the same group "
+                           f"and committed different states", ("coa", t, *sorted((peer, q))))
         # lone lineage: alone while a live honest peer we can reach is in the run
         if roster == (peer,):
             self.lone[peer] = self.lone.get(peer, 0) + 1
@@ -146,14 +166,44 @@ class Monitor:
             if behind:
                 self._flag("convergence", now, f"{len(behind)} live honest peer(s) more than "
                            f"{self.converge_within} steps behind step {top}")
-            for s in range(max(0, top - self.converge_within), top + 1):
-                held = {self.history.get(p, {}).get(s) for p in live} - {None}
-                if len(held) > 1:
-                    self._flag("convergence", now, f"step {s}: live honest peers hold {len(held)} different states")
-                    break
+            if self.exact(live):
+                for s in range(max(0, top - self.converge_within), top + 1):
+                    held = {self.history.get(p, {}).get(s) for p in live} - {None}
+                    if len(held) > 1:
+                        self._flag("convergence", now, f"step {s}: live honest peers hold {len(held)} different states")
+                        break
+            elif not self.mixed(live):
+                self._flag("convergence", now, f"{len(live)} live honest peers (more than a group of "
+                           f"{self.group_size}) hold lineages that have not met in {self.converge_within} steps")
         if not faults and self.trained and self.commit_fraction() < self.min_commit_fraction:
             self._flag("liveness", now, f"honest peers committed {self.commit_fraction():.2f} of the steps they "
                        f"trained (< {self.min_commit_fraction})")
+
+    def exact(self, live: list[str]) -> bool:
+        """Must `live` hold one state (one group's worth of peers), or only mixed lineages?"""
+        return self.group_size is None or len(live) <= self.group_size
+
+    def ancestors(self, h: str, floor: int) -> set[str]:
+        """`h` and the states it descends from at step `floor` or later."""
+        seen, todo = {h}, [h]
+        while todo:
+            for p in self.parents.get(todo.pop(), ()):
+                if p not in seen and self.step_of.get(p, -1) >= floor:
+                    seen.add(p)
+                    todo.append(p)
+        return seen
+
+    def mixed(self, live: list[str]) -> bool:
+        """Every two of `live` hold states with a common ancestor at most K steps old."""
+        top = max(self.latest[p] for p in live)
+        floor = top - self.converge_within
+        anc = [self.ancestors(h, floor) for h in {self.history.get(p, {}).get(self.latest[p]) for p in live} - {None}]
+        return all(a & b for i, a in enumerate(anc) for b in anc[i + 1:])
+
+    def converged(self, live: list[str]) -> bool:
+        """One model now: one state (N <= G), or mixed lineages (N > G)."""
+        held = {(self.latest[p], self.history.get(p, {}).get(self.latest[p])) for p in live}
+        return len(held) == 1 or (not self.exact(live) and len({s for s, _ in held}) == 1 and self.mixed(live))
 
     def commit_fraction(self) -> float:
         """Of the steps honest peers started training (before the horizon), those they committed."""

@@ -168,7 +168,7 @@ class World:
         self.run_id = mf.run_id(self.spec.to_dict())
         self.hub = Hub(self.net, on_round=self._on_round)
         honest = {n for n, p in zip(self.names, scenario.peers) if p.honest}
-        self.monitor = Monitor(WorldView(honest, self._alive, self._reachable))
+        self.monitor = Monitor(WorldView(honest, self._alive, self._reachable), group_size=scenario.group_size)
         self.events = 0
         self.models: dict[int, vmodel.VectorModel] = {}
         self.trace: list[str] = []
@@ -206,10 +206,8 @@ class World:
         top = max((m.latest[p] for p in live), default=0)
         if self._steps_at_faults_end is None:
             self._steps_at_faults_end = top
-        if self.converged_at is None and len(live) >= 2:
-            held = {(m.latest[p], m.history.get(p, {}).get(m.latest[p])) for p in live}
-            if len(held) == 1:
-                self.converged_at = top
+        if self.converged_at is None and len(live) >= 2 and m.converged(live):
+            self.converged_at = top
 
     def _on_round(self, run, rid, members, vecs, committed) -> None:
         self.monitor.on_round(trio.current_time(), members, vecs, committed)

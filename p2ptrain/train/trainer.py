@@ -301,6 +301,7 @@ class Trainer:
         report = dict(step=self.local.step, loss=None if joining else round(loss, 5), params_sha256=sha,
                       bytes_sent=out.bytes_sent, bytes_recv=out.bytes_recv, seconds_inner=round(sec_inner, 3),
                       seconds_comm=round(trio.current_time() - t_comm, 3), members=out.members,
+                      parents=list(out.parents if out.merged is not None else (base,)),
                       **({"payload_bytes": out.payload_bytes} if out.payload_bytes is not None else {}),
                       **self.pace.commit(self.committed, self.local.step, time.monotonic()))
         self._reported = trio.Event()
