@@ -106,14 +106,12 @@ async def test_ignored_and_malformed_ready_records_are_left_out(caplog):
 
 
 @trio_test()
-async def test_latest_state_prefers_the_newest_step_then_the_most_providers():
+async def test_state_records_say_who_trains_which_step():
     nodes = await swarm(6)
     for i, node in enumerate(nodes[:5]):
         step, ckpt = (5, "x" * 64) if i < 2 else (5, "y" * 64) if i < 3 else (4, "z" * 64)
         await RunRecords(node, RUN).publish_state(records.State(step, "p" * 64, ckpt, loss=1.5,
                                                                 addrs=("/ip4/1.2.3.4/tcp/9",)))
-    step, ckpt, providers = await states.latest_state(nodes[5], RUN)
-    assert (step, ckpt, len(providers)) == (5, "x" * 64, 2)
     assert await states.peers_at_step(nodes[5], RUN, 4) == {me(nodes[3]), me(nodes[4])}
     view = await RunRecords(nodes[5], RUN).state_view()
     assert view[me(nodes[0])]["loss"] == 1.5 and view[me(nodes[0])]["addrs"] == ["/ip4/1.2.3.4/tcp/9"]

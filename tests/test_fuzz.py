@@ -497,7 +497,7 @@ def test_presence_and_roster_confirmations_of_loose_types_are_dropped():
     from p2ptrain.run import election
 
     rh = election.roster_hash("run", 3, 0, view)
-    ok = roster_codec.Confirm(rh, "base", 16 * 4096 + 2, tuple(view)).encode()
+    ok = roster_codec.Confirm(rh, "ab" * 32, 16 * 4096 + 2, tuple(view)).encode()
     assert roster_codec.decode(ok, "run", 3, 0) is not None
     for chunk in ("+65538", " 65538", "65_538", "６５５３８"):  # int() took each of them
         assert roster_codec.decode(ok.replace(b"/65538/", f"/{chunk}/".encode()), "run", 3, 0) is None, chunk

@@ -72,7 +72,7 @@ def test_a_forged_header_aborts_the_pipelined_round_and_the_retry_commits_the_ho
             outs = [None] * 3
 
             async def one(i):
-                outs[i] = await rounds[i].run(1, ds[i], group, "base", 100, 4)
+                outs[i] = await rounds[i].run(1, ds[i], group, "ab" * 32, 100, 4)
 
             with trio.fail_after(90):
                 async with trio.open_nursery() as inner:

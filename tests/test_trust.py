@@ -67,7 +67,7 @@ def _prov(peer, step, manifest, members, sha=H[5]):
     return providers.Provider(peer, step, manifest, sha, H[6], tuple(sorted(members)), ())
 
 
-def test_a_self_attesting_group_of_one_is_not_a_quorum_when_others_advertise():
+def test_a_self_attesting_group_of_one_ranks_below_any_group_that_attests():
     from p2ptrain.ckpt import providers
     g = ["a", "b", "c", "d"]
     honest = [_prov(p, 3, H[1], g) for p in g]
@@ -379,48 +379,24 @@ def test_two_sybil_reports_do_not_exclude_honest_peers_and_reports_with_standing
     scenario()
 
 
-# -- hole 5: one state record is not the run's state ---------------------------------------
-def test_latest_state_ignores_a_step_only_one_peer_claims():
-    import trio
-
-    from conftest import trio_test
-    from p2ptrain.dht.node import DHTConfig, DHTNode
-    from p2ptrain.dht.transport import MemoryNetwork
-    from p2ptrain.identity import Identity
-    from p2ptrain.records import codecs as records, keys
-    from p2ptrain.run import states
-
-    @trio_test()
-    async def main():
-        net = MemoryNetwork()
-        ids = [Identity.generate() for _ in range(5)]
-        nodes = [DHTNode(i, net.transport(i.peer_id), DHTConfig()) for i in ids]
-        for n in nodes[1:]:
-            await n.bootstrap([(nodes[0].identity.peer_id, [])])
-        for n in nodes:
-            await n.refresh()
-
-        def state(step, ckpt):
-            return records.encode_state(records.State(step, H[0], ckpt))
-        for n in nodes[:4]:
-            await n.store(keys.state("run"), state(3, H[1]), ttl=600)
-        await nodes[4].store(keys.state("run"), state(10**6, H[2]), ttl=600)
-        with trio.fail_after(30):
-            return await states.latest_state(nodes[0], "run")
-
-    step, ckpt, providers = main()
-    assert (step, ckpt, len(providers)) == (3, H[1], 4)
-
-
-def test_best_state_falls_back_to_the_lowest_lone_claim():
+# -- hole 5: one record is not the run's state; issue 31: nor is a vote of records -------
+def test_the_head_is_the_best_attested_trained_state_and_our_own_record_is_no_vote():
+    """Rule H1 (docs/PROTOCOL.md). Before, the run's state was the one most state records
+    named: three joiners' genesis records outvoted the one peer that had trained 116 steps,
+    and a restarted peer's own old record outvoted the state its partner trained on."""
     from p2ptrain.ckpt import providers
-    assert providers.best_state({(5, "x"): ["a"], (9, "y"): ["m"]}) == ((5, "x"), ["a"])
-    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d", "e"]})[0] == (4, "z")
-    assert providers.best_state({(5, "x"): ["a", "b"], (4, "z"): ["c", "d"]})[0] == (5, "x")
-    # two Sybils agreeing on a fake step are outnumbered by the group that trains
-    assert providers.best_state({(10**6, "s"): ["s1", "s2"], (3, "h"): list("abcd")})[0] == (3, "h")
-    assert providers.best_state({(7, "x"): ["a", "a"]})[0] == (7, "x")  # one peer twice is still one
-    assert providers.best_state({}) is None
+    genesis = [_prov(p, 0, H[0], [], sha=H[7]) for p in ("j1", "j2", "j3")]
+    lone = _prov("first", 116, H[1], ["first"])
+    c = providers.choose([*genesis, lone], H[7], max_group=4)
+    assert (c.step, c.attesters) == (116, ("first",))  # trained work outranks any genesis count
+    # the restarted peer's own record (step 5, its old pair) is not read; its partner's is
+    old = _prov("me", 5, H[2], ["me", "partner"])
+    partner = _prov("partner", 20, H[3], ["partner"])
+    assert providers.choose([old, partner], H[7], max_group=4, ignore={"me"}).step == 20
+    assert providers.choose([old], H[7], max_group=4, ignore={"me"}) is None
+    # a state two members attest outranks a lone one at any step (one identity's claim)
+    pair = [_prov(p, 3, H[4], ["a", "b"]) for p in ("a", "b")]
+    assert providers.choose([*pair, _prov("s", 10**6, H[5], ["s"])], H[7], max_group=4).step == 3
 
 
 @pytest.mark.integration

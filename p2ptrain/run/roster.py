@@ -120,8 +120,8 @@ class RosterPlan:
     ('go', roster) reduce now; ('retry', roster) confirm that smaller roster next; ('skip',
     None) skip the step (the rest of the group may commit it: we catch up)."""
 
-    def __init__(self, elected: list[str]) -> None:
-        self.elected = list(elected)
+    def __init__(self, elected: list[str], me: str | None = None) -> None:
+        self.elected, self.me = list(elected), me
 
     def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
         if v.agreeing == roster:
@@ -129,10 +129,11 @@ class RosterPlan:
         # Views differ: go on with the members most views name (a member's view is a claim:
         # it can drop the claimant's own support, never add a member, G1). Members that
         # heard the same confirmations compute the same roster, so the next attempt agrees.
-        # Views that only add to ours (a Sybil naming its pool) back all of ours: then the
-        # dissenters are dropped instead.
+        # When every member is backed, the dissenters named members we lack (a record that
+        # reached them before the deadline and us after it, or a Sybil naming its pool):
+        # they will not run our roster, and we go on without them.
         nxt = list(v.backed) if len(v.backed) < len(roster) else list(v.agreeing)
-        if len(nxt) < len(roster) and quorum(nxt, self.elected):
+        if (self.me is None or self.me in nxt) and len(nxt) < len(roster) and quorum(nxt, self.elected):
             return "retry", nxt
         return "skip", None
 

@@ -174,7 +174,7 @@ class ContributionRound:
         wait the exchange timeout."""
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
-        plan, probe = rosters.RosterPlan(elected), rosters.LeaveOneOut(self.run_id, t)
+        plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         attempt = -1

@@ -180,8 +180,10 @@ class Monitor:
                        f"trained (< {self.min_commit_fraction})")
 
     def exact(self, live: list[str]) -> bool:
-        """Must `live` hold one state (one group's worth of peers), or only mixed lineages?"""
-        return self.group_size is None or len(live) <= self.group_size
+        """Must `live` hold one state (the run's live peers, adversaries too, fit one group),
+        or only mixed lineages?"""
+        run = [p for p in self.joined if self.world.alive(p)]
+        return self.group_size is None or len(run) <= self.group_size
 
     def ancestors(self, h: str, floor: int) -> set[str]:
         """`h` and the states it descends from at step `floor` or later."""
