@@ -111,7 +111,7 @@ def summarize(results: list[dict], wall: float) -> dict:
 
     counts = {name: sum(r["counts"][name] for r in results) for name in NAMES}
     calm = [r for r in results if not r["faults"]]
-    conv = [r["steps_to_converge"] for r in results if r["faults"]]
+    conv = [r["steps_to_converge"] for r in results if r["faults"] and r.get("settled", True)]
     return {
         "event": "bench_sim_summary",
         "peers_max": max((r["peers"] for r in results), default=0),
@@ -122,6 +122,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "commit_fraction_nofault": round(min((r["commit_fraction"] for r in calm), default=1.0), 4),
         "steps_to_converge_max": (None if any(c is None for c in conv) else max(conv, default=0)),
         "worlds_never_converged": sum(c is None for c in conv),
+        "worlds_unsettled": sum(1 for r in results if r["faults"] and not r.get("settled", True)),
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
         "simulated_seconds": sum(r["sim_seconds"] for r in results),

@@ -149,10 +149,13 @@ class Monitor:
                 if n > INFLUENCE_BOUND * med * (1 + 1e-6):
                     self._flag("bounded_influence", now, f"{_s(m)} contributed {n / med:.1f}x the median norm")
 
-    def finish(self, now: float, faults: bool, horizon: float = 0.0) -> None:
+    def finish(self, now: float, faults: bool, horizon: float = 0.0, settled: bool = True) -> None:
         """End-of-run checks: partial commits, convergence, liveness (over the steps started
-        at least `horizon` seconds before the end: later ones had no time to commit)."""
+        at least `horizon` seconds before the end: later ones had no time to commit).
+        `settled`: K steps' worth of time passed since the last fault ended (else convergence
+        is not checked: the invariant promises it within K steps, `self.unsettled`)."""
         self.horizon = now - horizon
+        self.unsettled = not settled
         for t, got in self.commits.items():
             for peer, (_, roster) in got.items():
                 for q in (self.skips.get(t, set()) & set(roster)) - {peer}:
@@ -160,7 +163,7 @@ class Monitor:
                         self._flag("commit_or_abort", now, f"step {t}: {_s(q)} skipped the step its roster "
                                    f"committed", ("partial", t, q))
         live = sorted(p for p in self.joined if p in self.world.honest and self.world.alive(p) and p in self.latest)
-        if len(live) >= 2:
+        if len(live) >= 2 and settled:
             top = max(self.latest[p] for p in live)
             behind = [p for p in live if self.latest[p] < top - self.converge_within]
             if behind:

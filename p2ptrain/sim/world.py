@@ -127,6 +127,8 @@ class Report:
     wall_seconds: float
     final_steps: dict[str, int] = field(default_factory=dict)
     trace: list[str] = field(default_factory=list)
+    settled: bool = True
+    """K steps' worth of time passed after the last fault (convergence was checked)."""
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -227,7 +229,9 @@ class World:
             nursery.cancel_scope.cancel()
         sc = self.sc
         horizon = sc.inner_steps * sc.step_seconds * max(p.slow for p in sc.peers) + sc.join_window + 6 * sc.exchange
-        self.monitor.finish(trio.current_time(), sc.has_faults, horizon)
+        # a step takes about `horizon`; convergence is promised K steps after the faults end
+        settled = trio.current_time() >= sc.faults_end + self.monitor.converge_within * horizon
+        self.monitor.finish(trio.current_time(), sc.has_faults, horizon, settled)
 
     async def _partition(self, p: Partition) -> None:
         await trio.sleep_until(p.start)
@@ -312,7 +316,7 @@ class World:
         return Report(self.sc.name, self.seed, len(self.sc.peers), list(m.violations), m.counts(),
                       round(m.commit_fraction(), 4), steps, self.events, self.sc.duration, round(wall, 3),
                       {f"p{self.index[p]}": s for p, s in sorted(m.latest.items(), key=lambda kv: self.index[kv[0]])},
-                      self.trace)
+                      self.trace, not getattr(m, "unsettled", False))
 
 
 def run(scenario: Scenario, seed: int, trace: bool = False) -> Report:
