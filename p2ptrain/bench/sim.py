@@ -28,7 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--seed", type=int, default=None, help="run this one seed only (replay)")
     p.add_argument("--scenario", default="random",
-                   help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils")
+                   help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils, "
+                        "or an attack: withhold, inflate, expiry, trickle, grind, flood, flood_wide")
     p.add_argument("--no-faults", action="store_true", help="random worlds without faults")
     p.add_argument("--sybils", type=int, default=0, help="adversaries per random world (scripted attacks)")
     p.add_argument("--rtt", type=float, default=0.1, help="median RTT in seconds (default 0.1)")
@@ -93,7 +94,8 @@ def run(args) -> int:
         bad = sum(r["counts"].values())
         say(f"seed {r['seed']:>6} {r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
             f"committed {r['commit_fraction']:.3f}, converged in {r['steps_to_converge']} steps, "
-            f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}")
+            f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}"
+            + (f"; attack: {json.dumps(r['attack_figures'])}" if r.get("attack_figures") else ""))
         if args.json:
             print(json.dumps({"event": "bench_sim_seed", **{k: v for k, v in r.items() if k != "final_steps"}}),
                   flush=True)
@@ -104,6 +106,20 @@ def run(args) -> int:
     else:
         say(json.dumps(summary, indent=1))
     return 0
+
+
+def attack_figures(results: list[dict]) -> dict:
+    """The adversaries' figures over every world that has them: counts summed, fractions and
+    means averaged over the worlds that report them (`sim.sybil.Arms.figures`)."""
+    keys = sorted({k for r in results for k in r.get("attack_figures", {})})
+    out = {}
+    for k in keys:
+        vals = [r["attack_figures"][k] for r in results if r.get("attack_figures", {}).get(k) is not None]
+        if not vals:
+            continue
+        avg = any(w in k for w in ("fraction", "chance", "mean", "isolable"))
+        out[k] = round(sum(vals) / len(vals), 4) if avg else sum(vals)
+    return out
 
 
 def summarize(results: list[dict], wall: float) -> dict:
@@ -124,6 +140,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "worlds_never_converged": sum(c is None for c in conv),
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
+        "attack_figures": attack_figures(results),
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
     }
