@@ -36,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--duration", type=float, default=None, help="simulated seconds per world")
     p.add_argument("--trace", action="store_true", help="print every event of the world (with --seed)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--control", action="store_true",
+                   help="with a named scenario: also run each seed with its adversaries honest (the baseline)")
     p.add_argument("--json", action="store_true")
 
 
@@ -44,6 +46,8 @@ def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, durati
 
     if name == "random":
         return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration, sybils=sybils)
+    if name.startswith("control:"):
+        return scenarios.without_adversaries(_scenario(name[len("control:"):], seed, peers, faults, rtt, duration))
     if name not in scenarios.NAMED:
         raise SystemExit(f"p2ptrain: error: no scenario {name!r} (choose random, {', '.join(scenarios.NAMED)})")
     return scenarios.NAMED[name]()
@@ -58,6 +62,7 @@ def _one(job: tuple) -> dict:
     out = rep.to_dict()
     out["describe"] = scenarios.describe(sc)
     out["faults"] = faults
+    out["control"] = name.startswith("control:")
     out["median_rtt"] = sc.links.median_rtt
     if trace:
         out["trace"] = rep.trace
@@ -75,6 +80,8 @@ def run(args) -> int:
     elif args.scenario != "random":
         jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0)
                 for s in range(args.first_seed, args.first_seed + args.seeds)]
+        if args.control:
+            jobs += [(f"control:{args.scenario}", *job[1:]) for job in jobs]
     else:
         seeds = range(args.first_seed, args.first_seed + args.seeds)
         calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
@@ -92,7 +99,7 @@ def run(args) -> int:
         for line in r.pop("trace", []):
             print(line, flush=True)
         bad = sum(r["counts"].values())
-        say(f"seed {r['seed']:>6} {r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
+        say(f"seed {r['seed']:>6} {'(control) ' if r.get('control') else ''}{r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
             f"committed {r['commit_fraction']:.3f}, converged in {r['steps_to_converge']} steps, "
             f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}"
             + (f"; attack: {json.dumps(r['attack_figures'])}" if r.get("attack_figures") else ""))
@@ -125,6 +132,9 @@ def attack_figures(results: list[dict]) -> dict:
 def summarize(results: list[dict], wall: float) -> dict:
     from p2ptrain.sim.invariants import NAMES
 
+    control = [r for r in results if r.get("control")]
+    results = [r for r in results if not r.get("control")]
+
     counts = {name: sum(r["counts"][name] for r in results) for name in NAMES}
     calm = [r for r in results if not r["faults"]]
     conv = [r["steps_to_converge"] for r in results if r["faults"]]
@@ -143,4 +153,23 @@ def summarize(results: list[dict], wall: float) -> dict:
         "attack_figures": attack_figures(results),
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
+        **(_versus(results, control) if control else {}),
     }
+
+
+def _versus(attacked: list[dict], control: list[dict]) -> dict:
+    """The same worlds with their adversaries honest (`--control`): the baseline, and ratios."""
+    from p2ptrain.sim.invariants import NAMES
+
+    def top(rs: list[dict]) -> float:
+        return sum(max(r["final_steps"].values(), default=0) for r in rs) / max(1, len(rs))
+
+    def frac(rs: list[dict]) -> float:
+        return sum(r["commit_fraction"] for r in rs) / max(1, len(rs))
+
+    return {"control_seeds": len(control),
+            "control_violations_total": sum(sum(r["counts"][n] for n in NAMES) for r in control),
+            "control_violating_seeds": sorted({r["seed"] for r in control if sum(r["counts"].values())}),
+            "newest_step_mean": round(top(attacked), 2), "control_newest_step_mean": round(top(control), 2),
+            "newest_step_ratio": round(top(attacked) / top(control), 3) if top(control) else None,
+            "commit_fraction_mean": round(frac(attacked), 4), "control_commit_fraction_mean": round(frac(control), 4)}

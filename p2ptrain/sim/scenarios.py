@@ -116,6 +116,15 @@ def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: floa
     return Scenario(name, tuple(plans), group_size=G, duration=duration, links=links, partitions=parts)
 
 
+def without_adversaries(sc: Scenario) -> Scenario:
+    """The same world with every adversary an honest peer (same identities, seeds, links):
+    the baseline an attack's figures are compared with."""
+    import dataclasses
+
+    peers = tuple(p if p.honest else dataclasses.replace(p, honest=True, answers=None, attack="") for p in sc.peers)
+    return dataclasses.replace(sc, peers=peers)  # same name: same run id, same deal
+
+
 def describe(sc: Scenario) -> str:
     slow = sum(p.slow > 1 for p in sc.peers)
     churn = sum(bool(p.outages) for p in sc.peers)
