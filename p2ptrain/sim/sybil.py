@@ -90,6 +90,15 @@ class Arms:
         if got is not None:
             return got
         self.choice[t] = done = trio.Event()
+        try:
+            self.choice[t] = await self._search(dht, t)
+        finally:
+            if isinstance(self.choice[t], trio.Event):  # our search was cancelled: post as anyone would
+                self.choice[t] = tuple(sorted(self.grinders))
+            done.set()
+        return self.choice[t]
+
+    async def _search(self, dht: DHTNode, t: int) -> tuple[str, ...]:
         from p2ptrain.run import states
 
         sybils = set(self.grinders)
@@ -105,10 +114,8 @@ class Arms:
             await trio.sleep(1.0)
         honest = posted | expected | {self.victim}
         G = self.w.sc.group_size
-        self.choice[t] = attacks.grind(self.w.run_id, t, honest, self.grinders, self.victim, G)
         self.chance[t] = attacks.isolated(self.w.run_id, t, sorted(honest | sybils), honest, self.victim, G)
-        done.set()
-        return self.choice[t]
+        return attacks.grind(self.w.run_id, t, honest, self.grinders, self.victim, G)
 
     # -- flood -------------------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:
@@ -189,7 +196,7 @@ class Arms:
                        if self.chance else None)
             # the rule's own exposure, every peer posting as told: 100 steps of this run's deal
             can, chance = attacks.grind_power(self.w.run_id, len(honest), len(self.grinders), self.w.sc.group_size,
-                                              range(100))
+                                              range(100 if len(self.grinders) <= 8 else 20))
             out.update(grind_rule_isolable=round(can, 4), grind_rule_by_chance=round(chance, 4))
         hub = self.w.hub
         slowed = getattr(hub, "trickled", None)
