@@ -28,13 +28,16 @@ def add_arguments(p) -> None:
     p.add_argument("--first-seed", type=int, default=1)
     p.add_argument("--seed", type=int, default=None, help="run this one seed only (replay)")
     p.add_argument("--scenario", default="random",
-                   help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils")
+                   help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils, "
+                        "or an attack: withhold, inflate, expiry, trickle, grind, flood, flood_wide")
     p.add_argument("--no-faults", action="store_true", help="random worlds without faults")
     p.add_argument("--sybils", type=int, default=0, help="adversaries per random world (scripted attacks)")
     p.add_argument("--rtt", type=float, default=0.1, help="median RTT in seconds (default 0.1)")
     p.add_argument("--duration", type=float, default=None, help="simulated seconds per world")
     p.add_argument("--trace", action="store_true", help="print every event of the world (with --seed)")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--control", action="store_true",
+                   help="with a named scenario: also run each seed with its adversaries honest (the baseline)")
     p.add_argument("--json", action="store_true")
 
 
@@ -43,6 +46,8 @@ def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, durati
 
     if name == "random":
         return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration, sybils=sybils)
+    if name.startswith("control:"):
+        return scenarios.without_adversaries(_scenario(name[len("control:"):], seed, peers, faults, rtt, duration))
     if name not in scenarios.NAMED:
         raise SystemExit(f"p2ptrain: error: no scenario {name!r} (choose random, {', '.join(scenarios.NAMED)})")
     return scenarios.NAMED[name]()
@@ -57,6 +62,7 @@ def _one(job: tuple) -> dict:
     out = rep.to_dict()
     out["describe"] = scenarios.describe(sc)
     out["faults"] = faults
+    out["control"] = name.startswith("control:")
     out["median_rtt"] = sc.links.median_rtt
     if trace:
         out["trace"] = rep.trace
@@ -74,6 +80,8 @@ def run(args) -> int:
     elif args.scenario != "random":
         jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0)
                 for s in range(args.first_seed, args.first_seed + args.seeds)]
+        if args.control:
+            jobs += [(f"control:{args.scenario}", *job[1:]) for job in jobs]
     else:
         seeds = range(args.first_seed, args.first_seed + args.seeds)
         calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
@@ -91,9 +99,10 @@ def run(args) -> int:
         for line in r.pop("trace", []):
             print(line, flush=True)
         bad = sum(r["counts"].values())
-        say(f"seed {r['seed']:>6} {r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
+        say(f"seed {r['seed']:>6} {'(control) ' if r.get('control') else ''}{r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
             f"committed {r['commit_fraction']:.3f}, converged in {r['steps_to_converge']} steps, "
-            f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}")
+            f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}"
+            + (f"; attack: {json.dumps(r['attack_figures'])}" if r.get("attack_figures") else ""))
         if args.json:
             print(json.dumps({"event": "bench_sim_seed", **{k: v for k, v in r.items() if k != "final_steps"}}),
                   flush=True)
@@ -106,8 +115,25 @@ def run(args) -> int:
     return 0
 
 
+def attack_figures(results: list[dict]) -> dict:
+    """The adversaries' figures over every world that has them: counts summed, fractions and
+    means averaged over the worlds that report them (`sim.sybil.Arms.figures`)."""
+    keys = sorted({k for r in results for k in r.get("attack_figures", {})})
+    out = {}
+    for k in keys:
+        vals = [r["attack_figures"][k] for r in results if r.get("attack_figures", {}).get(k) is not None]
+        if not vals:
+            continue
+        avg = any(w in k for w in ("fraction", "chance", "mean", "isolable"))
+        out[k] = round(sum(vals) / len(vals), 4) if avg else sum(vals)
+    return out
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     from p2ptrain.sim.invariants import NAMES
+
+    control = [r for r in results if r.get("control")]
+    results = [r for r in results if not r.get("control")]
 
     counts = {name: sum(r["counts"][name] for r in results) for name in NAMES}
     calm = [r for r in results if not r["faults"]]
@@ -125,6 +151,26 @@ def summarize(results: list[dict], wall: float) -> dict:
         "worlds_unsettled": sum(1 for r in results if r["faults"] and not r.get("settled", True)),
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
+        "attack_figures": attack_figures(results),
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
+        **(_versus(results, control) if control else {}),
     }
+
+
+def _versus(attacked: list[dict], control: list[dict]) -> dict:
+    """The same worlds with their adversaries honest (`--control`): the baseline, and ratios."""
+    from p2ptrain.sim.invariants import NAMES
+
+    def top(rs: list[dict]) -> float:
+        return sum(max(r["final_steps"].values(), default=0) for r in rs) / max(1, len(rs))
+
+    def frac(rs: list[dict]) -> float:
+        return sum(r["commit_fraction"] for r in rs) / max(1, len(rs))
+
+    return {"control_seeds": len(control),
+            "control_violations_total": sum(sum(r["counts"][n] for n in NAMES) for r in control),
+            "control_violating_seeds": sorted({r["seed"] for r in control if sum(r["counts"].values())}),
+            "newest_step_mean": round(top(attacked), 2), "control_newest_step_mean": round(top(control), 2),
+            "newest_step_ratio": round(top(attacked) / top(control), 3) if top(control) else None,
+            "commit_fraction_mean": round(frac(attacked), 4), "control_commit_fraction_mean": round(frac(control), 4)}

@@ -59,6 +59,9 @@ class Policy:
     round it is in fails, and nobody is blamed (leave-one-out must find it)."""
     inflate: tuple[str, ...] = ()
     """Peer ids it adds to every roster confirmation it sends: view inflation."""
+    trickle: bool = False
+    """Sends each data-plane frame as slowly as the real per-frame rules let it
+    (`sim.attacks.slowest`): every round it is in stalls, and nobody is blamed."""
 
     def talks_to(self, other: bytes) -> bool:
         return self.answers is None or other in self.answers

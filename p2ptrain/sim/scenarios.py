@@ -42,20 +42,35 @@ def selective_sybils() -> Scenario:
     return Scenario("selective_sybils", peers, group_size=4, duration=300.0)
 
 
-def sybils(attack: str, honest: int = 4, k: int = 2, group_size: int = 4) -> Scenario:
+def sybils(attack: str, honest: int = 4, k: int = 2, group_size: int = 4, duration: float = 300.0) -> Scenario:
     """`k` adversaries running `attack` beside `honest` honest peers, all starting together."""
     peers = tuple(PeerPlan(initiator=True) for _ in range(honest)) + tuple(
         PeerPlan(initiator=True, honest=False, attack=attack) for _ in range(k))
-    return Scenario(f"sybils-{attack}-{k}", peers, group_size=group_size, duration=300.0)
+    return Scenario(f"sybils-{attack}-{k}", peers, group_size=group_size, duration=duration)
 
 
 NAMED = {"lone_start": lone_start, "six_in_threes": six_in_threes, "restart_pair": restart_pair,
          "selective_sybils": selective_sybils,
          "withhold": lambda: sybils("withhold"), "inflate": lambda: sybils("inflate", honest=4, k=4, group_size=4),
-         "expiry": lambda: sybils("expiry", honest=4, k=1)}
+         "expiry": lambda: sybils("expiry", honest=4, k=1),
+         # one group of 5: every round has the trickler in it
+         "trickle": lambda: sybils("trickle", honest=4, k=1, group_size=8),
+         "grind": lambda: sybils("grind", honest=4, k=4, duration=150.0),
+         # one group of 6: what breaks is the flood's doing, not issue 31's split groups
+         "flood": lambda: sybils("flood", honest=4, k=2, group_size=8, duration=120.0),
+         "flood_wide": lambda: flood_wide()}
 
 
-ATTACKS = ("selective", "withhold", "inflate", "expiry")
+def flood_wide(senders: int = 300) -> Scenario:
+    """`flood` with each of the 2 Sybils also storing from `senders` client connections of
+    their own (one identity each, small records: the reply's random tier)."""
+    import dataclasses
+
+    sc = sybils("flood", honest=4, k=2, group_size=8, duration=120.0)
+    return dataclasses.replace(sc, name=f"sybils-flood-wide-{senders}", flood_senders=senders)
+
+
+ATTACKS = ("selective", "withhold", "inflate", "expiry", "trickle", "grind", "flood")
 
 
 def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: float = 0.1,
@@ -99,6 +114,15 @@ def random_world(seed: int, peers: int, *, faults: bool = True, median_rtt: floa
                        max_latency=0.15 if median_rtt <= 0.1 else 0.3)
     name = f"random-{peers}{'' if faults else '-nofault'}{f'-sybils{sybils}' if sybils else ''}"
     return Scenario(name, tuple(plans), group_size=G, duration=duration, links=links, partitions=parts)
+
+
+def without_adversaries(sc: Scenario) -> Scenario:
+    """The same world with every adversary an honest peer (same identities, seeds, links):
+    the baseline an attack's figures are compared with."""
+    import dataclasses
+
+    peers = tuple(p if p.honest else dataclasses.replace(p, honest=True, answers=None, attack="") for p in sc.peers)
+    return dataclasses.replace(sc, peers=peers)  # same name: same run id, same deal
 
 
 def describe(sc: Scenario) -> str:

@@ -47,6 +47,7 @@ class _Round:
     vecs: dict[str, np.ndarray] = field(default_factory=dict)
     checks: dict[str, object] = field(default_factory=dict)
     aborted: set[str] = field(default_factory=set)
+    blamed: dict[str, str] = field(default_factory=dict)
     outcome: tuple[bool, float, np.ndarray | None] | None = None  # (committed, at, result)
 
 
@@ -60,6 +61,8 @@ class Hub:
         self.rounds: dict[tuple, _Round] = {}
         self.changed = trio.Event()
         self.on_round = on_round
+        self.trickled: list[tuple[float, bool]] = []
+        """(seconds added, failed) of each decided round with a trickling member."""
         """Called with (run, round id, members, {member: vector}, committed) once a round is decided."""
 
     def poke(self) -> None:
@@ -196,7 +199,7 @@ class SimReduceService:
         committed, at, result = r.outcome
         await trio.sleep_until(max(at, trio.current_time()))
         if not committed:
-            raise RoundFailed("simulated round failed", {})
+            raise RoundFailed("simulated round failed", dict(r.blamed))
         return _Result(result.copy(), int(vec.nbytes * 2 * (world - 1) / world))
 
     def _verdict(self, r: _Round, timed_out: bool) -> tuple[bool, float] | None:
@@ -215,7 +218,28 @@ class SimReduceService:
             return (False, now) if timed_out else None
         nbytes = next(iter(r.vecs.values())).nbytes // max(1, len(ids))
         hop = max((self.net.transfer(a, b, nbytes) for a, b in ring_links), default=0.0)
-        return True, now + 2 * (len(ids) - 1) * hop
+        slow, blamed, failed = self._trickled(r)
+        if failed:
+            r.blamed = blamed
+            return False, now + slow
+        return True, now + 2 * (len(ids) - 1) * hop + slow
+
+    def _trickled(self, r: _Round) -> tuple[float, dict[str, str], bool]:
+        """Members trickling their frames (`Policy.trickle`): what the real per-frame rules
+        make of it (`sim.attacks.trickled_round`): (seconds added, blamed, failed)."""
+        from p2ptrain.sim import attacks
+
+        trickles = {}
+        nbytes = next(iter(r.vecs.values())).nbytes
+        for m in r.members:
+            pol = self.net.policy.get(peer_id_from_str(m))
+            if pol is not None and pol.trickle:
+                trickles[m] = attacks.slowest(self.config, attacks.frames(self.config, nbytes, len(r.members))[1])
+        if not trickles:
+            return 0.0, {}, False
+        out = attacks.trickled_round(trickles, self.config, nbytes, len(r.members))
+        self.hub.trickled.append((out[0], out[2]))
+        return out
 
     def _decide(self, r: _Round, key: tuple, committed: bool, at: float) -> None:
         result = None

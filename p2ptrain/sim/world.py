@@ -35,6 +35,7 @@ from p2ptrain.identity import Identity
 from p2ptrain.run import manifest as mf
 from p2ptrain.run.spec import USER, DataSpec, GenesisSpec, ModelSpec, RunSpec, TimeoutsSpec, TrainSpec
 from p2ptrain.sim import model as vmodel
+from p2ptrain.sim import sybil
 from p2ptrain.sim.host import SimHost
 from p2ptrain.sim.invariants import Monitor, WorldView
 from p2ptrain.sim.net import LinkConfig, Policy, SimDHTNetwork, SimNet
@@ -65,7 +66,10 @@ class PeerPlan:
     attack: str = ""
     """An adversary's other scripted behaviour: "withhold" (joins rounds, sends no data or
     vote), "inflate" (names every other adversary in its roster views), "expiry" (re-stores
-    its ready record every 5 s with an 8 s expiry and a ready time 10 minutes early)."""
+    its ready record every 5 s with an 8 s expiry and a ready time 10 minutes early),
+    "trickle" (sends its frames as slowly as the per-frame rules allow), "grind" (posts its
+    ready record only in the steps where that isolates the first honest peer), "flood"
+    (stores big records from fresh identities under the next ready keys): `sim.sybil`."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class Scenario:
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     eval_batches: int = 8
+    flood_senders: int = 0
+    """Extra client connections each "flood" adversary stores from (`sim.sybil`)."""
 
     @property
     def dim(self) -> int:
@@ -127,6 +133,8 @@ class Report:
     wall_seconds: float
     final_steps: dict[str, int] = field(default_factory=dict)
     trace: list[str] = field(default_factory=list)
+    attack_figures: dict = field(default_factory=dict)
+    """What the scripted adversaries achieved (`sim.sybil.Arms.figures`)."""
     settled: bool = True
     """K steps' worth of time passed after the last fault (convergence was checked)."""
 
@@ -149,10 +157,11 @@ class World:
         self.index = {n: i for i, n in enumerate(self.names)}
         pool = tuple(self.names[i] for i, p in enumerate(scenario.peers) if not p.honest)
         for i, plan in enumerate(scenario.peers):
-            if plan.answers is not None or plan.attack in ("withhold", "inflate"):
+            if plan.answers is not None or plan.attack in ("withhold", "inflate", "trickle"):
                 self.net.policy[self.ids[i].peer_id] = Policy(
                     None if plan.answers is None else {self.ids[j].peer_id for j in plan.answers},
-                    withhold=plan.attack == "withhold", inflate=pool if plan.attack == "inflate" else ())
+                    withhold=plan.attack == "withhold", inflate=pool if plan.attack == "inflate" else (),
+                    trickle=plan.attack == "trickle")
         self.boot = Identity.from_seed(random.Random(seed * 7919 - 1).randbytes(32))
         for pol in self.net.policy.values():
             if pol.answers is not None:
@@ -176,6 +185,7 @@ class World:
         self.trace: list[str] = []
         self.converged_at: int | None = None
         self._steps_at_faults_end: int | None = None
+        self.arms = sybil.Arms(self)
 
     # -- the world view the invariants read ------------------------------------------------
     def _alive(self, name: str) -> bool:
@@ -225,6 +235,7 @@ class World:
                 nursery.start_soon(self._life, i)
             for p in self.sc.partitions:
                 nursery.start_soon(self._partition, p)
+            self.arms.start(nursery)
             await trio.sleep(self.sc.duration)
             nursery.cancel_scope.cancel()
         sc = self.sc
@@ -291,6 +302,7 @@ class World:
                 self.models[i] = local
                 if plan.attack == "expiry":
                     nursery.start_soon(self._early_ready, dht, local)
+                self.arms.arm(i, dht, nursery, local)
                 cfg = TrainerConfig(min_peers=plan.min_peers, eval_batches=sc.eval_batches)
                 await peer.run_peer(node, self.spec, self.run_id, local, events, cfg, workdir=Path("."), parts=parts)
                 nursery.cancel_scope.cancel()
@@ -316,7 +328,7 @@ class World:
         return Report(self.sc.name, self.seed, len(self.sc.peers), list(m.violations), m.counts(),
                       round(m.commit_fraction(), 4), steps, self.events, self.sc.duration, round(wall, 3),
                       {f"p{self.index[p]}": s for p, s in sorted(m.latest.items(), key=lambda kv: self.index[kv[0]])},
-                      self.trace, not getattr(m, "unsettled", False))
+                      self.trace, self.arms.figures(), not getattr(m, "unsettled", False))
 
 
 def run(scenario: Scenario, seed: int, trace: bool = False) -> Report:
