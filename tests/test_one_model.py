@@ -72,7 +72,12 @@ def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
         try:
             ids.append(_first_event(p, "run_joined", max(1.0, b + JOINED - time.monotonic()))["peer"])
         except (TimeoutError, RuntimeError) as exc:
-            fail_with_lineages(peers, f"{p.name} did not join: {str(exc).splitlines()[0]}")
+            error = f"{p.name} did not join within {JOINED:.0f}s of its start: {str(exc).splitlines()[0][:80]}"
+            break
+    else:
+        error = None
+    if error:
+        fail_with_lineages(peers, error)
     last = ids[-1]
     s0 = wait_until(peers, lambda evs: min(commits(evs).get(last, {}), default=None), 45,
                     "the last joiner's first commit")

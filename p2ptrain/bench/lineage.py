@@ -87,17 +87,23 @@ def val_loss_spread(events: list[dict]) -> tuple[float | None, dict[str, tuple[i
 
 
 def describe(events: list[dict], names: dict[str, str] | None = None, last: int = 8) -> str:
-    """One line per peer: its newest state steps and hash prefixes, skips and catch-ups --
-    what a failed lineage check prints so the log says how the run forked."""
+    """One line per peer that joined: the steps it joined at (one per process), its newest
+    state steps with hash prefixes, its commits (how many alone), skips -- what a failed
+    lineage check prints so the log says how the run forked."""
     names = names or {}
-    st = states(events)
+    st, cs_all = states(events), commits(events)
+    joins: dict[str, list[int]] = {}
+    for e in events:
+        if e.get("event") == "run_joined":
+            joins.setdefault(e["peer"], []).append(int(e.get("step", 0)))
     lines = []
-    for peer in sorted(st, key=lambda p: names.get(p, p)):
-        steps = sorted(st[peer])[-last:]
+    for peer in sorted(set(st) | set(joins), key=lambda p: names.get(p, p)):
+        mine = st.get(peer, {})
         skips = [(e["step"], e.get("reason")) for e in events
                  if e.get("event") == "outer_step_skipped" and e.get("peer") == peer]
-        cs = commits(events).get(peer, {})
+        cs = cs_all.get(peer, {})
         alone = sum(len(e.get("members") or ()) == 1 for e in cs.values())
-        lines.append(f"{names.get(peer, peer[-8:])}: " + " ".join(f"{s}:{st[peer][s][:6]}" for s in steps)
+        lines.append(f"{names.get(peer, peer[-8:])}: joined at {joins.get(peer, [])}; states "
+                     + " ".join(f"{s}:{mine[s][:6]}" for s in sorted(mine)[-last:])
                      + f" | commits {len(cs)} (alone {alone}), skips {len(skips)} {skips[-3:]}")
     return "\n".join(lines)
