@@ -86,12 +86,15 @@ def summarize(events: list[dict], cut: dict[str, int], s: ScaleSettings, seconds
     fractions = {p: (fr[p][1] / fr[p][0] if p in fr and fr[p][0] else 0.0) for p in peers}
     step, hashes, at = lineage.lineages_at_newest_shared(events)
     spread, final = lineage.val_loss_spread(events)
+    st = lineage.states(events)
     fmin = min(fractions.values(), default=0.0)
     return {
         "peers": s.peers, "group_size": s.group_size, "steps": s.steps, "joined": len(peers),
         "commit_fraction_min": round(fmin, 4),
         "commit_fraction_mean": round(statistics.mean(fractions.values()), 4) if fractions else 0.0,
         "started": sum(v[0] for v in fr.values()), "committed": sum(v[1] for v in fr.values()),
+        "newest_step_min": min((max(v) for v in st.values()), default=0),
+        "newest_step_max": max((max(v) for v in st.values()), default=0),
         "lineages": hashes, "lineage_step": step, "lineage_peers": at,
         "val_loss_spread_pct": spread, "val_loss_peers": len(final),
         "val_loss_min": min((v for _, v in final.values()), default=None),
