@@ -12,8 +12,9 @@ what still runs and reports, from the peers' `--json` events (p2ptrain.bench.lin
   counted; a peer that trained nothing scores 0. Min and mean over the peers.
 - lineages: distinct params hashes at the newest state step that at least two peers
   committed (1: they ended on one model; groups average separately, so today several).
-- val_loss spread: (max - min) / mean of each peer's final val_loss, in per cent (every peer
-  scores the same held-out batches).
+- val_loss spread: (max - min) / mean of each peer's final val_loss (that of its last commit),
+  in per cent (every peer scores the same held-out batches); val_loss_step_min/max say at
+  which steps those were scored (a peer that caught up since its last commit has no newer one).
 - goals (issue 31): every peer's commit fraction >= 0.9; val_loss spread <= 1 %.
 
 The model is the tiny preset (0.84 M parameters) on batches of 4 x 64 tokens, H = 4 inner
@@ -99,6 +100,10 @@ def summarize(events: list[dict], cut: dict[str, int], s: ScaleSettings, seconds
         "val_loss_spread_pct": spread, "val_loss_peers": len(final),
         "val_loss_min": min((v for _, v in final.values()), default=None),
         "val_loss_max": max((v for _, v in final.values()), default=None),
+        # the steps those losses were scored at: a peer that caught up since its last commit
+        # reports an older step's loss (today's protocol), which the spread then includes
+        "val_loss_step_min": min((s for s, _ in final.values()), default=None),
+        "val_loss_step_max": max((s for s, _ in final.values()), default=None),
         "alone_commits": sum(len(e.get("members") or ()) == 1 for e in events
                              if e.get("event") == "outer_step_committed"),
         "skips": sum(e.get("event") == "outer_step_skipped" for e in events),
