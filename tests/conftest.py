@@ -79,9 +79,12 @@ def start_bootstrap(group: ProcessGroup, name: str = "bootstrap") -> tuple:
     return boot, boot.first_line(60)
 
 
-def start_peer(group: ProcessGroup, bootstrap: str, name: str, *extra: str, env: dict | None = None):
+def start_peer(group: ProcessGroup, bootstrap: str, name: str, *extra: str, env: dict | None = None,
+               workdir: str | None = None):
+    """A `p2ptrain join` child; its workdir is `log_dir/<workdir or name>`, so a peer restarted
+    under a new process name (its own logs) can keep its old workdir."""
     return group.start(["join", "--bootstrap", bootstrap, "--listen", LOOPBACK,
-                        "--workdir", str(group.log_dir / name), "--json", *extra], name, env=env)
+                        "--workdir", str(group.log_dir / (workdir or name)), "--json", *extra], name, env=env)
 
 
 async def each_member(n: int, call, timeout: float = 60.0) -> list:
@@ -159,3 +162,51 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in _MEASURED:
             terminalreporter.write_line(line)
+
+
+def init_run(d: Path, *extra: str, inner_steps: int = 4, join_window: float = 5.0, group_size: int = 4,
+             seed: int = 3) -> tuple[Path, str]:
+    """`p2ptrain init` of a tiny run (batch 4, sequences of 64) in `d/run`: (its folder, run id)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+         "--inner-steps", str(inner_steps), "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
+         "--planned-outer-steps", "1000", "--join-window", str(join_window), "--group-size", str(group_size),
+         "--seed", str(seed), *extra], capture_output=True, text=True, timeout=300, cwd=d)
+    assert out.returncode == 0, out.stderr
+    return d / "run", out.stdout.strip().splitlines()[-1]
+
+
+def events_of(procs) -> list[dict]:
+    """Every event the given children printed so far, in one list (a restarted peer's
+    processes share its identity, so its lines read as one peer's)."""
+    return [e for p in procs for e in list(p.all_events)]
+
+
+def wait_until(procs, check, timeout: float, what: str, poll: float = 0.5):
+    """Poll `check(events_of(procs))` until it returns something truthy (returned) or
+    `timeout` seconds pass: then fail the test (`fail_with_lineages`)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check(events_of(procs))
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            fail_with_lineages(procs, f"{what}: not seen in {timeout:.0f}s")
+        time.sleep(poll)
+
+
+def fail_with_lineages(procs, what: str):
+    """Fail the test with `what`, each peer's newest states, commits and skips
+    (p2ptrain.bench.lineage.describe: how the run forked) and the stderr tail of any child
+    that exited with an error."""
+    from p2ptrain.bench.lineage import describe
+
+    names = {p.all_events[0]["peer"]: p.name for p in procs if p.all_events}
+    dead = [f"{p.name} exited {p.proc.returncode}: {p.stderr_tail(3)}" for p in procs
+            if p.proc.poll() not in (0, None)]
+    pytest.fail(f"{what}\n{describe(events_of(procs), names)}\n" + "\n".join(dead), pytrace=False)

@@ -13,6 +13,7 @@ BENCHES = {
     "diloco": "p2ptrain.bench.diloco",
     "checkpoint": "p2ptrain.bench.checkpoint",
     "churn": "p2ptrain.bench.churn",
+    "scale": "p2ptrain.bench.scale",
     "robust": "p2ptrain.bench.robust",
     "redteam": "p2ptrain.bench.redteam",
     "throughput": "p2ptrain.bench.throughput",
