@@ -360,15 +360,17 @@ class Trainer:
         return [p for p in group if p not in gone]
 
     async def _others_near(self, t: int) -> bool:
-        """Rule H2: whether another peer of the run trains near step t: one with a trained
-        ready record for t, or a state record within `NEAR` steps of ours, whose dial is not
+        """Rule H2: whether another peer of the run trains near step t: one with a ready
+        record for t, or a state record within `NEAR` steps of ours, whose dial is not
         refused (a crashed one's records outlive it and are no one to fork from; a live one,
         however loaded or partitioned from us, still counts). A peer far behind (a newcomer
         still at the genesis) does not hold us: it adopts our state first (H1) and then
         joins with zeros. Probed 16 at a time, stopping at the first: in a run of many
         groups the others are many, and mostly alive."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        near = {r.peer: list(r.addrs) for r in recs if not r.joining}
+        # a joining record counts too: a peer that adopted our state is trying to join this
+        # very step (a restarted peer lost that race to a 0.7 s step for good otherwise)
+        near = {r.peer: list(r.addrs) for r in recs}
         for sub, st in await RunRecords(self.dht, self.run_id).read_states():
             peer = peer_id_to_str(sub)
             if abs(st.step - t) <= NEAR and peer not in near:
@@ -421,6 +423,11 @@ class Trainer:
             self.weight = 1
             sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
             self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
+            # where we are now, for the others' rule H2 (our old record said a step long gone),
+            # and one more provider of the state we adopted (not an attester: we were not in
+            # the roster that committed it)
+            self.last_roster = set()
+            await self.publish_state(params=sha)
 
     # -- BaseSource (p2ptrain.run.round): the states a merge round averages --------------
     async def own(self) -> bytes:
