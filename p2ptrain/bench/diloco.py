@@ -14,14 +14,13 @@ Configurations, all from the same initial model (per seed) and at equal compute 
   diloco_H*_sparse         the same with issue 18's compressed contributions (top-k + 2-bit +
                error feedback, all-gathered; `sparse_mean`) and its own outer lr/momentum
 Optionally all of them start from a briefly pre-trained checkpoint (--warm-start steps of one
-worker, shared by every configuration of a seed). Overlapped schemes: `diloco_overlap`.
-
-Wire bytes per worker use the ring formula 2 (M-1)/M * payload per all-reduce, with payload
-quantized_nbytes(n) for int8 and 4n for fp32; data-parallel all-reduces fp32 gradients every step;
+worker, shared by every configuration of a seed). Overlapped schemes: `diloco_overlap`; merge
+rounds of N peers in groups of G against one group (--groups-of G --peers N): `diloco_groups`.
+Wire bytes per worker: the ring formula 2 (M-1)/M * payload per all-reduce (payload
+quantized_nbytes(n) for int8, 4n for fp32); data-parallel all-reduces fp32 gradients every step;
 sparse sends its framed messages to each of the M-1 others (`p2ptrain.reduce.sparse.wire_nbytes`).
 Configurations run in separate processes (--jobs) of one thread each by default: on two shared
-cores that was faster and far steadier than one two-thread process (OpenMP barriers stall).
-"""
+cores that was faster and far steadier than one two-thread process (OpenMP barriers stall)."""
 
 from __future__ import annotations
 
@@ -35,7 +34,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
 from p2ptrain.bench.diloco_report import _name, _table, print_results, summarize  # noqa: F401 (robust.py)
-from p2ptrain.bench import diloco_overlap
+from p2ptrain.bench import diloco_groups, diloco_overlap
 from p2ptrain.bench.diloco_sparse import sparse_mean, sparse_wire_nbytes
 
 DEFAULT_H = (10, 50, 100)
@@ -263,7 +262,6 @@ def _cost_steps(tasks, st: Settings) -> int:
 
 def _init_worker(threads: int) -> None:
     import torch
-
     torch.set_num_threads(threads)
 
 
@@ -290,8 +288,7 @@ def add_arguments(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="inner steps per worker (default 1000)")
     p.add_argument("--seeds", type=int, default=3, help="seeds for the baselines and --seeded-h (default 3)")
     p.add_argument("--H", type=int, nargs="+", default=list(DEFAULT_H), help="DiLoCo sync intervals")
-    p.add_argument("--seeded-h", type=int, nargs="*", default=[100],
-                   help="H values run with every seed (the others with one seed)")
+    p.add_argument("--seeded-h", type=int, nargs="*", default=[100], help="H values run with every seed (the others one)")
     p.add_argument("--quick", action="store_true", help="smoke test in about a minute")
     p.add_argument("--batch", type=int, default=None, help="sequences per worker step (default 16)")
     p.add_argument("--workers", type=int, default=4, help="DiLoCo workers M (default 4)")
@@ -308,6 +305,7 @@ def add_arguments(p) -> None:
                    help="DiLoCo averaging schemes (sparse: top-k + 2-bit + error feedback, issue 18; "
                         "delayed/eager/mixed: fp32, overlapped outer steps, issue 17)")
     diloco_overlap.add_arguments(p)  # and streaming's
+    diloco_groups.add_arguments(p)
     p.add_argument("--topk-fraction", type=float, default=None)
     p.add_argument("--ef-decay", type=float, default=None)
     p.add_argument("--sparse-outer-lr", type=float, default=None)
@@ -340,6 +338,8 @@ def settings_from_args(args) -> Settings:
 
 def run(args) -> int:
     st = settings_from_args(args)
+    if args.groups_of is not None:  # merge rounds against one group (issue 31): its own report
+        return diloco_groups.run(args, st)
     if args.quick:
         args.H = [h for h in (10, 20, 40) if h <= st.steps]
         args.seeded_h, args.seeds = [20], 2
