@@ -5,9 +5,11 @@ work w_i; all start at the genesis: the same x, m = 0, w = 0). Each outer step t
 runs H AdamW steps from x_i on its own data (`train_batch` keyed by its id, as `bench diloco`'s
 workers) and computes d_i = x_i - local_i. The peers are then dealt into ceil(N / G) groups,
 redrawn every step (Moshpit SGD): sorted by sha256(f"{seed}|{t}|" + peer id), cut into
-consecutive slices of G. Each group commits `p2ptrain.train.merge.merge_round` of its
-members' states with g = the fp32 mean of its members' d_i (rule M1 of docs/PROTOCOL.md
-Part 3), and every member loads the result.
+consecutive slices of G. Each group commits `merge_round` of its members' states with g =
+the fp32 mean of its members' d_i: the product's merge (rule M1 of docs/PROTOCOL.md,
+`p2ptrain.run.merge`: each member's base weighted by the members that trained the round that
+made it, capped at G; float64 accumulation in base-hash order), then the Nesterov step as
+`OuterOptimizer.step` takes it, and every member loads the result.
 
 The baseline is one group of N, the same code with G = N: k == 1 always, so it is `bench
 diloco`'s synchronous fp32 DiLoCo with N workers bit for bit (members averaged in peer order;
@@ -27,9 +29,62 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 
 GOAL_PCT = 1.0
+
+
+@dataclass(frozen=True)
+class OuterState:
+    """One peer's committed outer state: flat fp32 params and momentum (host), and its merge
+    weight (the members that trained the round that produced it; 0 for the genesis)."""
+    params: object  # torch.Tensor (torch is imported where it runs: the CLI starts fast)
+    momentum: object
+    weight: int = 0
+
+    def params_sha256(self) -> str:
+        from p2ptrain.run.merge import params_hash
+
+        return params_hash(self.params.numpy())
+
+
+def nesterov_update(params, momentum, g, lr: float, mu: float, nesterov: bool = True):
+    """DiLoCo's outer step on copies, with exactly the operations of `OuterOptimizer.step`."""
+    import torch
+
+    x, buf = params.clone(), momentum.clone()
+    if mu > 0:
+        buf.mul_(mu).add_(g)                                # m' = mu * m + g
+        d = torch.mul(buf, mu).add_(g) if nesterov else buf
+    else:
+        d = g
+    x.sub_(torch.mul(d, lr))                                # x' = x - lr * d
+    return x, buf
+
+
+def merge_round(states, avg_pseudo_grad, trained: int, lr: float, mu: float, nesterov: bool = True,
+                group_size: int | None = None) -> OuterState:
+    """The state every member of a round commits: the members' bases merged as the product
+    merges them (`p2ptrain.run.merge.plan` and `combine`; one base: nothing averaged), then
+    the Nesterov step with the members' mean pseudo-gradient."""
+    import torch
+
+    from p2ptrain.run import merge
+
+    g = avg_pseudo_grad.detach().to("cpu", torch.float32).reshape(-1)
+    if not bool(torch.isfinite(g).all()):
+        raise ValueError("pseudo-gradient holds inf or NaN; refusing to apply it")
+    hashes = [s.params_sha256() for s in states]
+    p = merge.plan({f"m{i:06d}": (h, s.weight) for i, (h, s) in enumerate(zip(hashes, states))},
+                   group_size or len(states))
+    if not p.needed:
+        x_bar, m_bar = states[0].params, states[0].momentum
+    else:
+        by = {h: (s.params.numpy(), s.momentum.numpy()) for h, s in zip(hashes, states)}
+        x, m = merge.combine(p, by)
+        x_bar, m_bar = torch.from_numpy(x), torch.from_numpy(m)
+    x, m = nesterov_update(x_bar, m_bar, g, lr, mu, nesterov)
+    return OuterState(x, m, trained)
 
 
 def add_arguments(p) -> None:
@@ -67,7 +122,6 @@ def simulate(st, G: int, H: int, seed: int, warm) -> dict:
 
     from p2ptrain.bench.diloco import _optimizer, _peer, _start, _step
     from p2ptrain.train.data import evaluate, load_dataset, train_batch
-    from p2ptrain.train.merge import OuterState, merge_round
     from p2ptrain.train.outer import flatten, unflatten_into
 
     t0 = time.perf_counter()
@@ -80,7 +134,7 @@ def simulate(st, G: int, H: int, seed: int, warm) -> dict:
     models = [model] + [copy.deepcopy(model) for _ in range(N - 1)]
     opts = [_optimizer(m, st, S, opt_state) for m in models]
     x0 = flatten(model.parameters())
-    states = [OuterState(x0, torch.zeros_like(x0), 0.0)] * N  # one object: one state
+    states = [OuterState(x0, torch.zeros_like(x0), 0)] * N  # one object: one state
     ids = [_peer(w) for w in range(N)]
     prev, steps = x0, []
     for t in range(S // H):
@@ -91,7 +145,7 @@ def simulate(st, G: int, H: int, seed: int, warm) -> dict:
         new = list(states)
         for grp in deal_groups(seed, t, ids, G):
             g = torch.stack([deltas[i] for i in grp]).mean(0)
-            s = merge_round([states[i] for i in grp], g, len(grp), st.outer_lr, st.outer_momentum, st.nesterov)
+            s = merge_round([states[i] for i in grp], g, len(grp), st.outer_lr, st.outer_momentum, st.nesterov, G)
             for i in grp:
                 new[i] = s
                 unflatten_into(s.params, list(models[i].parameters()))

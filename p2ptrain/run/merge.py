@@ -69,20 +69,34 @@ def params_hash(params: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(params, "<f4").tobytes()).hexdigest()
 
 
+def combine(p: MergePlan, arrays: dict[str, tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """The weighted average of the bases' (params, momentum), `arrays` keyed by base hash:
+    float64 accumulation of separately rounded multiplies, bases in hash order, one final
+    rounding to float32. The same bytes on every member (and in `bench diloco --groups-of`)."""
+    total = sum(w for _, w, _ in p.bases)
+    acc_x = acc_m = None
+    for base, w, _ in p.bases:
+        share = (w / total) if total > 0 else 1.0 / len(p.bases)
+        x, m = arrays[base]
+        if acc_x is None:
+            acc_x, acc_m = np.zeros(x.shape, np.float64), np.zeros(x.shape, np.float64)
+        acc_x += np.multiply(x, share, dtype=np.float64)
+        acc_m += np.multiply(m, share, dtype=np.float64)
+    return acc_x.astype(np.float32), acc_m.astype(np.float32)
+
+
 def average(p: MergePlan, states: dict[str, bytes], step: int) -> tuple[bytes, str]:
     """The merged checkpoint (outer params and momentum averaged by weight, at outer step
     `step`) and its params hash. `states`: base hash -> that state's checkpoint bytes.
     Raises MergeError naming a base whose bytes are not what its holders confirmed."""
-    total = sum(w for _, w, _ in p.bases)
-    shares = [(b, (w / total) if total > 0 else 1.0 / len(p.bases)) for b, w, _ in p.bases]
-    first_meta, first_arrays = None, None
-    acc_x = acc_m = None
-    for base, share in shares:
+    first_meta, first_arrays, shape = None, None, None
+    arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for base, _, _ in p.bases:
         try:
-            arrays, meta = checkpoint.decode(states[base])
+            got, meta = checkpoint.decode(states[base])
         except (KeyError, checkpoint.CheckpointError) as exc:
             raise MergeError(base, f"not a checkpoint: {exc}") from None
-        x, m = arrays.get("outer"), arrays.get("momentum")
+        x, m = got.get("outer"), got.get("momentum")
         if x is None or m is None or x.dtype != np.float32 or m.shape != x.shape or x.ndim != 1:
             raise MergeError(base, "holds no float32 outer state")
         if meta.get("outer_step") != step:
@@ -91,16 +105,13 @@ def average(p: MergePlan, states: dict[str, bytes], step: int) -> tuple[bytes, s
             raise MergeError(base, "params do not hash to the confirmed base")
         if not (np.isfinite(x).all() and np.isfinite(m).all()):
             raise MergeError(base, "holds inf or NaN")
-        if acc_x is None:
-            first_meta, first_arrays = meta, arrays
-            acc_x, acc_m = np.zeros(x.shape, np.float64), np.zeros(x.shape, np.float64)
-        elif x.shape != acc_x.shape:
+        if shape is None:
+            first_meta, first_arrays, shape = meta, got, x.shape
+        elif x.shape != shape:
             raise MergeError(base, "is another model's state")
-        # separate multiply and add, each rounded once: the same bytes on every member
-        acc_x += np.multiply(x, share, dtype=np.float64)
-        acc_m += np.multiply(m, share, dtype=np.float64)
+        arrays[base] = (x, m)
     merged = dict(first_arrays)
-    merged["outer"], merged["momentum"] = acc_x.astype(np.float32), acc_m.astype(np.float32)
+    merged["outer"], merged["momentum"] = combine(p, arrays)
     meta = dict(first_meta)
     meta["outer_step"] = step
     return checkpoint.encode(merged, meta), params_hash(merged["outer"])
