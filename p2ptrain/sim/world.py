@@ -240,8 +240,14 @@ class World:
             nursery.cancel_scope.cancel()
         sc = self.sc
         horizon = sc.inner_steps * sc.step_seconds * max(p.slow for p in sc.peers) + sc.join_window + 6 * sc.exchange
-        # a step takes about `horizon`; convergence is promised K steps after the faults end
-        settled = trio.current_time() >= sc.faults_end + self.monitor.converge_within * horizon
+        # Convergence is promised K steps after the faults end: judged once the run advanced K
+        # steps since, or had time for K of its slowest steps (a run that stalls is judged too)
+        m, K = self.monitor, self.monitor.converge_within
+        live = [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
+        advanced = max((m.latest[p] for p in live), default=0) - (self._steps_at_faults_end or 0)
+        step = sc.inner_steps * sc.step_seconds * max(p.slow for p in sc.peers) + sc.join_window + sc.exchange
+        settled = (self._steps_at_faults_end is not None and advanced >= K) or \
+            trio.current_time() >= sc.faults_end + K * step
         self.monitor.finish(trio.current_time(), sc.has_faults, horizon, settled)
 
     async def _partition(self, p: Partition) -> None:
