@@ -1,7 +1,7 @@
 """One run, one model (issue 31), with real `p2ptrain join` processes on 127.0.0.1: the run
 a user starts alone and others join later ends on one lineage, and a peer stopped with
-Ctrl-C and started again with the same command rejoins it. Today's protocol forks in both
-(issue 31 items 1 and 2); the redesign (docs/PROTOCOL.md Part 3, H1 + H2) must pass them.
+Ctrl-C and started again with the same command rejoins it. The protocol before issue 31
+forked in both (items 1 and 2); rules H1 and H2 (docs/PROTOCOL.md) make them pass.
 
 A peer's state at a step is the params hash it reported for it (`outer_step_committed` or
 `caught_up`; p2ptrain.bench.lineage). When a check times out, the failure prints each peer's
@@ -19,7 +19,6 @@ from conftest import events_of, fail_with_lineages, init_run, start_bootstrap, s
 from p2ptrain.bench.lineage import commits, one_lineage_step, states
 
 pytestmark = pytest.mark.integration
-XFAIL = pytest.mark.xfail(strict=False, reason="issue 31: the protocol redesign lands separately")
 
 WITHIN = 3
 """Outer steps allowed between the event that should bring peers together and one lineage."""
@@ -51,12 +50,11 @@ def _agree_after(ids: list[str], s: int, keep: int = KEEP):
     return check
 
 
-@XFAIL
 def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
     """One peer starts the run alone (`--manifest`, no --min-peers) and trains; three join by
     `--run <id>` over the next minute. Within WITHIN outer steps after the last joiner's
     first commit all four hold one params hash at one step, and all four keep committing it.
-    Today (issue 31 item 1; 4 runs on 2026-11-27): the first peer commits ~120 steps alone
+    Before the redesign (issue 31 item 1; 4 runs on 2026-11-27): the first peer commits ~120 steps alone
     (0.7 s each), the first joiner adopts its state, skips that step (its roster confirmation
     goes unanswered) and waits out a 120 s catch-up; the second never joins ("could not fetch
     the run's state from any peer within 120s", exit 2)."""
@@ -89,13 +87,12 @@ def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
     wait_until(peers, _agree_after(ids, s), 30, f"all four committing {KEEP} more steps on one lineage after {s}")
 
 
-@XFAIL
 def test_peer_restarted_with_ctrl_c_rejoins_within_three_steps(procs, tmp_path):
     """Two peers train together (`--min-peers 2`, as issue 31 item 2 ran them); one is stopped
     with SIGINT (Ctrl-C) once both committed step 2, and started again with the same command
     and workdir. Counting from the step the other peer held when the restarted one joined, it
     commits, within WITHIN steps, a step whose params hash is the other's at that step, and
-    both keep committing. Today (3 runs): the restarted peer resumes its own checkpoint and
+    both keep committing. Before the redesign (3 runs): the restarted peer resumes its own checkpoint and
     commits nothing; the other either trains on alone (66-115 steps) or skips and waits out a
     120 s catch-up."""
     run, rid = init_run(tmp_path)
