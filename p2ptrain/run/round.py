@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 import trio
@@ -35,7 +34,8 @@ import trio
 from p2ptrain.reduce import butterfly, ring
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
-from p2ptrain.run import election, merge
+from p2ptrain.run import election
+from p2ptrain.run.agree import Agreement, BaseSource  # noqa: F401 - BaseSource: the seam, re-exported
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
                                        streamed_material, trained_scale)
@@ -44,16 +44,6 @@ from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.roundparts import Contributor, ReduceService  # noqa: F401 - the round's seams, re-exported
 
 log = logging.getLogger("p2ptrain.run.round")
-
-
-class BaseSource(Protocol):
-    """Where a merge round gets states (the trainer: its own snapshot, peers' checkpoints)."""
-
-    async def own(self) -> bytes:
-        """Our committed state's checkpoint bytes."""
-
-    async def fetch(self, t: int, base: str, holders: tuple[str, ...], timeout: float) -> bytes:
-        """The checkpoint of step `t` whose params hash is `base`, from `holders`; raises on failure."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +135,7 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
-class ContributionRound:
+class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0) -> None:
@@ -239,55 +229,6 @@ class ContributionRound:
             else:  # someone was caught: a later commit says nothing about who we left out
                 probe.left = None
         return out
-
-    async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str,
-                       timeout: float, weight: int) -> rosters.Verdict:
-        """Every member's roster and frame size against ours, with its base and weight: one
-        that saw another roster, or cuts the tensor differently (another version), is left
-        out (`p2ptrain.run.roster`); one with another base is merged with."""
-        mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster),
-                               max(0, min(int(weight), rosters.MAX_WEIGHT)))
-        # Answering strangers: a member whose roster lists us while ours lacks it hears our
-        # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
-        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
-                                      unreachable_silent=True, answer_strangers=True)
-        replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
-        if self.bases is None:  # no way to merge: another base cannot share a round with us
-            replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}
-        return rosters.reconcile(mine, replies)
-
-    async def _merge_bases(self, out: Outcome, t: int, attempt: int, roster: list[str], base: str,
-                           verdict: rosters.Verdict) -> bool:
-        """Rule M1: when the confirmed members start from different states, fetch the ones we
-        lack, average them (`p2ptrain.run.merge`) and check with every member that each
-        computed the same merged state. True when the attempt may reduce (no merge needed,
-        or everyone agrees on it: `out.merged`); False aborts the attempt for everyone
-        (a member that reports another or no merged state never reaches the data plane)."""
-        mp = merge.plan({p: (c.base, c.weight) for p, c in verdict.confirms.items()}, self.group_size)
-        if not mp.needed:
-            return True
-        mine = b"fail"
-        try:
-            with trio.fail_after(self.merge_timeout):
-                states = {base: await self.bases.own()}
-                for b, holders in mp.missing(base):
-                    states[b] = await self.bases.fetch(t, b, tuple(h for h in holders if h != self.me),
-                                                       self.merge_timeout)
-            data, h = await trio.to_thread.run_sync(merge.average, mp, states, t)
-            out.merged, mine = (data, h), h.encode()
-            out.parents = tuple(b for b, _, _ in mp.bases)
-        except (trio.TooSlowError, merge.MergeError, OSError, ValueError) as exc:
-            log.info("step %d attempt %d: merge of %d bases failed: %s", t, attempt, len(mp.bases), exc)
-        except Exception as exc:  # a fetch failure of any kind: this attempt, not the peer
-            log.info("step %d attempt %d: merge fetch failed: %r", t, attempt, exc)
-        got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/merge", roster, mine,
-                                      self.config.exchange_timeout + self.merge_timeout, unreachable_silent=True)
-        if out.merged is None or any(got.get(p) != mine for p in roster):
-            log.info("step %d attempt %d: the members did not all reach one merged state", t, attempt)
-            out.merged = None
-            self._unexplained = True
-            return False
-        return True
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

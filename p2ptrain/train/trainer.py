@@ -7,8 +7,10 @@ Per outer step t:
      verified all-reduce, retries without the members caught cheating. Nothing is applied
      until a round commits on every member.
   4. Nesterov outer step on the committed average, published as a `state` record
-     (`p2ptrain.run.states`) and served to newcomers; checkpoint written atomically.
-A peer that misses a deadline skips the step and catches up from the members' state.
+     and served to newcomers; checkpoint written atomically.
+A peer that misses a deadline skips the step and adopts the run's head; one whose round
+would commit alone does so only while nobody trains near its step (`p2ptrain.train.lineage`,
+rules H1 and H2 of docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -22,23 +24,21 @@ import numpy as np
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.ckpt.download import CheckpointServer, adopt, download, find
-from p2ptrain.ckpt.providers import Choice
+from p2ptrain.ckpt.download import CheckpointServer
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.sparse import SparseReducer
 from p2ptrain.records import RunRecords, State
-from p2ptrain.run import elect, election, states
+from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
-from p2ptrain.identity import peer_id_from_str, peer_id_to_str
+from p2ptrain.identity import peer_id_from_str
 from p2ptrain.train import progress
+from p2ptrain.train.lineage import Lineage
 
 log = logging.getLogger("p2ptrain.train.trainer")
-NEAR = 3
-"""Rule H2's reach: a peer whose state is within this many steps of ours holds our lone commits."""
 
 
 @dataclass
@@ -73,7 +73,7 @@ def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
     return now
 
 
-class Trainer:
+class Trainer(Lineage):
     def __init__(self, node, svc: ReduceService, blobs: BlobServer, writer: checkpoint.AsyncWriter, spec: RunSpec,
                  run_id: str, local, events, config: TrainerConfig, contributor: Contributor | None = None) -> None:
         self.node, self.dht, self.spec, self.run_id = node, node.dht, spec, run_id
@@ -132,71 +132,9 @@ class Trainer:
         """Whether this trainer has committed all the outer steps it was asked for."""
         return bool(self.config.max_outer_steps) and self.committed >= self.config.max_outer_steps
 
-    async def wait_for_peers(self) -> None:
-        with trio.move_on_after(self.config.start_timeout):
-            while True:
-                head = await self.head()
-                if head is not None and head.step > 0:
-                    # The run started without us -- if that is more than a claim: only a state we
-                    # can adopt ends the wait (Sybil records naming states nobody serves cannot).
-                    await self.catch_up(head.step, patience=5.0)
-                    if self.local.step > 0:
-                        return
-                if len(await states.peers_at_step(self.dht, self.run_id, 0)) >= self.config.min_peers:
-                    return
-                await trio.sleep(0.2)
-        log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
-
-    async def head(self):
-        """The run's head (rule H1, `p2ptrain.ckpt.providers.choose`): the best-attested state
-        others publish; our own records are not votes."""
-        return await find(self.dht, self.run_id, self.spec.genesis.sha256, 0, self.spec.train.group_size,
-                          self.ledger.standing.trusted(), self.ledger.rejected_ckpts, ignore={self.me})
-
-    async def _round_underway(self, t: int) -> bool:
-        """Have peers that trained step t posted their ready records? Then its election is
-        closing (it closes as soon as every expected peer posted), and a peer that only now
-        adopted state t is too late for it."""
-        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        return any(not r.joining and r.peer != self.me for r in recs)
-
     def last_step(self) -> bool:
         """Whether committing step t would end our run (then we announce no step after it)."""
         return bool(self.config.max_outer_steps) and self.committed + 1 >= self.config.max_outer_steps
-
-    async def _join_ahead(self, ahead: int = 1, and_next: bool = False) -> None:
-        """Join step t+1 instead: announce it at once (a joining record starts no clock, and
-        the others' election for t+1 finds it), adopt state t+1 when it appears, then join its
-        round with zeros. Without this, steps shorter than a catch-up kept a restarted peer
-        one step behind for good (seen once evaluation left the critical path). `and_next`
-        (overlapped runs): announce the step after it too, as joining. The others elect that
-        step beside the round we join, and their election closes as soon as the members of
-        their last roster posted, which we are not yet: announced only beside that round, we
-        could lose that race (seen in a streaming run's 1 s steps, issue 17), and a lost race
-        cost the join window (our group elected us, theirs did not), then another join."""
-        for _ in range(3):  # the state we adopt may already be past t+1 (a slow fetch): again
-            t1 = self.local.step + ahead
-            addrs = self.node.rpc.local_addrs()
-            for t, again_joining in ((t1, False), (t1 + 1, True))[:2 if and_next else 1]:
-                at = await elect.publish_ready(self.dht, self.run_id, t, addrs, True, self.elect_cfg.window)
-                self._ahead[t] = (at, again_joining)
-            self.events.emit("joining_ahead", step=t1)
-            await self.catch_up(t1)
-            if self.local.step <= t1:
-                return
-
-    async def sync_with_run(self) -> bool:
-        """Adopt the run's head if it is ahead of ours (rule H1: a newcomer and a restarted
-        peer alike; never by a vote of state records, where our own stale record and other
-        newcomers' genesis records outvoted the peer that had trained, issue 31). Returns
-        True when others are already training the current step: we then join it at once
-        with a zero pseudo-gradient instead of making everyone wait for our inner steps."""
-        head = await self.head()
-        if head is None:
-            return False
-        if head.step > self.local.step:  # a claimed step nobody serves costs 5 s, not the timeout
-            await self.catch_up(head.step, patience=5.0)
-        return head.step == self.local.step and self.local.step > 0
 
     async def outer_step(self, joining: bool) -> bool:
         """One outer step; returns whether the next one starts as a zero-contribution join."""
@@ -359,31 +297,6 @@ class Trainer:
         self._refused = (self._refused - suspects) | gone  # one that answers again is back
         return [p for p in group if p not in gone]
 
-    async def _others_near(self, t: int) -> bool:
-        """Rule H2: whether another peer of the run trains near step t: one with a ready
-        record for t, or a state record within `NEAR` steps of ours, whose dial is not
-        refused (a crashed one's records outlive it and are no one to fork from; a live one,
-        however loaded or partitioned from us, still counts). A peer far behind (a newcomer
-        still at the genesis) does not hold us: it adopts our state first (H1) and then
-        joins with zeros. Probed 16 at a time, stopping at the first: in a run of many
-        groups the others are many, and mostly alive."""
-        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        # a joining record counts too: a peer that adopted our state is trying to join this
-        # very step (a restarted peer lost that race to a 0.7 s step for good otherwise)
-        near = {r.peer: list(r.addrs) for r in recs}
-        for sub, st in await RunRecords(self.dht, self.run_id).read_states():
-            peer = peer_id_to_str(sub)
-            if abs(st.step - t) <= NEAR and peer not in near:
-                near[peer] = list(st.addrs)
-        others = sorted(p for p in near if p != self.me and p not in self.ledger.ignored)
-        for i in range(0, len(others), 16):
-            batch = set(others[i:i + 16])
-            for p in batch:
-                self._learn(p, near[p])
-            if batch - await self.round.svc.unreachable(batch, refused_only=True):
-                return True
-        return False
-
     def _learn(self, peer: str, addrs: list[str]) -> None:
         self.node.rpc.learn_addrs(peer_id_from_str(peer), addrs)
 
@@ -411,45 +324,3 @@ class Trainer:
         await RunRecords(self.dht, self.run_id).publish_state(State(
             self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), self.node.conn_counts()))
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
-
-    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
-        """Adopt the best-attested state at `at_least` or later (chunks from every provider at
-        once; trusted attesters rank first; a checkpoint that hashes right but does not load
-        is rejected, not fatal: p2ptrain.ckpt.download.adopt)."""
-        got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
-                          self.local.load_state_at, timeout=timeout, patience=patience,
-                          rejected=self.ledger.rejected_ckpts, trusted=self.ledger.standing.trusted())
-        if got is not None:
-            self.weight = 1
-            sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
-            self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
-            # where we are now, for the others' rule H2 (our old record said a step long gone),
-            # and one more provider of the state we adopted (not an attester: we were not in
-            # the roster that committed it)
-            self.last_roster = set()
-            await self.publish_state(params=sha)
-
-    # -- BaseSource (p2ptrain.run.round): the states a merge round averages --------------
-    async def own(self) -> bytes:
-        return await trio.to_thread.run_sync(self.local.state_bytes)
-
-    async def fetch(self, t: int, base: str, holders: tuple[str, ...], timeout: float) -> bytes:
-        """The state of step t whose params hash is `base`, as its holders serve it: their
-        provider records name its chunk manifest (published as they committed it, beside
-        their next phase: we wait for them within `timeout`); every chunk is hash-checked,
-        and `merge.average` checks the params against `base`."""
-        with trio.fail_after(timeout):
-            while True:
-                recs = [r for r in await RunRecords(self.dht, self.run_id).read_providers()
-                        if r.peer in holders and r.step == t and r.params == base]
-                if recs:
-                    break
-                await trio.sleep(0.2)
-            for r in recs:
-                self._learn(r.peer, list(r.addrs))
-            ref = recs[0]
-            choice = Choice(t, ref.manifest, ref.sha256, base, tuple(sorted({r.peer for r in recs
-                                                                              if r.manifest == ref.manifest})), ())
-            data, _ = await download(self.node.host, choice, exclude={self.me},
-                                     max_bytes=checkpoint.state_size_limit(self.spec.genesis.bytes))
-            return data
