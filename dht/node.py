@@ -123,6 +123,7 @@ class DHTNode:
         # key -> (value, ttl, when to republish): own records outlive the nodes holding them.
         self._own: dict[str, tuple[bytes, float, float]] = {}
         self._rng = random.Random(identity.peer_id)
+        self._limits: dict[str, tuple[float, float, int]] = {}
         if server:
             transport.serve(self._handle)
 
@@ -334,8 +335,14 @@ class DHTNode:
                     exc.reason, where, peer_id_to_str(source), exc.detail)
 
     def _live_limits(self, key: str) -> tuple[float, float, int]:
-        max_ttl, max_bytes = self.config.limits_for(key)
-        return max_ttl, self.config.max_clock_skew, max_bytes
+        # Memoized per key (a node never changes its config): every merged record asks (issue 30).
+        got = self._limits.get(key)
+        if got is None:
+            if len(self._limits) > 1024:
+                self._limits.clear()
+            max_ttl, max_bytes = self.config.limits_for(key)
+            got = self._limits[key] = (max_ttl, self.config.max_clock_skew, max_bytes)
+        return got
 
     def _validate(self, rec: Record, now: float) -> Record:
         max_ttl, max_bytes = self.config.limits_for(rec.key)
