@@ -180,7 +180,7 @@ class DHTNode:
         The record is re-stored by `run` while a third of its lifetime is left, until
         `forget(key)`, so it outlives the nodes that hold it now. A `ttl` beyond the key's
         horizon is cut to it (every node would refuse the record): an expiry only ever
-        comes earlier, which no reader's bound (`election.clamp`) takes as a later claim."""
+        comes earlier (and readers time ready records by their own sightings, not expiries)."""
         ttl = min(ttl, self.config.limits_for(key)[0])
         rec = make_record(self.identity, key, value, wall_time() + ttl)
         self._own[key] = (value, ttl, trio.current_time() + ttl * 2 / 3)
