@@ -23,7 +23,7 @@ bits); level 0 is the whole run (the key small runs have always used). A reader 
 cell: the finest level whose cell is not full (< `SPLIT` records), and everything above --
 deadline, candidates, groups -- is computed within that cell. A run under `SPLIT` peers is
 one cell at level 0: the rule is exactly the one above. A cell's members read the same key,
-see the same count and so choose the same level; a run near a split size (128, 512, ...
+see the same count and so choose the same level; a run near a split size (160, 640, ...
 peers) can disagree for a step, like records seen on either side of a deadline do, and the
 roster confirmation catches it.
 """
@@ -35,11 +35,12 @@ import hashlib
 from p2ptrain.records.codecs import Ready  # noqa: F401 - the record the rule reads, re-exported
 
 
-SPLIT = 128
-"""A cell holding this many ready records is split into its 4 children (replies carry 256:
-twice the margin, so a cell's whole content is visible while it fills)."""
+SPLIT = 160
+"""A cell holding this many ready records is split into its 4 children (replies carry 256,
+so a cell's whole content is visible while it fills). Not a power of two: runs of 128 or
+256 peers, common sizes, should not sit on a split."""
 LEVELS = 4
-"""Levels 0..3: up to 4**3 = 64 cells, so steps of about SPLIT * 64 = 8,192 peers."""
+"""Levels 0..3: up to 4**3 = 64 cells, so steps of about SPLIT * 64 = 10,240 peers."""
 
 
 def ready_ttl(window: float) -> float:
