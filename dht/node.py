@@ -123,6 +123,7 @@ class DHTNode:
         # key -> (value, ttl, when to republish): own records outlive the nodes holding them.
         self._own: dict[str, tuple[bytes, float, float]] = {}
         self._rng = random.Random(identity.peer_id)
+        self._limits: dict[str, tuple[float, float, int]] = {}
         if server:
             transport.serve(self._handle)
 
@@ -179,7 +180,7 @@ class DHTNode:
         The record is re-stored by `run` while a third of its lifetime is left, until
         `forget(key)`, so it outlives the nodes that hold it now. A `ttl` beyond the key's
         horizon is cut to it (every node would refuse the record): an expiry only ever
-        comes earlier, which no reader's bound (`election.clamp`) takes as a later claim."""
+        comes earlier (and readers time ready records by their own sightings, not expiries)."""
         ttl = min(ttl, self.config.limits_for(key)[0])
         rec = make_record(self.identity, key, value, wall_time() + ttl)
         self._own[key] = (value, ttl, trio.current_time() + ttl * 2 / 3)
@@ -334,8 +335,14 @@ class DHTNode:
                     exc.reason, where, peer_id_to_str(source), exc.detail)
 
     def _live_limits(self, key: str) -> tuple[float, float, int]:
-        max_ttl, max_bytes = self.config.limits_for(key)
-        return max_ttl, self.config.max_clock_skew, max_bytes
+        # Memoized per key (a node never changes its config): every merged record asks (issue 30).
+        got = self._limits.get(key)
+        if got is None:
+            if len(self._limits) > 1024:
+                self._limits.clear()
+            max_ttl, max_bytes = self.config.limits_for(key)
+            got = self._limits[key] = (max_ttl, self.config.max_clock_skew, max_bytes)
+        return got
 
     def _validate(self, rec: Record, now: float) -> Record:
         max_ttl, max_bytes = self.config.limits_for(rec.key)

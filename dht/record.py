@@ -86,10 +86,16 @@ class Record:
     signature: bytes
 
     def encode(self) -> bytes:
-        return msgpack.packb(
-            [VERSION, self.key, self.subkey, self.value, self.expiry, self.signer, self.signature],
-            use_bin_type=True,
-        )
+        # Memoized (the fields are frozen): every reply and every size check re-encoded each
+        # record, a million times in a 64-peer simulated minute (issue 30).
+        wire = self.__dict__.get("_wire")
+        if wire is None:
+            wire = msgpack.packb(
+                [VERSION, self.key, self.subkey, self.value, self.expiry, self.signer, self.signature],
+                use_bin_type=True,
+            )
+            object.__setattr__(self, "_wire", wire)
+        return wire
 
     def newer_than(self, other: "Record") -> bool:
         """Versioning within one (key, subkey): the later expiry wins; ties break on the

@@ -56,7 +56,9 @@ def peer_id_to_str(peer_id: bytes) -> str:
     return base58.b58encode(peer_id).decode()
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def peer_id_from_str(text: str) -> bytes:
+    # cached (a failure raises and is not cached): rounds name members by string
     try:
         raw = base58.b58decode(text)
     except ValueError as exc:
@@ -97,13 +99,14 @@ class Identity:
             serialization.NoEncryption(),
         )
 
-    @property
+    @functools.cached_property
     def public(self) -> bytes:
+        # cached (the key never changes): the DHT compares every contact with our id
         return self.private.public_key().public_bytes(
             serialization.Encoding.Raw, serialization.PublicFormat.Raw
         )
 
-    @property
+    @functools.cached_property
     def peer_id(self) -> bytes:
         return peer_id_bytes_from_public(self.public)
 

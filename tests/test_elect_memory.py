@@ -4,11 +4,16 @@ hostile records dropped. Also the pure rule (p2ptrain.run.election)."""
 
 from __future__ import annotations
 
+import random
+import types
+
 import msgpack
 import pytest
 import trio
 
 from conftest import trio_test
+from dht.record import make_record
+from p2ptrain.identity import Identity
 from p2ptrain.records import RunRecords, codecs as records, keys
 from p2ptrain.run import election, elect, states
 from test_dht_memory import join_all, make_swarm
@@ -44,8 +49,9 @@ async def test_step_closes_at_the_deadline_and_a_late_peer_is_left_out():
         await trio.sleep(0.1)
         group = await elect.elect(a, RUN, 3, me(a), CFG, set(), set(), lambda p, addrs: learned.update({p: addrs}))
         closed = trio.current_time() - t0
-    # deadline = upper-median trained ready_at (b's 5.0) + window, + margin; no earlier (nobody was expected)
-    assert 35.0 <= closed <= 36.0, closed
+    # deadline = upper median of the trained records' first sightings (b's: the first poll after
+    # its store at 5.0, polls at most poll_max apart) + window, + margin; no earlier (nobody was expected)
+    assert 35.0 + CFG.margin <= closed <= 35.0 + CFG.poll_max + CFG.margin + 0.2, closed
     assert sorted(group) == sorted([me(a), me(b)])
     assert group == election.ring_order(RUN, 3, group)
     assert set(learned) == {me(a), me(b)} and learned[me(b)] == ["/ip4/127.0.0.1/tcp/1"]
@@ -195,3 +201,73 @@ async def test_an_expected_peer_that_is_gone_does_not_hold_the_step():
     assert closed < 3.0, closed
     assert sorted(group) == sorted([me(a), me(b)])
     assert probed and all(me(a) not in p for p in probed)  # only peers that had not posted
+
+
+@trio_test()
+async def test_a_claimed_early_time_and_a_short_expiry_move_nothing():
+    """Rule D1 over the DHT: a record claiming to be 10 minutes early, re-stored every 5 s
+    with an 8 s expiry (the simulator's `expiry` attack), counts from when we first saw it."""
+    a, b, *_ = await swarm(5)
+    sightings = election.Sightings()
+    await elect.publish_ready(a, RUN, 2, [], False, CFG.window)
+    t_first = None
+    for _ in range(4):
+        await RunRecords(b, RUN).publish_ready(2, trio.current_time() - 600.0, [], False, ttl=8.0)
+        recs = {r.peer: r.ready_at for r in await elect.read_ready(a, RUN, 2, CFG.window, sightings)}
+        t_first = recs[me(b)] if t_first is None else t_first
+        assert recs[me(b)] == t_first  # the first sighting, whatever the writer re-claims
+        await trio.sleep(5.0)
+    assert election.deadline([election.Ready(me(b), t_first, (), False)], CFG.window) == t_first + CFG.window
+
+
+def test_cells_nest_and_a_full_cell_is_split():
+    peers = [f"p{i}" for i in range(64)]
+    for p in peers:
+        got = election.cells(RUN, 5, p)
+        assert got[0] == (0, 0) and [lvl for lvl, _ in got] == list(range(election.LEVELS))
+        for (l1, c1), (l2, c2) in zip(got, got[1:]):
+            assert c2 >> 2 == c1 and 0 <= c2 < 4 ** l2  # each cell is a quarter of its parent
+    assert election.level_move(0, election.SPLIT - 1) == 0 and election.level_move(0, election.SPLIT) == 1
+    assert election.level_move(election.LEVELS - 1, 10_000) == 0  # the finest level holds the rest
+    assert election.level_move(2, election.SPLIT // 8 - 1) == -1 and election.level_move(0, 0) == 0
+
+
+class _Board:
+    """The DHT's record interface over one shared dict (many writers, no network): the cell
+    rule at hundreds of peers in a unit test. Replies are not capped here; the simulator runs
+    the real DHT at 256 and 1,000 peers (`p2ptrain bench sim`)."""
+
+    def __init__(self, records: dict, ident) -> None:
+        self.records, self.identity = records, ident
+        self.transport = types.SimpleNamespace(learn_addrs=lambda *a: None)
+
+    async def store(self, key, value, ttl):
+        rec = make_record(self.identity, key, value, 1e12)
+        self.records.setdefault(key, {})[rec.subkey] = rec
+        return 1
+
+    async def get(self, key):
+        return dict(self.records.get(key, {}))
+
+    def forget(self, key):
+        pass
+
+
+@trio_test()
+async def test_every_member_of_a_big_run_computes_its_group_from_its_own_cell_alike():
+    ids = [Identity.from_seed(random.Random(i).randbytes(32)) for i in range(2 * election.SPLIT + 40)]
+    shared: dict = {}
+    boards = [_Board(shared, ident) for ident in ids]
+    for bd in boards:
+        await elect.publish_ready(bd, RUN, 1, [], False, CFG.window)
+    assert len(shared[keys.ready(RUN, 1)]) == len(ids)  # level 0 still holds everyone
+    groups = {}
+    for bd in boards:
+        s = election.Sightings()
+        recs = await elect.read_ready(bd, RUN, 1, CFG.window, s)
+        assert s.level(1) == 1 and len(recs) < election.SPLIT  # a quarter of the run
+        groups[bd.identity.peer_id_str] = election.my_group(RUN, 1, [r.peer for r in recs], 4,
+                                                            bd.identity.peer_id_str)
+    for p, g in groups.items():
+        assert p in g and 3 <= len(g) <= 4
+        assert all(groups[q] == g for q in g)  # every member of a group computes the same group

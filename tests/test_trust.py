@@ -40,23 +40,12 @@ def test_a_minority_of_liars_cannot_pull_the_deadline_below_the_earliest_honest_
     assert election.deadline([_ready("j", 1.0, True), _ready("h", 50.0)], 5.0) == 55.0
 
 
-def test_claimed_ready_time_is_clamped_to_what_the_reader_observed():
-    ttl = election.ready_ttl(5.0)
-    # claims 1.0, but its signed record expires at 2000 with the run's TTL: written >= 2000 - ttl - skew
-    assert election.clamp(1.0, -math.inf, 2000.0, 2000.0 + ttl - 30, ttl, skew=2.0) == 2000.0 - 32.0
-    # first seen on a poll at 1500 that followed a poll at 1499 without it: not before 1499
-    assert election.clamp(1.0, 1499.0, 1500.0, 1500.0 + ttl, ttl) == 1499.0
-    # a claim in the future is capped at first sight
-    assert election.clamp(9e9, -math.inf, 1500.0, 1500.0 + ttl, ttl) == 1500.0
-    # an honest claim (ready_at + ttl == expiry, seen after) is kept exactly
-    assert election.clamp(1000.25, 999.0, 1000.5, 1000.25 + ttl, ttl) == 1000.25
-
-
-def test_sightings_remember_the_first_poll_and_the_poll_before_it():
+def test_a_ready_record_is_timed_by_the_readers_first_sighting():
+    """Rule D1: the record's time is when this reader first saw it; re-reading it later, or
+    the writer re-storing it with another claim or expiry, moves nothing."""
     s = election.Sightings()
-    assert s.observe(3, ["a"], 10.0) == {"a": (-math.inf, 10.0)}
-    got = s.observe(3, ["a", "b"], 10.2)
-    assert got == {"a": (-math.inf, 10.0), "b": (10.0, 10.2)}
+    assert s.observe(3, ["a"], 10.0) == {"a": 10.0}
+    assert s.observe(3, ["a", "b"], 10.2) == {"a": 10.0, "b": 10.2}
     s.observe(9, [], 50.0)
     assert (3, "a") not in s.first  # old steps forgotten
 

@@ -7,7 +7,7 @@ with a logged reason (the codec's `RecordError`) and never raises for one peer's
 addresses a record carries go to the DHT's address book, so the peer can be dialled.
 
 The rules that use these records stay with their owners: the election (`p2ptrain.run.elect`
-clamps ready times, `p2ptrain.run.states` picks the run's state), the checkpoint quorum
+times ready records by its own sightings, `p2ptrain.run.states` picks the run's state), the checkpoint quorum
 (`p2ptrain.ckpt.providers`), the reputation verdict (`p2ptrain.run.reputation`). This layer
 imports only the DHT's record layer and pure codecs -- neither trio, libp2p, torch, numba nor
 the all-reduce (the DHT node is passed in) -- so `net/`, `ckpt/`, `run/`, `train/`, `p2ptrain status` and the dashboard
@@ -54,15 +54,17 @@ class RunRecords:
         self.dht.transport.learn_addrs(sub, list(addrs))
 
     # -- ready/<t> ------------------------------------------------------------------------
-    async def publish_ready(self, step: int, ready_at: float, addrs: list[str], joining: bool, ttl: float) -> int:
-        """Store our ready record for `step` (its TTL: `p2ptrain.run.election.ready_ttl`)."""
-        return await self.dht.store(keys.ready(self.run_id, step), codecs.encode_ready(ready_at, addrs, joining),
-                                    ttl=ttl)
+    async def publish_ready(self, step: int, ready_at: float, addrs: list[str], joining: bool, ttl: float,
+                            level: int = 0, cell: int = 0) -> int:
+        """Store our ready record for `step` in one cell (its TTL: `p2ptrain.run.election.ready_ttl`;
+        a writer stores it in every level's cell: `p2ptrain.run.elect.publish_ready`)."""
+        return await self.dht.store(keys.ready(self.run_id, step, level, cell),
+                                    codecs.encode_ready(ready_at, addrs, joining), ttl=ttl)
 
-    async def read_ready(self, step: int) -> list[tuple[Ready, float]]:
-        """Every writer's ready record for `step` with its signed expiry, the claims as written
-        (`p2ptrain.run.elect.read_ready` bounds them by what the reader observed)."""
-        got = await self._read(keys.ready(self.run_id, step),
+    async def read_ready(self, step: int, level: int = 0, cell: int = 0) -> list[tuple[Ready, float]]:
+        """Every writer's ready record for `step` in one cell, with its signed expiry, as
+        written (`p2ptrain.run.elect.read_ready` times them by the reader's sightings)."""
+        got = await self._read(keys.ready(self.run_id, step, level, cell),
                                lambda sub, v: codecs.decode_ready(peer_id_to_str(sub), v), "ready")
         return [(r, expiry) for _, r, expiry in got]
 

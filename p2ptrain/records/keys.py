@@ -7,7 +7,7 @@ Their codecs are `p2ptrain.records.codecs` (the manifest's: `p2ptrain.records.ma
 reading and writing them goes through `p2ptrain.records.board.RunRecords`.
 
   manifest    the signed run manifest, served by every member
-  ready/<t>   "ready for outer step t", read by the election
+  ready/<t>   "ready for outer step t", read by the election (ready/<t>/<l>.<c>: one cell of it)
   state       each member's newest state
   providers   checkpoint provider records (the quorum rule: `p2ptrain.ckpt.providers`)
   reputation  robust-rule reports (the verdict: `p2ptrain.run.reputation`)
@@ -30,8 +30,10 @@ def manifest(run_id: str) -> str:
     return _key(run_id, "manifest")
 
 
-def ready(run_id: str, step: int) -> str:
-    return _key(run_id, f"ready/{step}")
+def ready(run_id: str, step: int, level: int = 0, cell: int = 0) -> str:
+    """Level 0 is the whole step (`ready/<t>`); level l >= 1 holds one of 4**l cells of the
+    placement hash (`ready/<t>/<l>.<cell>`; the rule: `p2ptrain.run.election`, "Cells")."""
+    return _key(run_id, f"ready/{step}" if level == 0 else f"ready/{step}/{level}.{cell}")
 
 
 def state(run_id: str) -> str:

@@ -1,8 +1,9 @@
 """Election I/O: publishing our `ready` record and waiting out a step's deadline.
 
 The rule itself (deadline, candidates, groups, ring order) is pure and lives in
-`p2ptrain.run.election`; this module feeds it the records the DHT holds. A step closes at its
-deadline (earliest trained ready_at + join window, plus a margin for replication), or
+`p2ptrain.run.election`; this module feeds it the records of our cell (`election`, "Cells"),
+each timed by our first sighting of it (D1). A step closes at its deadline (the upper median
+of the trained records' times + join window, plus a margin for replication), or
 earlier once every peer expected at the step (its state says it trains it, or it was in our
 last roster) has posted its ready record. An expected peer that has not posted is checked
 every `probe` seconds (`gone`: no connection and no dial succeeds): a crashed one stops
@@ -16,16 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
 
 from p2ptrain.clock import wall_time
-from p2ptrain.records import RunRecords
+from p2ptrain.records import RunRecords, keys
 from p2ptrain.run import election, states
 
 log = logging.getLogger("p2ptrain.run.elect")
+_read_level: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""DHT node -> {run id: the level of cells it last read}: which levels its writes need."""
+_published: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""DHT node -> {run id: {step: ready keys we stored}} (to stop re-storing old ones)."""
 Gone = Callable[[set[str]], Awaitable[set[str]]]
 """Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 
@@ -40,36 +46,78 @@ class ElectConfig:
     give_up: float = 600.0
     """Seconds to wait for a peer that trained the step, when only newcomers showed up."""
     poll: float = 0.2
+    """Seconds between reads of the step's records right after something changed..."""
+    poll_max: float = 1.0
+    """...growing 1.5x per quiet read up to this (O(N) records per read: issue 30)."""
     probe: float = 1.0
     """Seconds between checks that expected peers which have not posted are there at all."""
 
     def __post_init__(self) -> None:
         if not (self.window > 0 and self.group_size >= 1 and self.margin >= 0 and self.give_up > 0
-                and self.poll > 0 and self.probe > 0):
+                and 0 < self.poll <= self.poll_max and self.probe > 0):
             raise ValueError("ElectConfig needs window > 0, group_size >= 1, margin >= 0, give_up > 0, "
-                             "poll > 0, probe > 0")
+                             "0 < poll <= poll_max, probe > 0")
 
 
 async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: bool, window: float,
                         ready_at: float | None = None) -> float:
-    """Store our ready record for `step` (ready_at: now unless given); returns its ready_at.
-    Its TTL is the protocol's (`election.ready_ttl`): readers bound claimed times with it."""
+    """Store our ready record for `step` in our cell of each level a reader may need
+    (`election.cells`: a reader reads the one level its run's size needs), concurrently. ready_at (now unless
+    given) is informational: readers time a record by when they first saw it (D1)."""
     ready_at = wall_time() if ready_at is None else ready_at
-    await RunRecords(dht, run_id).publish_ready(step, ready_at, addrs, joining, election.ready_ttl(window))
+    board = RunRecords(dht, run_id)
+    ttl = election.ready_ttl(window)
+    # Levels 0 .. one finer than we last read: a reader moves one level per read, from a
+    # level everyone writes (0) down to ours, so the levels nobody reads cost no stores.
+    upto = _read_level.get(dht, {}).get(run_id, 0) + 1
+    # The DHT re-stores our records until told otherwise; a step's ready record is read only
+    # while the step is open, so those of steps well past stop being re-stored.
+    mine = _published.setdefault(dht, {}).setdefault(run_id, {})
+    for old in [t for t in mine if t < step - 2]:
+        for key in mine.pop(old):
+            dht.forget(key)
+    placed = election.cells(run_id, step, dht.identity.peer_id_str)[:upto + 1]
+    mine.setdefault(step, set()).update(keys.ready(run_id, step, level, cell) for level, cell in placed)
+    async with trio.open_nursery() as nursery:
+        for level, cell in placed:
+            nursery.start_soon(board.publish_ready, step, ready_at, addrs, joining, ttl, level, cell)
     return ready_at
 
 
 async def read_ready(dht, run_id: str, step: int, window: float,
                      sightings: election.Sightings | None = None) -> list[election.Ready]:
-    """The step's ready records, each writer's claimed ready_at clamped to what this reader
-    observed (`election.clamp`: not before our last poll without it, not after the first poll
-    with it, and within the record's signed TTL), so a claim of 1.0 moves nothing."""
-    got = await RunRecords(dht, run_id).read_ready(step)
-    now = wall_time()
-    seen = (sightings or election.Sightings()).observe(step, [r.peer for r, _ in got], now)
-    ttl = election.ready_ttl(window)
-    return [dataclasses.replace(r, ready_at=election.clamp(r.ready_at, *seen[r.peer], expiry, ttl))
-            for r, expiry in got]
+    """The step's ready records in our cell (the finest level whose cell is not full:
+    `election.level_move`; the level is remembered in `sightings`), each timed by when this
+    reader first saw it (rule D1: the writer's ready_at and expiry move nothing)."""
+    s = sightings if sightings is not None else election.Sightings()
+    me = dht.identity.peer_id_str
+    board = RunRecords(dht, run_id)
+    level = s.level(step)
+    got = await board.read_ready(step, level, election.cell(run_id, step, me, level))
+    for _ in range(election.LEVELS):  # at most one pass down or up the levels
+        move = election.level_move(level, len(got))
+        if move > 0:
+            level += 1
+            got = await board.read_ready(step, level, election.cell(run_id, step, me, level))
+        elif move < 0:
+            parent = await board.read_ready(step, level - 1, election.cell(run_id, step, me, level - 1))
+            if len(parent) >= election.SPLIT:
+                break
+            level, got = level - 1, parent
+        else:
+            break
+    s.set_level(step, level)
+    _read_level.setdefault(dht, {})[run_id] = s.last_level
+    seen = s.observe(step, [r.peer for r, _ in got], wall_time())
+    return [dataclasses.replace(r, ready_at=seen[r.peer]) for r, _ in got]
+
+
+def same_cell(run_id: str, step: int, me: str, level: int, peers: set[str]) -> set[str]:
+    """Those of `peers` in our cell at `level` (the only ones our election can see)."""
+    if level == 0:
+        return set(peers)
+    mine = election.cell(run_id, step, me, level)
+    return {p for p in peers if election.cell(run_id, step, p, level) == mine}
 
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
@@ -78,14 +126,28 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     """(ready records, the deadline waited for) once the step closed (see the module
     docstring); None on give-up. Expected peers that have not posted yet count toward the
     median deadline (`election.deadline`), so an early peer that sees only itself and a liar
-    does not close the step on the others."""
+    does not close the step on the others. Polls back off from `poll` to `poll_max` while
+    nothing changes, and never sleep past the deadline."""
+    sightings = sightings if sightings is not None else election.Sightings()
+    me = dht.identity.peer_id_str
     give_up = trio.current_time() + config.give_up
     absent: set[str] = set()
     probe_at = trio.current_time()
+    interval, before = config.poll, None
+    at_step: set[str] = set()
+    states_at = trio.current_time()
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
-        waiting = (await states.peers_at_step(dht, run_id, step) | expected) - ignored - absent
+        # The state key holds every peer's record (O(N) a read): read every `probe` seconds,
+        # not every poll, and afresh before closing early (a peer whose state appeared since
+        # is expected too).
+        fresh = trio.current_time() >= states_at
+        if fresh:
+            at_step = await states.peers_at_step(dht, run_id, step)
+            states_at = trio.current_time() + config.probe
+        waiting = (at_step | expected) - ignored - absent
+        waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
         if gone is not None and trio.current_time() >= probe_at and waiting - posted:
             absent |= await gone(waiting - posted)
@@ -93,12 +155,18 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             probe_at = trio.current_time() + config.probe
         missing = len(waiting - posted)
         d = election.deadline(recs, config.window, missing, wall_time())
-        if d is not None and (wall_time() >= d + config.margin or (waiting and not missing)):
+        early = bool(waiting and not missing)
+        if d is not None and early and not fresh and wall_time() < d + config.margin:
+            states_at = trio.current_time()
+            continue
+        if d is not None and (wall_time() >= d + config.margin or early):
             return recs, d
         if d is None and trio.current_time() > give_up:
             return None
-        await trio.sleep(config.poll if d is None else
-                         max(0.02, min(config.poll, d + config.margin - wall_time())))
+        state = (posted, missing)
+        interval = config.poll if state != before else min(config.poll_max, interval * 1.5)
+        before = state
+        await trio.sleep(interval if d is None else max(0.02, min(interval, d + config.margin - wall_time())))
 
 
 async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignored: set[str],

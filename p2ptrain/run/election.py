@@ -1,64 +1,109 @@
 """Group election for an outer step, without a coordinator (pure logic: no I/O).
 
-Peers ready for outer step t each publish a signed DHT record carrying their `ready_at`
-(wall time). Every peer applies the same rule to the records it sees:
-  - the step's deadline is the upper-median ready_at of the peers that trained, plus the
-    join window (newcomers joining with a zero contribution never start the clock). A
-    writer's claim is not taken at face value: `clamp` bounds it by what the reader saw
-    (not before the last poll that did not see the record, not after the first poll that
-    did) and by the signed record's expiry (a record lives at most the ready TTL). The
-    median, not the earliest, so that one liar (or any minority) cannot move the deadline
-    into the past and make every honest peer miss its own step (issue 15, hole 2);
-  - the candidates are the records with ready_at <= deadline (a later one skips the step);
-  - candidates are ordered by SHA-256(run, t, peer id) and dealt into ceil(N / G) groups
-    of near-equal size (re-drawn every step, Moshpit-style, so groups mix);
+Peers ready for outer step t each publish a signed DHT record. Every peer applies the same
+rule to the records it sees:
+  - a record's time is when this reader first saw it (`Sightings`, rule D1), never the
+    time the writer claims nor its expiry: a writer-chosen time or expiry moves nothing,
+    and the record's expiry only bounds how long it is read;
+  - the step's deadline is the upper median of those times among the peers that trained,
+    plus the join window (newcomers joining with a zero contribution never start the
+    clock). The median, not the earliest, so that one liar (or any minority) cannot move
+    the deadline into the past and make every honest peer miss its own step (issue 15);
+  - the candidates are the records seen by the deadline (a later one skips the step);
+  - candidates are ordered by SHA-256(run, t, peer id) (the placement hash) and dealt into
+    ceil(N / G) groups of near-equal size (re-drawn every step, Moshpit-style);
   - within a group the same order is the ring order.
 No peer is special: if any one vanishes, the others still compute the same groups from the
 records that remain, and members confirm the roster (its hash) before reducing.
+
+Cells (the scale rule, issue 30). A DHT reply carries at most 256 records, and every peer
+reading every record of a step is O(N^2) per step. So each ready record is stored in one
+cell per level: at level l the cells are the 4**l ranges of the placement hash (its top 2l
+bits); level 0 is the whole run (the key small runs have always used). A reader reads one
+cell: the finest level whose cell is not full (< `SPLIT` records), and everything above --
+deadline, candidates, groups -- is computed within that cell. A run under `SPLIT` peers is
+one cell at level 0: the rule is exactly the one above. A cell's members read the same key,
+see the same count and so choose the same level; a run near a split size (160, 640, ...
+peers) can disagree for a step, like records seen on either side of a deadline do, and the
+roster confirmation catches it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
+
 from p2ptrain.records.codecs import Ready  # noqa: F401 - the record the rule reads, re-exported
 
 
+SPLIT = 160
+"""A cell holding this many ready records is split into its 4 children (replies carry 256,
+so a cell's whole content is visible while it fills). Not a power of two: runs of 128 or
+256 peers, common sizes, should not sit on a split."""
+LEVELS = 4
+"""Levels 0..3: up to 4**3 = 64 cells, so steps of about SPLIT * 64 = 10,240 peers."""
+
+
 def ready_ttl(window: float) -> float:
-    """TTL of ready records (a protocol constant: readers bound claims with it)."""
+    """TTL of ready records (how long a record is read; it moves no reader's clock)."""
     return max(60.0, 20 * window)
 
 
-def clamp(claimed: float, not_before: float, first_seen: float, expiry: float, ttl: float,
-          skew: float = 2.0) -> float:
-    """A ready time the reader can defend: at most when it first saw the record, at least
-    when it last looked without seeing it, and at least `expiry - ttl - skew` (the record was
-    signed with the run's ready TTL, so it was written no earlier than that)."""
-    lo = max(not_before, expiry - ttl - skew)
-    return min(max(claimed, lo), first_seen)
+def cell(run_id: str, step: int, peer: str, level: int) -> int:
+    """The level-`level` cell of `peer` at `step`: the top 2*level bits of its placement hash."""
+    if not 0 <= level < LEVELS:
+        raise ValueError(f"level must be in 0..{LEVELS - 1}")
+    return int.from_bytes(order_key(run_id, step, peer)[:2], "big") >> (16 - 2 * level)
+
+
+def cells(run_id: str, step: int, peer: str) -> list[tuple[int, int]]:
+    """(level, cell) of every key a writer stores its ready record under."""
+    return [(level, cell(run_id, step, peer, level)) for level in range(LEVELS)]
+
+
+def level_move(level: int, count: int) -> int:
+    """+1: the reader's cell is full, read its child; -1: it holds under SPLIT / 8, so the
+    parent may no longer be full (the caller reads it, and moves only if it holds < SPLIT);
+    0: stay. The level a cell's readers settle on is the finest whose cell is not full."""
+    if count >= SPLIT and level + 1 < LEVELS:
+        return 1
+    if count < SPLIT // 8 and level > 0:
+        return -1
+    return 0
 
 
 class Sightings:
-    """When this peer first saw each ready record of a step, and the last poll before it
-    (pure bookkeeping; the caller supplies wall times)."""
+    """When this peer first saw each ready record of a step (rule D1: the record's time),
+    and which level of cells it reads at each step (pure bookkeeping; the caller supplies
+    wall times and counts)."""
 
     def __init__(self) -> None:
-        self.first: dict[tuple[int, str], tuple[float, float]] = {}  # -> (not_before, first_seen)
-        self.last_poll: dict[int, float] = {}
+        self.first: dict[tuple[int, str], float] = {}
+        self.levels: dict[int, int] = {}
+        self.last_level = 0
+        """The level of the newest step read: where the next step's reading starts."""
 
-    def observe(self, step: int, peers: list[str], now: float) -> dict[str, tuple[float, float]]:
-        prev = self.last_poll.get(step, -math.inf)
+    def level(self, step: int) -> int:
+        return self.levels.get(step, self.last_level)
+
+    def set_level(self, step: int, level: int) -> None:
+        self.levels[step] = level
+        if step >= max(self.levels):
+            self.last_level = level
+
+    def observe(self, step: int, peers: list[str], now: float) -> dict[str, float]:
+        """peer -> when this reader first saw its record for `step`."""
         for p in peers:
-            self.first.setdefault((step, p), (prev, now))
-        self.last_poll[step] = now
+            self.first.setdefault((step, p), now)
         for key in [k for k in self.first if k[0] < step - 2]:  # old steps: forget
             del self.first[key]
+        for st in [st for st in self.levels if st < step - 2]:
+            del self.levels[st]
         return {p: self.first[(step, p)] for p in peers}
 
 
 def deadline(records: list[Ready], window: float, missing: int = 0, now: float | None = None) -> float | None:
-    """Upper-median ready_at of the peers that trained, plus the window (None: nobody
-    trained yet). With n trained records, fewer than n/2 + 1 of them cannot pull it below
+    """Upper-median ready time (first sighting, D1) of the peers that trained, plus the
+    window (None: nobody trained yet). With n trained records, fewer than n/2 + 1 of them cannot pull it below
     the earliest honest one. `missing` peers we expect at this step (last roster) that have
     not posted yet count as ready `now` -- but never later than two windows after the
     earliest record, so dead peers cost a bounded wait: an early peer that sees only itself
