@@ -101,15 +101,30 @@ class Lineage:
         still at the genesis) does not hold us: it adopts our state first (H1) and then
         joins with zeros. Probed 16 at a time, stopping at the first: in a run of many
         groups the others are many, and mostly alive."""
-        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         # a joining record counts too: a peer that adopted our state is trying to join this
         # very step (a restarted peer lost that race to a 0.7 s step for good otherwise)
-        near = {r.peer: list(r.addrs) for r in recs}
+        return await self._any_dialable(await self._peers_at(t, NEAR, joining=True))
+
+    async def _peers_at(self, t: int, reach: int, joining: bool) -> dict[str, list[str]]:
+        """Other peers (not rejected) with a ready record for step t (trained, or joining too
+        with `joining`) or a state record within `reach` steps of t: their addresses."""
+        recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        near = {r.peer: list(r.addrs) for r in recs if joining or not r.joining}
         for sub, st in await RunRecords(self.dht, self.run_id).read_states():
             peer = peer_id_to_str(sub)
-            if abs(st.step - t) <= NEAR and peer not in near:
+            if abs(st.step - t) <= reach and peer not in near:
                 near[peer] = list(st.addrs)
-        others = sorted(p for p in near if p != self.me and p not in self.ledger.ignored)
+        return {p: a for p, a in near.items() if p != self.me and p not in self.ledger.ignored}
+
+    async def someone_trains(self, t: int) -> bool:
+        """Is there anyone to join at step t with zeros: another dialable peer whose state is
+        at t, or that posted a trained ready record for it? When the others left the run (or
+        crashed), a peer that caught up trains the step itself: joiners' records never start
+        a step's clock (E4), so two joiners alone waited out `give_up` (600 s)."""
+        return await self._any_dialable(await self._peers_at(t, 0, joining=False))
+
+    async def _any_dialable(self, near: dict[str, list[str]]) -> bool:
+        others = sorted(near)
         for i in range(0, len(others), 16):
             batch = set(others[i:i + 16])
             for p in batch:

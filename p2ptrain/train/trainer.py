@@ -153,6 +153,8 @@ class Trainer(Lineage):
             if joining and await self._round_underway(t):
                 await self._join_ahead()
                 t = self.local.step
+            elif joining and not await self.someone_trains(t):
+                joining = False  # nobody to join: we train the step ourselves
             self.events.emit("outer_step_started", step=t, joining=joining)
             if joining:
                 loss, tokens, sec_inner = math.nan, 0, 0.0
