@@ -110,10 +110,7 @@ class DHTStats:
 class DHTNode:
     def __init__(self, identity: Identity, transport: RpcTransport, config: DHTConfig | None = None,
                  server: bool = True, store_gate=None) -> None:
-        self.identity = identity
-        self.transport = transport
-        self.config = config or DHTConfig()
-        self.server = server
+        self.identity, self.transport, self.config, self.server = identity, transport, config or DHTConfig(), server
         # store_gate(sender, n_records) -> bool: per-peer write limits (p2ptrain.net.peerguard).
         self.store_gate = store_gate
         self.routing = RoutingTable(identity.peer_id, self.config.bucket_size)
@@ -127,7 +124,7 @@ class DHTNode:
         if server:
             transport.serve(self._handle)
 
-    # -- service ---------------------------------------------------------------------
+    # -- service -----------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Refresh the routing table and republish own records until cancelled."""
         task_status.started()
@@ -176,11 +173,9 @@ class DHTNode:
     # -- client API ------------------------------------------------------------------
     async def store(self, key: str, value: bytes, ttl: float) -> int:
         """Sign and store our entry under `key` on the closest nodes; returns replicas acked.
-
-        The record is re-stored by `run` while a third of its lifetime is left, until
-        `forget(key)`, so it outlives the nodes that hold it now. A `ttl` beyond the key's
-        horizon is cut to it (every node would refuse the record): an expiry only ever
-        comes earlier (and readers time ready records by their own sightings, not expiries)."""
+        `run` re-stores it while a third of its lifetime is left, until `forget(key)`, so it
+        outlives the nodes that hold it now. A `ttl` beyond the key's horizon is cut to it
+        (every node would refuse the record)."""
         ttl = min(ttl, self.config.limits_for(key)[0])
         rec = make_record(self.identity, key, value, wall_time() + ttl)
         self._own[key] = (value, ttl, trio.current_time() + ttl * 2 / 3)
@@ -195,8 +190,7 @@ class DHTNode:
             self._accept(rec, self.identity.peer_id)
         target = dht_id(rec.key)
         encoded = rec.encode()
-        acked: set[bytes] = set()
-        tried: set[bytes] = set()
+        acked, tried = set(), set()
 
         async def one(peer: bytes) -> None:
             tried.add(peer)
@@ -336,13 +330,10 @@ class DHTNode:
 
     def _live_limits(self, key: str) -> tuple[float, float, int]:
         # Memoized per key (a node never changes its config): every merged record asks (issue 30).
-        got = self._limits.get(key)
-        if got is None:
-            if len(self._limits) > 1024:
-                self._limits.clear()
-            max_ttl, max_bytes = self.config.limits_for(key)
-            got = self._limits[key] = (max_ttl, self.config.max_clock_skew, max_bytes)
-        return got
+        if (got := self._limits.get(key)) is None:
+            self._limits = {} if len(self._limits) > 1024 else self._limits
+            got = self._limits[key] = (*self.config.limits_for(key), self.config.max_clock_skew)
+        return got[0], got[2], got[1]
 
     def _validate(self, rec: Record, now: float) -> Record:
         max_ttl, max_bytes = self.config.limits_for(rec.key)
