@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.run import election, merge
-from test_round_memory import N, RUN, Hub, deltas, member, run_autojump_with_threads
+from p2ptrain.run import merge
+from test_round_memory import N, Hub, deltas, member, run_rounds
 
 
 def state(seed: int, step: int = 1, bad: bool = False) -> tuple[bytes, str]:
@@ -70,19 +70,7 @@ def _merge_round(states: list[tuple[bytes, str]], weights: list[int]):
     for r, (d, _) in zip(rounds, states):
         r.bases = Bases(d, table)
     ds = deltas(len(rounds))
-    group = election.ring_order(RUN, 1, [r.me for r in rounds])
-    outs = [None] * len(rounds)
-
-    async def one(i: int) -> None:
-        outs[i] = await rounds[i].run(1, ds[i], group, states[i][1], 100, 4, weight=weights[i])
-
-    async def main() -> None:
-        with trio.fail_after(600):
-            async with trio.open_nursery() as nursery:
-                for i in range(len(rounds)):
-                    nursery.start_soon(one, i)
-
-    run_autojump_with_threads(main)
+    outs = run_rounds(rounds, ds, bases=[h for _, h in states], weights=weights)
     return rounds, outs, ds
 
 

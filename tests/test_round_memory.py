@@ -137,9 +137,9 @@ def deltas(k: int) -> list[np.ndarray]:
     return [rng.standard_normal(N).astype(np.float32) for _ in range(k)]
 
 
-def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None):
+def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None, weights=None):
     """Every member's `run` at once (`views`: each member's own elected group, when they
-    differ); their Outcomes in member order."""
+    differ; `weights`: each member's base weight in a merge); their Outcomes in member order."""
     ids = [r.me for r in rounds]
     group = group or election.ring_order(RUN, t, ids)
     outs = [None] * len(rounds)
@@ -147,7 +147,7 @@ def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None
     async def one(i: int) -> None:
         g = election.ring_order(RUN, t, views[i]) if views else group
         outs[i] = await rounds[i].run(t, ds[i], g, (bases or [BASE] * len(rounds))[i], 100, 4,
-                                      bool(joining and joining[i]))
+                                      bool(joining and joining[i]), weight=weights[i] if weights else 1)
 
     async def main() -> None:
         with trio.fail_after(600):
