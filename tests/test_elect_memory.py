@@ -204,6 +204,27 @@ async def test_an_expected_peer_that_is_gone_does_not_hold_the_step():
 
 
 @trio_test()
+async def test_an_expected_peer_that_announced_the_next_step_does_not_hold_this_one():
+    """c's state record says step 4 (it caught up to it) but c joins step 5 ahead (rule E7):
+    the step closes once a and b posted. Before: c counted as ready 'now' until two windows
+    after the first record, and the step waited three join windows (a newcomer's catch-up
+    stalled a running group for 60 s on a loaded machine)."""
+    a, b, c, *_ = await swarm(6)
+    for node in (a, b, c):
+        await RunRecords(node, RUN).publish_state(records.State(4, "p" * 64, "c" * 64))
+    await elect.publish_ready(c, RUN, 5, ["/ip4/127.0.0.1/tcp/1"], True, CFG.window)
+    async with trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(ready_later, a, 4, 0.0)
+        nursery.start_soon(ready_later, b, 4, 1.0)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 4, me(a), CFG, set(), set())
+        closed = trio.current_time() - t0
+    assert closed < 5.0, closed
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
 async def test_a_claimed_early_time_and_a_short_expiry_move_nothing():
     """Rule D1 over the DHT: a record claiming to be 10 minutes early, re-stored every 5 s
     with an 8 s expiry (the simulator's `expiry` attack), counts from when we first saw it."""

@@ -49,6 +49,7 @@ class Hub:
         self.dead: set[str] = set()  # crashed members: no stream to them opens
         self.cut: set[tuple[str, str, str]] = set()  # (from, to, round id): no stream opens
         self.answers: dict[tuple[str, str], tuple[bytes, set]] = {}  # (round id, member) -> (payload, its roster)
+        self.crash: dict[str, str] = {}  # round id -> a member that crashes in its data plane (found gone)
 
     def send(self, round_id: str, frm: str, to: str, payload: bytes) -> None:
         """As the real Inbox does for exchanges that answer strangers: a receiver whose
@@ -106,6 +107,10 @@ class FakeService:
             await trio.sleep(self.hub.slow_abort.get((round_id, self.me), 0.0))
             raise RoundFailed("fake abort", dict(self.hub.fail[round_id]),
                               suspects=dict(self.hub.suspects.get(round_id, {})))
+        if self.hub.crash.get(round_id) in members:  # as the real setup: found gone, named
+            await trio.sleep(self.hub.slow_abort.get((round_id, self.me), 0.0))
+            self.hub.dead.add(self.hub.crash[round_id])
+            raise RoundFailed("member is gone (no connection, no dial)", {}, gone=(self.hub.crash[round_id],))
         if self.hub.withholder in members:
             raise RoundFailed("no certificate: a vote never came", {})
         got = self.hub.vecs.setdefault(round_id, {})
@@ -474,6 +479,49 @@ def test_members_that_leave_a_failed_attempt_apart_still_meet_at_the_next():
     for o in outs:
         assert o.result is not None and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6), o
     assert np.array_equal(outs[0].result, outs[1].result)
+
+
+def test_members_that_find_a_crashed_member_at_different_attempts_still_commit_together():
+    """c confirms the roster to b, then crashes before its confirmation reaches a: a leaves
+    attempt 0 at its confirmation, b only when its data plane finds c gone, seconds later.
+    a's attempt-1 confirmation names {a, b}; b's, once it gets there, must too (c is gone),
+    and a must not take a b that still names c for another view. Before: b's next roster
+    still held c, a skipped at once (no quorum alone), b waited out the timeout and skipped:
+    neither committed, and both waited `retry_wait` (120 s) for a state nobody made
+    (seen in the overlapped kill test under a loaded CI machine)."""
+    from p2ptrain.run import roster as rosters
+
+    hub = Hub()
+    a, b, c = (member(hub, i + 1)[0] for i in range(3))
+    group = election.ring_order(RUN, 1, [a.me, b.me, c.me])
+    rh = election.roster_hash(RUN, 1, 0, group)
+    hub.box[("1/0/roster", c.me, b.me)] = rosters.Confirm(rh, BASE, ring.frame_tag(b.ring_cfg), tuple(group)).encode()
+    hub.crash["1/0"] = c.me
+    hub.slow_abort[("1/0", b.me)] = 7.0  # after a left attempt 0 (its 5 s wait for c)
+    ds = deltas(2)
+    outs, _ = _timed_rounds([a, b], ds, group)
+    for o in outs:
+        assert c.me not in o.members and o.result is not None, o
+        assert np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+    assert np.array_equal(outs[0].result, outs[1].result)
+
+
+def test_a_view_that_only_still_names_a_silent_member_is_behind_not_another_view():
+    from p2ptrain.run import roster as rosters
+
+    ids = [Identity.from_seed(bytes([i]) * 32).peer_id_str for i in (1, 2, 3)]
+    pair, tag = ids[:2], 4096
+    mine = rosters.Confirm(election.roster_hash(RUN, 1, 1, pair), BASE, tag, tuple(pair))
+    behind = rosters.Confirm(election.roster_hash(RUN, 1, 1, ids), BASE, tag, tuple(ids))
+    plan = rosters.RosterPlan(ids, ids[0])
+    assert plan.after(ids, rosters.reconcile(behind, {ids[0]: behind, ids[1]: behind, ids[2]: None})) \
+        == ("retry", pair)  # attempt 0: ids[2] silent
+    v = rosters.reconcile(mine, {ids[0]: mine, ids[1]: behind}, frozenset(plan.silent))
+    assert v.lagging == {ids[1]} and plan.after(pair, v) == ("retry", pair)
+    # a member we never found silent is another view, not a lag: its holder does not come
+    fresh = rosters.RosterPlan(ids, ids[0])
+    v = rosters.reconcile(mine, {ids[0]: mine, ids[1]: behind})
+    assert not v.lagging and fresh.after(pair, v) == ("skip", None)
 
 
 def test_a_crashed_member_is_not_waited_for_at_the_confirmation():

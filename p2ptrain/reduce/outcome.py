@@ -17,13 +17,15 @@ class RoundFailed(Exception):
 
     `blamed`: members caught sending bad data (peer id -> reason), by our own data plane or
     by a member that received their bytes (`p2ptrain.reduce.blame`). `suspects`: blamers whose
-    accusations nobody corroborated (peer id -> count); their blame is not in `blamed`."""
+    accusations nobody corroborated (peer id -> count); their blame is not in `blamed`.
+    `gone`: members found certainly gone (no connection, and their dial refused): crashed."""
 
     def __init__(self, message: str, blamed: dict[str, str] | None = None,
-                 suspects: dict[str, int] | None = None) -> None:
+                 suspects: dict[str, int] | None = None, gone: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.blamed = blamed or {}
         self.suspects = suspects or {}
+        self.gone = tuple(gone)
 
 
 @dataclass

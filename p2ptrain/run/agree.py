@@ -38,7 +38,7 @@ class Agreement:
     config, bases, group size and merge timeout)."""
 
     async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str,
-                       timeout: float, weight: int) -> rosters.Verdict:
+                       timeout: float, weight: int, known_silent: frozenset = frozenset()) -> rosters.Verdict:
         """Every member's roster and frame size against ours, with its base and weight: one
         that saw another roster, or cuts the tensor differently (another version), is left
         out (`p2ptrain.run.roster`); one with another base is merged with."""
@@ -51,7 +51,7 @@ class Agreement:
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         if self.bases is None:  # no way to merge: another base cannot share a round with us
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}
-        return rosters.reconcile(mine, replies)
+        return rosters.reconcile(mine, replies, known_silent)
 
     async def _merge_bases(self, out, t: int, attempt: int, roster: list[str], base: str,
                            verdict: rosters.Verdict) -> bool:

@@ -149,8 +149,15 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
         waiting = (at_step | expected) - ignored - absent
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
-        if gone is not None and trio.current_time() >= probe_at and waiting - posted:
-            absent |= await gone(waiting - posted)
+        if trio.current_time() >= probe_at and waiting - posted:
+            # Rule E7: a peer that already announced step t + 1 (it caught up to state t and
+            # joins the next step ahead) is not coming to step t, though its state record
+            # says t. Waiting for it cost two join windows on top of the step (a newcomer
+            # and a late member that both caught up to a step and joined the next).
+            ahead = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings)}
+            absent |= (waiting - posted) & ahead
+            if gone is not None and waiting - posted - absent:
+                absent |= await gone(waiting - posted - absent)
             waiting -= absent
             probe_at = trio.current_time() + config.probe
         missing = len(waiting - posted)

@@ -96,16 +96,24 @@ class Verdict:
     backed: tuple[str, ...] = ()
     """Our roster's members (in its order) that a strict majority of the views we heard
     (ours included) name: the next roster when views differ."""
+    lagging: frozenset[str] = frozenset()
+    """Dissenters whose view is our roster plus only members we already found silent or
+    gone at this step: they are an attempt behind us (they have not found out yet), and
+    will confirm our roster at the next attempt."""
 
 
-def reconcile(mine: Confirm, replies: dict[str, Confirm | None]) -> Verdict:
+def reconcile(mine: Confirm, replies: dict[str, Confirm | None], known_silent: frozenset = frozenset()) -> Verdict:
     """Judge one round of confirmations (`replies` maps each roster member, us included, to
-    its decoded message)."""
+    its decoded message). `known_silent`: members already silent or gone at an earlier
+    attempt of this step (what tells a lagging view from another one)."""
     agreeing = [p for p in mine.view if replies.get(p) is not None and replies[p].agrees(mine)]
     silent = {p for p in mine.view if replies.get(p) is None}
     views = [c.view for p, c in replies.items() if c is not None and c.chunk == mine.chunk]
     backed = tuple(p for p in mine.view if p not in silent and 2 * sum(p in v for v in views) > len(views))
-    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed)
+    ours = set(mine.view)
+    lagging = frozenset(p for p, c in replies.items() if c is not None and p in ours and p not in agreeing
+                        and c.chunk == mine.chunk and ours < set(c.view) and set(c.view) - ours <= known_silent)
+    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed, lagging)
 
 
 def quorum(roster: list[str], elected: list[str]) -> bool:
@@ -122,10 +130,19 @@ class RosterPlan:
 
     def __init__(self, elected: list[str], me: str | None = None) -> None:
         self.elected, self.me = list(elected), me
+        self.silent: set[str] = set()
+        """Members found silent (or gone, by a refused dial) at an earlier attempt of this step."""
 
     def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
+        self.silent |= v.silent
         if v.agreeing == roster:
             return "go", roster
+        if v.lagging and set(v.agreeing) | v.lagging == set(roster):
+            # Every dissenter still names a member we found silent or gone (it left an attempt
+            # later than we did, say after the data plane found a killed member): it will drop
+            # that member too. Skipping here, as for a real disagreement, left it alone at its
+            # next attempt and stalled both (seen in a 3-peer run, one killed mid-round).
+            return "retry", list(roster)
         # Views differ: go on with the members most views name (a member's view is a claim:
         # it can drop the claimant's own support, never add a member, G1). Members that
         # heard the same confirmations compute the same roster, so the next attempt agrees.

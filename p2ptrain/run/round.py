@@ -154,6 +154,7 @@ class ContributionRound(Agreement):
         that drive one round in memory)."""
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
+        self._gone: set[str] = set()
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1) -> Outcome:
@@ -196,7 +197,7 @@ class ContributionRound(Agreement):
             wait = first_wait if attempt == 0 and first_wait is not None else self.config.exchange_timeout
             if attempt > 0:
                 wait += self.config.abort_skew
-            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight)
+            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
@@ -216,13 +217,19 @@ class ContributionRound(Agreement):
                     return out
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
-            self._unexplained = False
+            self._unexplained, self._gone = False, set()
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
                 if probe.left is not None:  # its absence made the difference
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._unexplained:
+            if self._gone:
+                # A member crashed after it confirmed (its dial is refused): the next attempt
+                # goes on without it at once, as every member that found it gone does, and a
+                # member still naming it at that attempt is only behind (`Verdict.lagging`).
+                plan.silent |= self._gone
+                roster = [p for p in roster if p not in self._gone]
+            elif self._unexplained:
                 roster = probe.failed(roster)
                 if roster is None:
                     return out
@@ -360,7 +367,8 @@ class ContributionRound(Agreement):
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
         log.info("step %d attempt %d failed: %s", t, attempt, exc)
         # Nobody named: a crash, a transient, or a member withholding its vote (leave-one-out).
-        self._unexplained = not exc.blamed and not getattr(exc, "suspects", {})
+        self._gone = set(getattr(exc, "gone", ())) - {self.me}
+        self._unexplained = not exc.blamed and not getattr(exc, "suspects", {}) and not self._gone
         for peer, reason in exc.blamed.items():
             self.ledger.reject(t, peer, reason)
         # A member whose accusations nobody corroborates is aborting rounds on purpose.

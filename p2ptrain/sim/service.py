@@ -198,8 +198,9 @@ class SimReduceService:
             await self.hub.wait(min(deadline, now + 1.0))
         committed, at, result = r.outcome
         await trio.sleep_until(max(at, trio.current_time()))
-        if not committed:
-            raise RoundFailed("simulated round failed", dict(r.blamed))
+        if not committed:  # as the real setup: a member whose dial is refused is named gone
+            gone = tuple(m for m in r.members if m != self.me and self.net.refused(self.pid, peer_id_from_str(m)))
+            raise RoundFailed("simulated round failed", dict(r.blamed), gone=gone)
         return _Result(result.copy(), int(vec.nbytes * 2 * (world - 1) / world))
 
     def _verdict(self, r: _Round, timed_out: bool) -> tuple[bool, float] | None:
