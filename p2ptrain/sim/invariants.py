@@ -12,7 +12,8 @@ are the step a round trains (a commit event's `step` is the state it produced: t
      elected *different* groups, e.g. on two sides of a partition, may both commit: that is
      a fork the merge rounds must heal, which invariant 3 checks);
   2. no lone lineage: no honest peer commits alone twice in a row while another live honest
-     peer it can reach is in the run;
+     peer it can reach is in the run and not following it (a follower holds a state of its
+     lineage and trains nothing at that step: it adopts what the peer commits);
   3. convergence: at the end (faults over), live honest peers hold states within K steps of
      each other and, while they are no more than one group (N <= G), agree on every step
      from K below the newest that two of them hold; in a run of several groups (N > G)
@@ -95,7 +96,7 @@ class Monitor:
             self.trained.setdefault((peer, int(f["step"])), now)
         elif event == "outer_step_skipped":
             self.skips.setdefault(int(f["step"]), set()).add(peer)
-        elif event == "caught_up":
+        elif event in ("caught_up", "checkpoint_fetched"):  # a state adopted (at start: fetched)
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
             self.step_of.setdefault(f["params_sha256"], int(f["step"]))
             self.latest[peer] = int(f["step"])
@@ -125,11 +126,16 @@ class Monitor:
             elif group is not None and self.groups.get((q, t)) == group:
                 self._flag("commit_or_abort", now, f"step {t}: {_s(peer)} and {_s(q)} elected the same group "
                            f"and committed different states", ("coa", t, *sorted((peer, q))))
-        # lone lineage: alone while a live honest peer we can reach is in the run
+        # lone lineage: alone while a live honest peer we can reach is in the run, and not
+        # following us (one that holds a state of our lineage and trains nothing this step
+        # adopts what we commit: it is on our lineage, rule H2's followers)
         if roster == (peer,):
             self.lone[peer] = self.lone.get(peer, 0) + 1
+            ours = set(self.history.get(peer, {}).values())
             others = [q for q in self.joined if q != peer and q in self.world.honest and self.world.alive(q)
-                      and self.world.reachable(peer, q)]
+                      and self.world.reachable(peer, q)
+                      and not (self.history.get(q, {}).get(self.latest.get(q, -1)) in ours
+                               and (q, t) not in self.trained)]
             if self.lone[peer] >= 2 and others:
                 self._flag("no_lone_lineage", now, f"step {t}: {_s(peer)} committed alone "
                            f"{self.lone[peer]} steps in a row while {len(others)} reachable honest peer(s) "

@@ -93,26 +93,34 @@ class Lineage:
             await self.catch_up(head.step, patience=5.0)
         return head.step == self.local.step and self.local.step > 0
 
-    async def _others_near(self, t: int) -> bool:
+    async def _others_near(self, t: int, base: str | None = None) -> bool:
         """Rule H2: whether another peer of the run trains near step t: one with a ready
         record for t, or a state record within `NEAR` steps of ours, whose dial is not
         refused (a crashed one's records outlive it and are no one to fork from; a live one,
         however loaded or partitioned from us, still counts). A peer far behind (a newcomer
         still at the genesis) does not hold us: it adopts our state first (H1) and then
         joins with zeros. Probed 16 at a time, stopping at the first: in a run of many
-        groups the others are many, and mostly alive."""
-        # a joining record counts too: a peer that adopted our state is trying to join this
-        # very step (a restarted peer lost that race to a 0.7 s step for good otherwise)
-        return await self._any_dialable(await self._peers_at(t, NEAR, joining=True))
+        groups the others are many, and mostly alive.
 
-    async def _peers_at(self, t: int, reach: int, joining: bool) -> dict[str, list[str]]:
+        A *follower* does not hold us either: a peer whose state record is our `base` (the
+        state we commit from) and that trained nothing for step t (it adopted our state and
+        joins, with zeros, the step our commit opens). It is on our lineage and adopts what
+        we commit; counting it, we skipped and waited for its commit while it waited for
+        ours (the H2 / join-ahead race, docs/PROTOCOL.md)."""
+        return await self._any_dialable(await self._peers_at(t, NEAR, joining=True, follow=base))
+
+    async def _peers_at(self, t: int, reach: int, joining: bool, follow: str | None = None) -> dict[str, list[str]]:
         """Other peers (not rejected) with a ready record for step t (trained, or joining too
-        with `joining`) or a state record within `reach` steps of t: their addresses."""
+        with `joining`) or a state record within `reach` steps of t: their addresses. With
+        `follow` (a params hash at step t), less the followers of that state (`_others_near`)."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         near = {r.peer: list(r.addrs) for r in recs if joining or not r.joining}
+        trained = {r.peer for r in recs if not r.joining}
         for sub, st in await RunRecords(self.dht, self.run_id).read_states():
             peer = peer_id_to_str(sub)
-            if abs(st.step - t) <= reach and peer not in near:
+            if follow is not None and st.step == t and st.params == follow and peer not in trained:
+                near.pop(peer, None)
+            elif abs(st.step - t) <= reach and peer not in near:
                 near[peer] = list(st.addrs)
         return {p: a for p, a in near.items() if p != self.me and p not in self.ledger.ignored}
 
