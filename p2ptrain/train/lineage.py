@@ -109,6 +109,26 @@ class Lineage:
         ours (the H2 / join-ahead race, docs/PROTOCOL.md)."""
         return await self._any_dialable(await self._peers_at(t, NEAR, joining=True, follow=base))
 
+    async def may_commit_alone(self, t: int, base: str) -> bool:
+        """Rule H2, with patience: may a round that committed our delta alone be applied?
+        Yes once nobody we can dial is near (`_others_near`). A near peer that only holds an
+        older state (a restarted one, a joiner still fetching) usually becomes our follower
+        within seconds (it adopts our state); so we re-check for up to a join window rather
+        than skip at once, and stop early when another peer posted a *trained* record for
+        step t (a lineage of its own at this step: we skip and meet it) or a state past t
+        appears (someone committed t: we adopt it). Before, the skip waited `retry_wait`
+        for a commit while the restarted peer, now our follower, waited for ours."""
+        give_up = trio.current_time() + self.elect_cfg.window
+        while await self._others_near(t, base):
+            recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+            if any(not r.joining and r.peer != self.me and r.peer not in self.ledger.ignored for r in recs):
+                return False
+            head = await self.head()
+            if trio.current_time() >= give_up or (head is not None and head.step > t):
+                return False
+            await trio.sleep(1.0)
+        return True
+
     async def _peers_at(self, t: int, reach: int, joining: bool, follow: str | None = None) -> dict[str, list[str]]:
         """Other peers (not rejected) with a ready record for step t (trained, or joining too
         with `joining`) or a state record within `reach` steps of t: their addresses. With

@@ -214,7 +214,7 @@ class Trainer(Lineage):
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
             return await self._skip(t, "no round committed")
-        if out.alone and await self._others_near(t, base):
+        if out.alone and not await self.may_commit_alone(t, base):
             # Rule H2 (no lone lineage): others train near our step (they missed our deadline,
             # or are a few steps behind): our own delta alone would start a lineage of one
             # beside theirs. Skip, keep the delta for our next try of this step, and catch up
