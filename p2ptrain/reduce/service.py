@@ -260,8 +260,7 @@ class AllReduceService:
         if aborted:
             raise RoundFailed(f"{aborted[0]} aborted the round")
         if gone:  # `allreduce` votes abort: the others stop waiting too
-            raise RoundFailed(f"member {peer_id_to_str(gone[0])} is gone (no connection, no dial)",
-                              gone=tuple(peer_id_to_str(g) for g in gone))
+            raise RoundFailed(f"member {peer_id_to_str(gone[0])} is gone", gone=tuple(map(peer_id_to_str, gone)))
         return path
 
     async def _data_plane(self, rnd: Round, mesh: Mesh, vec, extras: tuple, robust, config) -> _Plane:
