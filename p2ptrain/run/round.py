@@ -155,6 +155,8 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
         self._gone: set[str] = set()
+        self.silent_seen: set[str] = set()
+        """Members found silent or gone at some attempt of the last `run` (G2)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1) -> Outcome:
@@ -166,6 +168,7 @@ class ContributionRound(Agreement):
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
+        self.silent_seen = plan.silent  # the trainer probes these at its next election (`_drop_refused`)
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         attempt = -1

@@ -113,12 +113,14 @@ class Lineage:
         """Rule H2, with patience: may a round that committed our delta alone be applied?
         Yes once nobody we can dial is near (`_others_near`). A near peer that only holds an
         older state (a restarted one, a joiner still fetching) usually becomes our follower
-        within seconds (it adopts our state); so we re-check for up to a join window rather
-        than skip at once, and stop early when another peer posted a *trained* record for
-        step t (a lineage of its own at this step: we skip and meet it) or a state past t
-        appears (someone committed t: we adopt it). Before, the skip waited `retry_wait`
-        for a commit while the restarted peer, now our follower, waited for ours."""
-        give_up = trio.current_time() + self.elect_cfg.window
+        within seconds (it adopts our state); so we re-check for up to `retry_wait` (what a
+        skip would wait anyway) rather than skip at once, and stop early when another peer
+        posted a *trained* record for step t (a lineage of its own at this step: we skip and
+        meet it) or a state past t appears (someone committed t: we adopt it). Before, the
+        skip waited `retry_wait` for a commit while the restarted peer, now our follower,
+        waited for ours (and a join window of patience was 50 ms short once, on a loaded CI
+        machine)."""
+        give_up = trio.current_time() + self.spec.timeouts.retry_wait
         while await self._others_near(t, base):
             recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
             if any(not r.joining and r.peer != self.me and r.peer not in self.ledger.ignored for r in recs):

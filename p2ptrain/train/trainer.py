@@ -101,6 +101,7 @@ class Trainer(Lineage):
         self._ahead: dict[int, tuple[float, bool]] = {}
         self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
+        self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -180,8 +181,14 @@ class Trainer(Lineage):
         lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
+        # Expected at step t (E2): our last roster, and (overlapped: this election runs beside
+        # round t-1) round t-1's group as it forms, added by `commit_step` to this live set.
+        for old in [k for k in self._expect if k < t]:
+            del self._expect[old]
+        expected = self._expect.setdefault(t, set())
+        expected |= self.last_roster
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
-                                  self.last_roster, self._learn, self.sightings, gone=self.round.svc.unreachable)
+                                  expected, self._learn, self.sightings, gone=self.round.svc.unreachable)
         _lap(tm, "elect", lap)
         return group, tm
 
@@ -204,6 +211,12 @@ class Trainer(Lineage):
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
+        if t + 1 in self._expect:
+            # Step t+1's election is already running beside this round (overlapped runs): its
+            # E2 close waits for this group too, not only for the roster before it. Otherwise a
+            # member that joined round t with zeros was left out of t+1's early close, skipped
+            # t+1, rejoined t+2 with zeros, and so on: it never trained a committed step.
+            self._expect[t + 1].update(group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
         # Elected ahead, the members meet when their phases end: wait for them as long as the
@@ -211,6 +224,10 @@ class Trainer(Lineage):
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
                                    None if elected is None else self.elect_cfg.window, weight=self.weight)
         tm.update(out.seconds)
+        # Members silent or gone in this round are probed when elected again (G2 left a
+        # crashed one out within the round, so no retry's probe found it: a group elected
+        # ahead with it then failed its quorum and cost `retry_wait`).
+        self._refused |= self.round.silent_seen - {self.me}
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
             return await self._skip(t, "no round committed")
