@@ -168,7 +168,7 @@ class ContributionRound(Agreement):
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
-        self.silent_seen = plan.silent  # the trainer probes these at its next election (`_drop_refused`)
+        self.silent_seen = plan.silent  # live: the trainer probes these when elected again
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         attempt = -1
@@ -226,10 +226,7 @@ class ContributionRound(Agreement):
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._gone:
-                # A member crashed after it confirmed (its dial is refused): the next attempt
-                # goes on without it at once, as every member that found it gone does, and a
-                # member still naming it at that attempt is only behind (`Verdict.lagging`).
+            if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
                 plan.silent |= self._gone
                 roster = [p for p in roster if p not in self._gone]
             elif self._unexplained:
