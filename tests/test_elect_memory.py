@@ -225,6 +225,23 @@ async def test_an_expected_peer_that_announced_the_next_step_does_not_hold_this_
 
 
 @trio_test()
+async def test_a_trained_record_for_the_next_step_is_no_sign_a_peer_skips_this_one():
+    """Overlapped runs post their ready record for t + 1 (trained) beside round t: b, which
+    did so before its record for t reached a, is still expected at t. Counting it as gone
+    ahead (E7 as first built) closed step 0 on a alone, and both skipped it."""
+    a, b, *_ = await swarm(6)
+    for node in (a, b):
+        await RunRecords(node, RUN).publish_state(records.State(0, "p" * 64, "c" * 64))
+    await elect.publish_ready(b, RUN, 1, ["/ip4/127.0.0.1/tcp/1"], False, CFG.window)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ready_later, a, 0, 0.0)
+        nursery.start_soon(ready_later, b, 0, 3.0)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 0, me(a), CFG, set(), set())
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
 async def test_a_claimed_early_time_and_a_short_expiry_move_nothing():
     """Rule D1 over the DHT: a record claiming to be 10 minutes early, re-stored every 5 s
     with an 8 s expiry (the simulator's `expiry` attack), counts from when we first saw it."""

@@ -150,11 +150,12 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
         if trio.current_time() >= probe_at and waiting - posted:
-            # Rule E7: a peer that already announced step t + 1 (it caught up to state t and
-            # joins the next step ahead) is not coming to step t, though its state record
-            # says t. Waiting for it cost two join windows on top of the step (a newcomer
-            # and a late member that both caught up to a step and joined the next).
-            ahead = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings)}
+            # Rule E7: a peer that already announced step t + 1 *as a joiner* (it caught up to
+            # state t and joins the next step ahead) is not coming to step t, though its state
+            # record says t. Waiting for it cost two join windows on top of the step (a newcomer
+            # and a late member that both caught up to a step and joined the next). A trained
+            # record for t + 1 says nothing: overlapped runs post it beside round t.
+            ahead = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings) if r.joining}
             absent |= (waiting - posted) & ahead
             if gone is not None and waiting - posted - absent:
                 absent |= await gone(waiting - posted - absent)

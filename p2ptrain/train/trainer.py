@@ -220,9 +220,13 @@ class Trainer(Lineage):
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
         # Elected ahead, the members meet when their phases end: wait for them as long as the
-        # election would have (its join window), not the exchange timeout.
+        # election would have (its join window), not the exchange timeout. So does a retry:
+        # members come back to a step nobody committed as far apart as they left it (one
+        # waited out a confirmation the other had left), and the early one, waiting only the
+        # exchange timeout, left just before the other came: both skipped again, 120 s apart.
+        first_wait = self.elect_cfg.window if elected is not None or retry else None
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   None if elected is None else self.elect_cfg.window, weight=self.weight)
+                                   first_wait, weight=self.weight)
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
