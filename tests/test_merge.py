@@ -12,6 +12,10 @@ import trio
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.run import merge
 from test_round_memory import N, Hub, deltas, member, run_rounds
+from conftest import run_autojump_with_threads
+from p2ptrain.reduce import ring
+from p2ptrain.run import election, roster as rosters
+from test_round_memory import RUN
 
 
 def state(seed: int, step: int = 1, bad: bool = False) -> tuple[bytes, str]:
@@ -98,3 +102,46 @@ def test_a_base_that_is_not_what_its_holder_confirmed_aborts_the_merge_for_every
     committed = [o for o in outs[:3] if o.result is not None]
     assert len({o.result.tobytes() for o in committed}) <= 1
     assert all(rounds[3].me not in o.members for o in committed)
+
+
+class Unserved(Bases):
+    """As `Lineage.fetch` for a holder that left: no provider record ever names the state,
+    so the fetch waits out its timeout."""
+
+    async def fetch(self, t, base, holders, timeout):
+        await trio.sleep(timeout)
+        raise TimeoutError(f"no provider of {base[:12]}")
+
+
+def test_a_base_whose_holder_crashed_after_confirming_is_dropped_at_once():
+    """c confirms the roster with another base, then crashes: nobody can fetch its state.
+    The members find its dial refused and go on without it at the next attempt (G2), in
+    seconds. Before: each attempt waited out the merge timeout for a holder that had left
+    (a data-less joiner's run stalled past 180 s in a full-suite run)."""
+    a, b = state(1), state(2)
+    hub = Hub()
+    r1, r2, c = (member(hub, i + 1)[0] for i in range(3))
+    group = election.ring_order(RUN, 1, [r1.me, r2.me, c.me])
+    rh = election.roster_hash(RUN, 1, 0, group)
+    for r in (r1, r2):
+        hub.box[("1/0/roster", c.me, r.me)] = rosters.Confirm(rh, b[1], ring.frame_tag(r.ring_cfg), tuple(group)).encode()
+        r.bases = Unserved(a[0], {})  # c's state is nowhere to fetch
+    hub.refused.add(c.me)
+    ds, outs, took = deltas(2), [None, None], [0.0, 0.0]
+
+    async def main():
+        async def one(i, r):
+            t0 = trio.current_time()
+            outs[i] = await r.run(1, ds[i], group, a[1], 100, 4)
+            took[i] = trio.current_time() - t0
+
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                for i, r in enumerate((r1, r2)):
+                    nursery.start_soon(one, i, r)
+
+    run_autojump_with_threads(main)
+    for o in outs:
+        assert o.result is not None and o.merged is None and c.me not in o.members, o
+    assert np.array_equal(outs[0].result, outs[1].result)
+    assert max(took) < 15.0, took  # not a merge timeout (60 s) per attempt

@@ -50,6 +50,7 @@ class Hub:
         self.cut: set[tuple[str, str, str]] = set()  # (from, to, round id): no stream opens
         self.answers: dict[tuple[str, str], tuple[bytes, set]] = {}  # (round id, member) -> (payload, its roster)
         self.crash: dict[str, str] = {}  # round id -> a member that crashes in its data plane (found gone)
+        self.refused: set[str] = set()  # crashed after their messages went out: only a dial finds them gone
 
     def send(self, round_id: str, frm: str, to: str, payload: bytes) -> None:
         """As the real Inbox does for exchanges that answer strangers: a receiver whose
@@ -87,14 +88,20 @@ class FakeService:
         for p in set(members) - gone:
             self.hub.send(round_id, self.me, p, payload)
         self.hub.poke()
-        others = [p for p in members if p != self.me and not (unreachable_silent and p in gone)]
+        # as the real service: a member whose dial is refused is not waited for, but what it
+        # sent before it crashed still counts
+        silent = gone | self.hub.refused
+        others = [p for p in members if p != self.me and not (unreachable_silent and p in silent)]
         await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others), timeout)
-        out = {p: self.hub.box.get((round_id, p, self.me)) for p in others}
+        out = {p: self.hub.box.get((round_id, p, self.me)) for p in members if p != self.me}
         out[self.me] = payload
         return out
 
     async def abort(self, run_id, round_id, reason):
         pass  # the fake's rounds end on their own
+
+    async def unreachable(self, peers, timeout=3.0, refused_only=False):
+        return set(peers) & (self.hub.dead | self.hub.refused)  # a crashed member's dial is refused
 
     async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, on_own=None):
         self.hub.calls.append((self.me, round_id, tuple(members)))

@@ -53,6 +53,12 @@ class Agreement:
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}
         return rosters.reconcile(mine, replies, known_silent)
 
+    def _without_gone(self, plan: rosters.RosterPlan, roster: list[str]) -> list[str]:
+        """Rule G2: the members found gone at this attempt (by the data plane or a merge's
+        fetch) leave the roster for the rest of the step."""
+        plan.silent |= self._gone
+        return [p for p in roster if p not in self._gone]
+
     async def _merge_bases(self, out, t: int, attempt: int, roster: list[str], base: str,
                            verdict: rosters.Verdict) -> bool:
         """Rule M1: when the confirmed members start from different states, fetch the ones we
@@ -64,10 +70,20 @@ class Agreement:
         if not mp.needed:
             return True
         mine = b"fail"
+        self._gone = set()
         try:
             with trio.fail_after(self.merge_timeout):
                 states = {base: await self.bases.own()}
                 for b, holders in mp.missing(base):
+                    # G2 for a merge: holders that crashed since they confirmed (their dial is
+                    # refused) serve nothing; when every holder of a base is gone, the attempt
+                    # fails at once and the next goes on without them (before: a merge
+                    # timeout per attempt, past 180 s, for a holder that had left).
+                    others = {h for h in holders if h != self.me}
+                    gone = await self.svc.unreachable(others, refused_only=True) if others else set()
+                    if others and gone >= others:
+                        self._gone = set(gone)
+                        raise merge.MergeError(f"every holder of base {b[:12]} is gone")
                     states[b] = await self.bases.fetch(t, b, tuple(h for h in holders if h != self.me),
                                                        self.merge_timeout)
             data, h = await trio.to_thread.run_sync(merge.average, mp, states, t)

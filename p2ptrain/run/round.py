@@ -214,6 +214,9 @@ class ContributionRound(Agreement):
             out.merged = None
             merged_ok = await self._merge_bases(out, t, attempt, roster, base, verdict)
             out.took("merge", t0)
+            if not merged_ok and self._gone:  # a base's holders crashed (G2): on without them
+                roster = self._without_gone(plan, roster)
+                continue
             if not merged_ok:  # nobody is named: as an unexplained abort (leave-one-out)
                 roster = probe.failed(roster)
                 if roster is None:
@@ -227,8 +230,7 @@ class ContributionRound(Agreement):
                 return out
             out.merged = None
             if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
-                plan.silent |= self._gone
-                roster = [p for p in roster if p not in self._gone]
+                roster = self._without_gone(plan, roster)
             elif self._unexplained:
                 roster = probe.failed(roster)
                 if roster is None:
