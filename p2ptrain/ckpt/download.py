@@ -291,15 +291,19 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
                            have_step: int = -1, config: DownloadConfig | None = None,
                            trusted: frozenset[str] = frozenset(),
                            reject: frozenset[str] | set[str] = frozenset(),
-                           tries: int = 4) -> tuple[int, bytes | None] | None:
+                           tries: int = 4, avoid: set[str] | None = None) -> tuple[int, bytes | None] | None:
     """Find and download the run's best-attested checkpoint at `min_step` or later.
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
     `have_step`; (step, bytes) otherwise. A choice no provider serves (Sybil records can
     advertise checkpoints nobody has) is passed over for the next best, up to `tries`
-    choices; then FetchError (its `sha256`: the last choice that failed)."""
+    choices; then FetchError (its `sha256`: the last choice that failed). `avoid`: donors
+    found unresponsive (their dial failed), grown here and skipped by every later choice of
+    the caller's catch-up: a donor that just left served no choice, and each new choice
+    waited out its chunk timeouts again (a catch-up stalled 120 s that way)."""
     # `spec`: the run's p2ptrain.run.spec.RunSpec (genesis anchor and bound, group size).
     skip = set(reject)
+    avoid = set() if avoid is None else avoid
     failed: FetchError | None = None
     for _ in range(tries):
         choice = await find(node.dht, run_id, spec.genesis.sha256, min_step, spec.train.group_size,
@@ -311,9 +315,11 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
 
         def excluded(donor: str, reason: str) -> None:
             events.emit("donor_excluded", remote=donor, reason=reason)
+            if reason.startswith("unresponsive"):
+                avoid.add(donor)
 
         try:
-            data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str},
+            data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str, *avoid},
                                        on_exclude=excluded, max_bytes=checkpoint.state_size_limit(spec.genesis.bytes),
                                        progress=progress.download(f"checkpoint of step {choice.step}",
                                                                   getattr(events, "json_mode", True)))
@@ -347,11 +353,12 @@ async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, 
     rejected = set() if rejected is None else rejected
     give_up = trio.current_time() + (timeout if patience is None else patience)
     unserved: set[str] = set()
+    avoid: set[str] = set()  # donors found unresponsive during this catch-up
     with trio.move_on_after(timeout):
         while True:
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events, at_least, have_step,
-                                             trusted=trusted, reject=rejected | unserved)
+                                             trusted=trusted, reject=rejected | unserved, avoid=avoid)
             except FetchError as exc:
                 log.warning("catch-up fetch failed: %s", exc)
                 if getattr(exc, "sha256", None):  # for this catch-up only: it may be transient
