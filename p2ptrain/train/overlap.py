@@ -144,9 +144,12 @@ class OverlappedLoop:
             res = (math.nan, 0, 0.0, 0)
             delta = np.zeros(local.outer.numel, np.float32)
         else:
+            warm = await tr.warms_up(local.step)  # the phase warms a fresh optimizer: zeros
             res = await trio.to_thread.run_sync(run_phase, local, local.step, phase, tr._progress(local.step))
             tr.events.emit("inner_phase", phase=local.step, seconds=round(res[2], 4), steps=res[3], landed_at=None)
             delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
+            if warm:
+                res, joining, delta = (math.nan, 0, 0.0, 0), True, np.zeros_like(delta)
         send, self._results = trio.open_memory_channel(math.inf)
         worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress,
                              self._successor)

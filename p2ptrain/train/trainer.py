@@ -102,6 +102,7 @@ class Trainer(Lineage):
         self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
+        self._warmed = False  # our first trained phase was decided (`warms_up`)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -156,7 +157,8 @@ class Trainer(Lineage):
                 t = self.local.step
             elif joining and not await self.someone_trains(t):
                 joining = False  # nobody to join: we train the step ourselves
-            self.events.emit("outer_step_started", step=t, joining=joining)
+            warm = not joining and await self.warms_up(t)
+            self.events.emit("outer_step_started", step=t, joining=joining or warm)
             if joining:
                 loss, tokens, sec_inner = math.nan, 0, 0.0
                 delta = np.zeros(self.local.outer.numel, np.float32)
@@ -164,10 +166,25 @@ class Trainer(Lineage):
                 loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
                 self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
                 delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
+                if warm:  # the phase warmed our optimizer; we join the step with zeros
+                    delta, joining, loss, tokens = np.zeros_like(delta), True, math.nan, 0
         skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None)
         if skipped and not joining and self.local.step == t:
             self._unsent = (t, delta, loss, tokens, sec_inner)
         return skipped
+
+    async def warms_up(self, t: int) -> bool:
+        """Is our first trained phase a warm-up (zeros contributed)? Yes, once per process,
+        when we start past the genesis (adopted or resumed: our inner AdamW state is fresh)
+        and others train this step. A fresh AdamW moves every parameter by about the
+        learning rate at first (its steps are sign-like), several times a warmed-up peer's
+        pseudo-gradient: a newcomer's first contribution failed the veteran's probation bound
+        (C1a, 3x its anchor), the pair left each other out, and both skipped. Alone, we
+        contribute it: there is nobody to disagree with, and nobody to commit zeros with."""
+        if self._warmed or t == 0:
+            return False
+        self._warmed = True
+        return await self.someone_trains(t)
 
     async def announce(self, t: int, joining: bool) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds
