@@ -181,10 +181,10 @@ class Trainer(Lineage):
         pseudo-gradient: a newcomer's first contribution failed the veteran's probation bound
         (C1a, 3x its anchor), the pair left each other out, and both skipped. Alone, we
         contribute it: there is nobody to disagree with, and nobody to commit zeros with."""
-        if self._warmed or t == 0:
+        if self._warmed:
             return False
-        self._warmed = True
-        return await self.someone_trains(t)
+        self._warmed = True  # decided at our first trained phase, whatever its step
+        return t > 0 and await self.someone_trains(t)
 
     async def announce(self, t: int, joining: bool) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds
