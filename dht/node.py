@@ -10,6 +10,7 @@ it stores, serves or receives (dht/record.py).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -151,8 +152,9 @@ class DHTNode:
         """Expire old records and re-run lookups that keep the routing table current."""
         self.store_.expire(wall_time())
         targets = self.routing.stale_bucket_targets(trio.current_time(), self.config.refresh_interval, self._rng)
-        for target in [self.routing.local_id, *targets[:4]]:
-            await self.lookup(target)
+        await self.lookup(self.routing.local_id)
+        for target in targets[:8]:
+            await self.lookup(target, fill=True)
 
     async def bootstrap(self, peers: list[tuple[bytes, list[str]]]) -> int:
         """Meet the given entry points, then look ourselves up to fill the routing table.
@@ -168,6 +170,11 @@ class DHTNode:
                 log.info("bootstrap peer %s did not answer: %s", peer_id_to_str(peer), exc)
         if answered:
             await self.lookup(self.routing.local_id)
+            # Then one lookup into each bucket farther than our nearest neighbour (Kademlia's
+            # join): the self-lookup only meets our own neighbourhood (`stale_bucket_targets`).
+            async with trio.open_nursery() as nursery:
+                for target in self.routing.bucket_targets(self._rng):
+                    nursery.start_soon(functools.partial(self.lookup, target, fill=True))
         return answered
 
     # -- client API ------------------------------------------------------------------
@@ -234,13 +241,22 @@ class DHTNode:
         return found
 
     async def lookup(self, target: int, key: str | None = None,
-                     found: dict[bytes, Record] | None = None, quorum: int | None = None) -> list[bytes]:
+                     found: dict[bytes, Record] | None = None, quorum: int | None = None,
+                     fill: bool = False) -> list[bytes]:
         """Iterative Kademlia lookup; returns the closest answering peers, nearest first.
 
         With `key`, asks for records too and merges every valid entry into `found`; it
         keeps going until the `replication` nearest live nodes have all answered, or, with
-        `quorum`, until that many answered with entries."""
+        `quorum`, until that many answered with entries. `fill` (refreshing a bucket of
+        ours, `target` inside it): go on past that rule until a peer inside the bucket
+        answered, at most `bucket_size` queries more. A cluster of nodes that knows nobody
+        in a range of the id space also finds nobody there by the rule alone: its own
+        members are the nearest candidates and none of them knows better, so the lookup
+        stops among them while farther peers it knows do (issue 30: at 128 simulated peers
+        started at once, 17 of them never saw the 18 nodes nearest a key)."""
         cfg = self.config
+        bucket = self.routing.bucket_of(target) if fill else None
+        budget = cfg.bucket_size
         holders = 0
         queried: set[bytes] = set()
         answered: list[bytes] = []
@@ -260,7 +276,13 @@ class DHTNode:
             if len(best) < cfg.replication:
                 return False
             # Stop when no unqueried candidate is closer than our k-th best answer.
-            return distance(dht_id(pending[0]), target) > distance(dht_id(best[-1]), target)
+            if distance(dht_id(pending[0]), target) <= distance(dht_id(best[-1]), target):
+                return False
+            nonlocal budget
+            if bucket is None or any(self.routing.bucket_of(dht_id(p)) == bucket for p in answered):
+                return True
+            budget -= 1
+            return budget < 0
 
         async def query(peer: bytes) -> None:
             try:

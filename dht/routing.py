@@ -45,7 +45,11 @@ class RoutingTable:
         self._ids: dict[bytes, int] = {}
 
     def _index(self, peer: bytes) -> int:
-        return distance(self.local_id, dht_id(peer)).bit_length() - 1
+        return self.bucket_of(dht_id(peer))
+
+    def bucket_of(self, ident: int) -> int:
+        """The bucket an id falls in (-1: our own id)."""
+        return distance(self.local_id, ident).bit_length() - 1
 
     def __contains__(self, peer: bytes) -> bool:
         return peer in self._ids
@@ -96,12 +100,35 @@ class RoutingTable:
         return ranked[:count]
 
     def stale_bucket_targets(self, now: float, max_age: float, rng) -> list[int]:
-        """Random ids inside buckets nobody refreshed for `max_age` (for refresh lookups)."""
+        """Random ids inside the buckets nobody refreshed for `max_age` (for refresh
+        lookups), farthest first: every bucket above our nearest neighbour's, empty ones
+        included. An empty bucket there is a range of the id space we know nobody in, not
+        one that is empty: peers that joined at once each met the entry point and their
+        own neighbourhood, and whole quarters of the space were unknown to them, so
+        lookups into those quarters stopped at the ~40th closest node (issue 30, 128
+        simulated peers). Kademlia's join refreshes exactly these buckets."""
+        if not self._ids:
+            return []
+        nearest = min(self._buckets_in_use())
         targets = []
-        for idx, bucket in self._buckets.items():
-            if bucket.members and now - max(bucket.members.values()) < max_age:
+        for idx in range(ID_BITS - 1, nearest, -1):
+            bucket = self._buckets.get(idx)
+            if bucket is not None and bucket.members and now - max(bucket.members.values()) < max_age:
                 continue
-            # A random id at exactly this bucket's distance from us.
-            offset = (1 << idx) | rng.getrandbits(idx) if idx > 0 else 1
-            targets.append(self.local_id ^ offset)
+            targets.append(self.random_id_in_bucket(idx, rng))
         return targets
+
+    def bucket_targets(self, rng) -> list[int]:
+        """A random id in every bucket above our nearest neighbour's, farthest first (the
+        lookups that fill a new node's table: `DHTNode.bootstrap`)."""
+        if not self._ids:
+            return []
+        return [self.random_id_in_bucket(idx, rng) for idx in range(ID_BITS - 1, min(self._buckets_in_use()), -1)]
+
+    def _buckets_in_use(self) -> list[int]:
+        return [idx for idx, b in self._buckets.items() if b.members]
+
+    def random_id_in_bucket(self, idx: int, rng) -> int:
+        """A random id at exactly bucket `idx`'s distance from us."""
+        offset = (1 << idx) | rng.getrandbits(idx) if idx > 0 else 1
+        return self.local_id ^ offset

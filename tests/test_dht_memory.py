@@ -155,3 +155,35 @@ async def test_quorum_read_returns_early_and_full_read_sees_everyone():
     assert quick and set(quick) <= set(full)
     assert quick_rpcs <= reader.stats.rpcs - before
     assert await reader.get("/p2ptrain/test/missing", quorum=1) == {}
+
+
+@trio_test()
+async def test_nodes_that_join_at_once_find_the_closest_nodes_to_any_key():
+    """128 nodes that all bootstrap at the same moment through one entry point (as a run's
+    peers started together do, and the simulator's) then find, from any node, the true 5
+    nearest nodes to a key. Before (issue 30): only the self-lookup ran at join, and each
+    refresh lookup stopped where Kademlia's rule stops it: 40 of these 160 lookups missed some
+    of the 5, some found only the 35th nearest and beyond; a cluster of 17 nodes knew none of
+    the 18 nodes nearest a key (their own members were always the nearer candidates)."""
+    import hashlib
+    import random
+
+    from p2ptrain.dht.routing import dht_id, distance
+
+    net = MemoryNetwork(latency=0.02)
+    nodes = [DHTNode(ident, net.transport(ident.peer_id), DHTConfig()) for ident in
+             (Identity.from_seed(hashlib.sha256(str(i).encode()).digest()) for i in range(128))]
+    async with trio.open_nursery() as nursery:
+        for node in nodes[1:]:
+            nursery.start_soon(node.bootstrap, [(nodes[0].identity.peer_id, [])])
+    ids = {n.identity.peer_id: dht_id(n.identity.peer_id) for n in nodes}
+    rng = random.Random(1)
+    missed = []
+    for k in range(10):
+        target = dht_id(f"key{k}")
+        for node in rng.sample(nodes, 16):
+            nearest = sorted((p for p in ids if p != node.identity.peer_id), key=lambda p: distance(ids[p], target))
+            got = await node.lookup(target)
+            if set(got[:5]) != set(nearest[:5]):
+                missed.append((k, nearest.index(got[0]) if got else None))
+    assert not missed, f"{len(missed)} of 160 lookups missed a nearest node: (key, rank of the first found) {missed[:8]}"
