@@ -122,25 +122,46 @@ class DHTNode:
         self._own: dict[str, tuple[bytes, float, float]] = {}
         self._rng = random.Random(identity.peer_id)
         self._limits: dict[str, tuple[float, float, int]] = {}
+        self._joined = trio.Event()
+        """Set by each bootstrap: `run` then fills the farther buckets."""
         if server:
             transport.serve(self._handle)
 
     # -- service -----------------------------------------------------------------------
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Refresh the routing table and republish own records until cancelled."""
-        task_status.started()
+        """Republish own records and keep the routing table filled until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._keep_routing)
+            task_status.started()
+            while True:
+                # Own records are re-stored when a third of their lifetime is left.
+                await trio.sleep_until(min([d for _, _, d in self._own.values()] + [trio.current_time() + 1.0]))
+                now = trio.current_time()
+                for key, (value, ttl, when) in list(self._own.items()):
+                    if when <= now:
+                        await self._republish(key, value, ttl)
+
+    async def _keep_routing(self) -> None:
+        """After each bootstrap, one lookup into every bucket above our nearest neighbour's
+        (Kademlia's join: the bootstrap's self-lookup meets only our own neighbourhood;
+        `RoutingTable.stale_bucket_targets` says why the others matter); then a refresh
+        every `refresh_interval`. Apart from the republishing loop, so that neither waits
+        for the other's lookups, and off the bootstrap's path, which stays one lookup."""
         next_refresh = trio.current_time() + self.config.refresh_interval
         while True:
-            # Own records are re-stored when a third of their lifetime is left.
-            due = min([d for _, _, d in self._own.values()] + [next_refresh, trio.current_time() + 1.0])
-            await trio.sleep_until(due)
-            now = trio.current_time()
-            for key, (value, ttl, when) in list(self._own.items()):
-                if when <= now:
-                    await self._republish(key, value, ttl)
-            if next_refresh <= now:
+            with trio.move_on_at(next_refresh):
+                await self._joined.wait()
+            if self._joined.is_set():
+                self._joined = trio.Event()
+                await self._fill(self.routing.bucket_targets(self._rng))
+            if trio.current_time() >= next_refresh:
                 await self.refresh()
                 next_refresh = trio.current_time() + self.config.refresh_interval
+
+    async def _fill(self, targets: list[int]) -> None:
+        async with trio.open_nursery() as nursery:
+            for target in targets:
+                nursery.start_soon(functools.partial(self.lookup, target, fill=True))
 
     async def _republish(self, key: str, value: bytes, ttl: float) -> None:
         try:
@@ -153,13 +174,11 @@ class DHTNode:
         self.store_.expire(wall_time())
         targets = self.routing.stale_bucket_targets(trio.current_time(), self.config.refresh_interval, self._rng)
         await self.lookup(self.routing.local_id)
-        for target in targets[:8]:
-            await self.lookup(target, fill=True)
+        await self._fill(targets[:8])
 
     async def bootstrap(self, peers: list[tuple[bytes, list[str]]]) -> int:
-        """Meet the given entry points, then look ourselves up to fill the routing table.
-
-        Returns how many of the entry points answered."""
+        """Meet the given entry points, then look ourselves up to fill the routing table
+        (`run` then looks up the farther buckets). Returns how many entry points answered."""
         answered = 0
         for peer, addrs in peers:
             self.transport.learn_addrs(peer, addrs)
@@ -170,11 +189,7 @@ class DHTNode:
                 log.info("bootstrap peer %s did not answer: %s", peer_id_to_str(peer), exc)
         if answered:
             await self.lookup(self.routing.local_id)
-            # Then one lookup into each bucket farther than our nearest neighbour (Kademlia's
-            # join): the self-lookup only meets our own neighbourhood (`stale_bucket_targets`).
-            async with trio.open_nursery() as nursery:
-                for target in self.routing.bucket_targets(self._rng):
-                    nursery.start_soon(functools.partial(self.lookup, target, fill=True))
+            self._joined.set()
         return answered
 
     # -- client API ------------------------------------------------------------------
