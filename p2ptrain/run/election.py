@@ -137,7 +137,7 @@ def groups(run_id: str, step: int, peers: list[str], group_size: int) -> list[li
     fewer than ceil(G / 2) peers is carried into the next one; a bin (with what it carries)
     of more than G is cut into ceil(k / G) consecutive parts of near-equal size; what is
     left at the end joins the last group. Sizes stay within G, and, but for a run of few
-    peers, at least ceil(G / 2). What matters is what a record seen by some members and
+    peers, at least ceil(G / 2) (2 when G = 2: a bin of 3 gives a pair, and carries one). What matters is what a record seen by some members and
     not by others (one that reached them just before the deadline) does: it moves only its
     own bin, and a carry into the next, while n stays the same. Dealt round-robin (every
     n-th peer of the order, as before), one record more or less shifted every peer after
@@ -153,7 +153,7 @@ def groups(run_id: str, step: int, peers: list[str], group_size: int) -> list[li
     bins: list[list[str]] = [[] for _ in range(n)]
     for p in ordered:
         bins[(int.from_bytes(order_key(run_id, step, p)[:8], "big") * n) >> 64].append(p)
-    least = -(-group_size // 2)
+    least = max(-(-group_size // 2), min(2, group_size))  # a group of one commits nothing (H2)
 
     def cut(members: list[str]) -> list[list[str]]:
         m = -(-len(members) // group_size)
@@ -163,7 +163,12 @@ def groups(run_id: str, step: int, peers: list[str], group_size: int) -> list[li
     carry: list[str] = []
     for b in bins:
         carry += b
-        if len(carry) >= least:
+        if len(carry) < least:
+            continue
+        if len(carry) // -(-len(carry) // group_size) < least:  # G = 2, an odd count: pairs, one on
+            out += cut(carry[:-1])
+            carry = carry[-1:]
+        else:
             out += cut(carry)
             carry = []
     if carry:
