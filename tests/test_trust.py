@@ -50,6 +50,31 @@ def test_a_ready_record_is_timed_by_the_readers_first_sighting():
     assert (3, "a") not in s.first  # old steps forgotten
 
 
+def test_a_retry_is_a_new_election_timed_afresh():
+    """Rule T6: a record first seen after step t's deadline is no candidate at t; when t is
+    tried again (nobody committed it), the retry's election times every record anew, so a
+    member that came back late (or whose record reached us late) is elected with the rest.
+    Before, the first try's sightings stayed: the retry's deadline was the first try's, long
+    past, and the late record was left out of every retry (16 real processes: four peers
+    retried one step every 120 s until stopped)."""
+    R = election.Ready
+    s = election.Sightings()
+
+    def elect(now: float, peers: list[str]) -> list[str]:
+        seen = s.observe(5, peers, now)
+        recs = [R(p, seen[p]) for p in peers]
+        return sorted(r.peer for r in election.candidates(recs, window=5.0))
+
+    assert elect(100.0, ["a", "b"]) == ["a", "b"]
+    assert elect(130.0, ["a", "b", "late"]) == ["a", "b"]  # seen 25 s after the deadline (105)
+    assert elect(300.0, ["a", "b", "late"]) == ["a", "b"]  # the same step read again: still out
+    s.forget(5)  # the retry
+    assert elect(300.0, ["a", "b", "late"]) == ["a", "b", "late"]
+    s.observe(6, ["a"], 301.0)
+    s.forget(5)
+    assert (6, "a") in s.first  # only that step's sightings
+
+
 # -- hole 3: planting a checkpoint on joiners ----------------------------------------------
 def _prov(peer, step, manifest, members, sha=H[5]):
     from p2ptrain.ckpt import providers

@@ -91,6 +91,16 @@ class Sightings:
         if step >= max(self.levels):
             self.last_level = level
 
+    def forget(self, step: int) -> None:
+        """Start `step`'s sightings afresh: a retry of a step nobody committed is a new
+        election (rule T6). Kept, the first try's sightings made the retry's deadline the
+        first try's, long past: the retry closed at once, and a record first seen after that
+        deadline (a member that came back late, or one whose record reached us late) was
+        never a candidate again, at any retry (16 real processes: the last four peers
+        retried one step every 120 s until stopped, one of them never electing another)."""
+        for key in [k for k in self.first if k[0] == step]:
+            del self.first[key]
+
     def observe(self, step: int, peers: list[str], now: float) -> dict[str, float]:
         """peer -> when this reader first saw its record for `step`."""
         for p in peers:

@@ -219,6 +219,8 @@ class Trainer(Lineage):
         the phase took when it is not H (train.max_inner_steps), signed in our header.
         `retry`: we train step t again after a try nobody committed."""
         t_comm = lap = trio.current_time()
+        if retry:  # T6: a new election, timed afresh
+            self.sightings.forget(t)
         if elected is None:
             group, tm = await self.announce(t, joining)
             lap = trio.current_time()
@@ -241,7 +243,14 @@ class Trainer(Lineage):
         # members come back to a step nobody committed as far apart as they left it (one
         # waited out a confirmation the other had left), and the early one, waiting only the
         # exchange timeout, left just before the other came: both skipped again, 120 s apart.
-        first_wait = self.elect_cfg.window if elected is not None or retry else None
+        first_wait = self.elect_cfg.window if elected is not None else None
+        if retry:
+            # T6: members come back as far apart as one stayed in the failed round longer than
+            # another (later attempts wait exchange + abort_skew each), within what a node
+            # keeps of a round it has not started (`early_ttl`)
+            cfg = self.round.config
+            first_wait = min(self.spec.timeouts.early_ttl, max(
+                self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)))
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
                                    first_wait, weight=self.weight)
         tm.update(out.seconds)
