@@ -4,8 +4,9 @@ The rule itself (deadline, candidates, groups, ring order) is pure and lives in
 `p2ptrain.run.election`; this module feeds it the records of our cell (`election`, "Cells"),
 each timed by our first sighting of it (D1). A step closes at its deadline (the upper median
 of the trained records' times + join window, plus a margin for replication), or
-earlier once every peer expected at the step (its state says it trains it, or it was in our
-last roster) has posted its ready record. An expected peer that has not posted is checked
+earlier once every peer expected at the step (its state says it trains it, it was in our
+last roster, or it was a candidate of our election of the step before) has posted its ready
+record. An expected peer that has not posted is checked
 every `probe` seconds (`gone`: no connection and no dial succeeds): a crashed one stops
 counting as expected, instead of costing everyone the full window (issue 17); one that is
 merely slow, or unreachable to us only, still misses nothing it could have made: the
@@ -187,6 +188,8 @@ async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignor
         return []
     recs, d = got
     cands = election.candidates(recs, config.window, ignored, at=d)
+    if sightings is not None:
+        sightings.closed[step] = frozenset(r.peer for r in cands)
     if learn_addrs is not None:
         for r in cands:
             learn_addrs(r.peer, list(r.addrs))

@@ -82,6 +82,9 @@ class Sightings:
         self.levels: dict[int, int] = {}
         self.last_level = 0
         """The level of the newest step read: where the next step's reading starts."""
+        self.closed: dict[int, frozenset[str]] = {}
+        """step -> the candidates this reader's election of that step closed with (rule E2:
+        the peers expected at the next step)."""
 
     def level(self, step: int) -> int:
         return self.levels.get(step, self.last_level)
@@ -109,6 +112,8 @@ class Sightings:
             del self.first[key]
         for st in [st for st in self.levels if st < step - 2]:
             del self.levels[st]
+        for st in [st for st in self.closed if st < step - 2]:
+            del self.closed[st]
         return {p: self.first[(step, p)] for p in peers}
 
 
