@@ -90,6 +90,36 @@ async def test_expected_peer_from_last_roster_holds_the_step_until_the_deadline(
 
 
 @trio_test()
+async def test_the_next_step_expects_every_candidate_the_last_election_closed_with():
+    """Rule E2: our election of step t remembers its candidates (`Sightings.closed`), and the
+    trainer expects them all at t + 1, not only its own last roster. c (another group at
+    step 5) posts step 6 20 s after a and b: expected, it is waited for and elected; with only
+    the last roster expected (before), a closed at once without it, and peers that saw
+    different records by then dealt different groups (16 real processes)."""
+    a, b, c, *_ = await swarm(6)
+    seen = election.Sightings()
+    for node in (a, b, c):
+        await ready_later(node, 5, 0.0)
+    await elect.elect(a, RUN, 5, me(a), CFG, set(), set(), sightings=seen)
+    assert seen.closed[5] == {me(a), me(b), me(c)}
+
+    async def step6(expected: set[str], step: int) -> tuple[list[str], float]:
+        async with trio.open_nursery() as nursery:
+            t0 = trio.current_time()
+            nursery.start_soon(ready_later, a, step, 0.0)
+            nursery.start_soon(ready_later, b, step, 0.0)
+            nursery.start_soon(ready_later, c, step, 20.0)
+            await trio.sleep(0.1)
+            group = await elect.elect(a, RUN, step, me(a), CFG, set(), expected, sightings=seen)
+            return group, trio.current_time() - t0
+
+    group, took = await step6(seen.closed[5] - {me(a)}, 6)
+    assert sorted(group) == sorted([me(a), me(b), me(c)]) and 20.0 <= took <= 23.0, (group, took)
+    group, took = await step6({me(b)}, 7)  # the last roster only
+    assert sorted(group) == sorted([me(a), me(b)]) and took < 3.0, (group, took)
+
+
+@trio_test()
 async def test_only_newcomers_ready_gives_up_after_the_bound():
     a, b, *_ = await swarm(5)
     t0 = trio.current_time()
