@@ -101,7 +101,7 @@ async def test_the_next_step_expects_every_candidate_the_last_election_closed_wi
     for node in (a, b, c):
         await ready_later(node, 5, 0.0)
     await elect.elect(a, RUN, 5, me(a), CFG, set(), set(), sightings=seen)
-    assert seen.closed[5] == {me(a), me(b), me(c)}
+    assert seen.closed[5] == {me(a): 0, me(b): 0, me(c): 0}  # each with the try it posted (T7)
 
     async def step6(expected: set[str], step: int) -> tuple[list[str], float]:
         async with trio.open_nursery() as nursery:
@@ -113,7 +113,7 @@ async def test_the_next_step_expects_every_candidate_the_last_election_closed_wi
             group = await elect.elect(a, RUN, step, me(a), CFG, set(), expected, sightings=seen)
             return group, trio.current_time() - t0
 
-    group, took = await step6(seen.closed[5] - {me(a)}, 6)
+    group, took = await step6(set(seen.closed[5]) - {me(a)}, 6)
     assert sorted(group) == sorted([me(a), me(b), me(c)]) and 20.0 <= took <= 23.0, (group, took)
     group, took = await step6({me(b)}, 7)  # the last roster only
     assert sorted(group) == sorted([me(a), me(b)]) and took < 3.0, (group, took)
@@ -225,9 +225,13 @@ def test_ready_record_codec_bounds_and_rejects():
     rec = records.decode_ready("peer", records.encode_ready(12.5, [f"/ip4/1.1.1.1/tcp/{i}" for i in range(40)], True))
     assert rec.ready_at == 12.5 and rec.joining and len(rec.addrs) == keys.MAX_ADDRS
     for bad in (b"", b"\xc1", msgpack.packb([1]), msgpack.packb({"ready_at": float("nan")}),
-                msgpack.packb({"ready_at": "x"}), b"\x00" * (records.MAX_READY_BYTES + 1)):
+                msgpack.packb({"ready_at": "x"}), b"\x00" * (records.MAX_READY_BYTES + 1),
+                msgpack.packb({"ready_at": 1.0, "try": -1}), msgpack.packb({"ready_at": 1.0, "try": True}),
+                msgpack.packb({"ready_at": 1.0, "try": 2 ** 21}), msgpack.packb({"ready_at": 1.0, "try": "1"})):
         with pytest.raises(records.RecordError):
             records.decode_ready("peer", bad)
+    assert rec.tries == 0 and records.decode_ready("p", records.encode_ready(1.0, [], False, 3)).tries == 3
+    assert b"try" not in records.encode_ready(1.0, [], False)  # a first try's record is as before
 
 
 @trio_test()

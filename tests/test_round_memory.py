@@ -149,7 +149,7 @@ def deltas(k: int) -> list[np.ndarray]:
     return [rng.standard_normal(N).astype(np.float32) for _ in range(k)]
 
 
-def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None, weights=None):
+def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None, weights=None, tags=None):
     """Every member's `run` at once (`views`: each member's own elected group, when they
     differ; `weights`: each member's base weight in a merge); their Outcomes in member order."""
     ids = [r.me for r in rounds]
@@ -159,7 +159,8 @@ def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None
     async def one(i: int) -> None:
         g = election.ring_order(RUN, t, views[i]) if views else group
         outs[i] = await rounds[i].run(t, ds[i], g, (bases or [BASE] * len(rounds))[i], 100, 4,
-                                      bool(joining and joining[i]), weight=weights[i] if weights else 1)
+                                      bool(joining and joining[i]), weight=weights[i] if weights else 1,
+                                      tag=tags[i] if tags else 0)
 
     async def main() -> None:
         with trio.fail_after(600):
@@ -189,6 +190,27 @@ def test_honest_group_commits_the_exact_mean_on_every_member():
         assert set(o.headers) == set(o.members)
     for r in rounds:  # the committed headers are remembered: the same digests again are a replay
         assert all(len(r.ledger.history[p]) == 1 for p in o.members)
+
+
+def test_each_try_of_a_step_has_its_own_round_ids_and_roster_hashes():
+    """Rule T7: a group's round tag k numbers its attempts from k x ATTEMPTS_PER_TRY, so a
+    retry of step t never shares a round id (nor a roster hash) with an earlier try: no
+    confirmation, header or frame of the try nobody committed can be taken for the retry's.
+    Before, a retry reused the first try's ids and so waited out every kept message of it
+    (`retry_wait`, 120 s). Members that computed different tags do not meet at all."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    ds = deltas(3)
+    outs = run_rounds(rounds, ds, tags=[1, 1, 1])
+    assert all(o.result is not None and np.array_equal(o.result, outs[0].result) for o in outs)
+    used = {rid.split("/")[1] for rid, _, _ in hub.box}
+    assert used == {str(election.ATTEMPTS_PER_TRY)}, used
+    ids = [r.me for r in rounds]
+    assert election.roster_hash(RUN, 1, 0, ids) != election.roster_hash(RUN, 1, election.ATTEMPTS_PER_TRY, ids)
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    outs = run_rounds(rounds, ds, tags=[0, 1, 1])  # one member on the first try's tag: left out
+    assert outs[0].result is None and sorted(outs[1].members) == sorted(ids[1:])
 
 
 def test_unconfirmed_roster_shrinks_and_the_forked_member_skips():

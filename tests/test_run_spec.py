@@ -143,11 +143,12 @@ def test_status_and_dashboard_decode_records_without_the_trainer(tmp_path):
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def test_a_skipped_step_is_retried_only_after_every_kept_message_of_its_first_try_expired():
+def test_a_skipped_step_is_retried_after_two_join_windows():
+    """Since rule T7 (every try has its own round ids) a retry no longer waits out every
+    kept message of the first try (120 s before): two join windows, at least 30 s."""
     from p2ptrain.run.spec import TimeoutsSpec
 
-    assert TimeoutsSpec().early_ttl == 60.0 and TimeoutsSpec().retry_wait == 120.0  # the defaults
+    assert TimeoutsSpec().early_ttl == 60.0 and TimeoutsSpec().retry_wait == 60.0  # the defaults
     for join_window in (1.0, 30.0, 45.0, 100.0, 600.0):
         t = TimeoutsSpec(join_window=join_window, exchange=5.0)
-        # kept at least as long as a member waits at an exchange, gone before a retry
-        assert join_window < t.early_ttl < t.retry_wait
+        assert join_window < t.early_ttl and t.retry_wait == max(30.0, 2 * join_window)

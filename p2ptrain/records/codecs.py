@@ -83,10 +83,19 @@ class Ready:
     joining: bool = False
     """A newcomer that just adopted the current state and contributes a zero
     pseudo-gradient: it is ready at once, so it must not start the step's clock."""
+    tries: int = 0
+    """The writer's try of the step (rule T7: 0, or one more than the round tag of its last
+    try nobody committed). A group's round tag is the largest its members posted."""
 
 
-def encode_ready(ready_at: float, addrs: list[str], joining: bool) -> bytes:
-    return msgpack.packb({"ready_at": ready_at, "addrs": list(addrs)[:MAX_ADDRS], "joining": joining})
+MAX_TRIES = 1 << 20
+
+
+def encode_ready(ready_at: float, addrs: list[str], joining: bool, tries: int = 0) -> bytes:
+    obj = {"ready_at": ready_at, "addrs": list(addrs)[:MAX_ADDRS], "joining": joining}
+    if tries:
+        obj["try"] = tries
+    return msgpack.packb(obj)
 
 
 def decode_ready(peer: str, value: bytes) -> Ready:
@@ -98,7 +107,10 @@ def decode_ready(peer: str, value: bytes) -> Ready:
         raise RecordError("malformed", "ready record's ready_at is not finite")
     if not isinstance(joining, bool):
         raise RecordError("malformed", "ready record's joining is not a bool")
-    return Ready(peer, float(ready_at), _strings(obj.get("addrs"), "addrs"), joining)
+    tries = obj.get("try", 0)
+    if not (isinstance(tries, int) and not isinstance(tries, bool) and 0 <= tries <= MAX_TRIES):
+        raise RecordError("malformed", "ready record's try is not an int in 0..2**20")
+    return Ready(peer, float(ready_at), _strings(obj.get("addrs"), "addrs"), joining, tries)
 
 
 # -- state --------------------------------------------------------------------------------

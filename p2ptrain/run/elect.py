@@ -61,7 +61,7 @@ class ElectConfig:
 
 
 async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: bool, window: float,
-                        ready_at: float | None = None) -> float:
+                        ready_at: float | None = None, tries: int = 0) -> float:
     """Store our ready record for `step` in our cell of each level a reader may need
     (`election.cells`: a reader reads the one level its run's size needs), concurrently. ready_at (now unless
     given) is informational: readers time a record by when they first saw it (D1)."""
@@ -81,7 +81,7 @@ async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: 
     mine.setdefault(step, set()).update(keys.ready(run_id, step, level, cell) for level, cell in placed)
     async with trio.open_nursery() as nursery:
         for level, cell in placed:
-            nursery.start_soon(board.publish_ready, step, ready_at, addrs, joining, ttl, level, cell)
+            nursery.start_soon(board.publish_ready, step, ready_at, addrs, joining, ttl, level, cell, tries)
     return ready_at
 
 
@@ -189,7 +189,7 @@ async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignor
     recs, d = got
     cands = election.candidates(recs, config.window, ignored, at=d)
     if sightings is not None:
-        sightings.closed[step] = frozenset(r.peer for r in cands)
+        sightings.closed[step] = {r.peer: r.tries for r in cands}
     if learn_addrs is not None:
         for r in cands:
             learn_addrs(r.peer, list(r.addrs))

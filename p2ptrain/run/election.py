@@ -82,9 +82,9 @@ class Sightings:
         self.levels: dict[int, int] = {}
         self.last_level = 0
         """The level of the newest step read: where the next step's reading starts."""
-        self.closed: dict[int, frozenset[str]] = {}
-        """step -> the candidates this reader's election of that step closed with (rule E2:
-        the peers expected at the next step)."""
+        self.closed: dict[int, dict[str, int]] = {}
+        """step -> the candidates this reader's election of that step closed with, each with
+        the try it posted (rule E2: the peers expected at the next step; T7: the round tag)."""
 
     def level(self, step: int) -> int:
         return self.levels.get(step, self.last_level)
@@ -200,6 +200,16 @@ def my_group(run_id: str, step: int, peers: list[str], group_size: int, me: str)
 
 def ring_order(run_id: str, step: int, members: list[str]) -> list[str]:
     return sorted(members, key=lambda p: order_key(run_id, step, p))
+
+
+ATTEMPTS_PER_TRY = 1000
+"""Round tag k's attempts are numbered from k x this (rule T7): every try of a step has its
+own round ids and roster hashes (a round's attempts never reach it)."""
+
+
+def round_tag(tries: dict[str, int], group: list[str], own: int) -> int:
+    """A group's round tag (T7): the largest try its members posted, ours included."""
+    return max([own, *(tries.get(p, 0) for p in group)])
 
 
 def roster_hash(run_id: str, step: int, attempt: int, members: list[str]) -> str:

@@ -159,20 +159,23 @@ class ContributionRound(Agreement):
         """Members found silent or gone at some attempt of the last `run` (G2)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False, first_wait: float | None = None, weight: int = 1) -> Outcome:
+                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
         meets when the slowest phase ends, not within the exchange timeout); later attempts
-        wait the exchange timeout."""
+        wait the exchange timeout. `tag`: the group's round tag (rule T7): its attempts are
+        numbered from tag x `election.ATTEMPTS_PER_TRY`, so no message of another try of
+        step t (same roster, same step) can be taken for one of this try."""
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
         self.silent_seen = plan.silent  # live: the trainer probes these when elected again
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
-        attempt = -1
-        while (attempt := attempt + 1) < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
+        first = tag * election.ATTEMPTS_PER_TRY
+        attempt = first - 1
+        while (attempt := attempt + 1) - first < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
             if probe.left == self.me:  # we sit this attempt out and wait at the next one
                 roster = probe.failed(roster)
                 if roster is None:
@@ -197,8 +200,8 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            wait = first_wait if attempt == 0 and first_wait is not None else self.config.exchange_timeout
-            if attempt > 0:
+            wait = first_wait if attempt == first and first_wait is not None else self.config.exchange_timeout
+            if attempt > first:
                 wait += self.config.abort_skew
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)

@@ -226,9 +226,11 @@ class TimeoutsSpec(_Section):
     @property
     def retry_wait(self) -> float:
         """How long a node that skipped a step waits for a newer state before it trains the
-        step again. A retry reuses the first try's round ids, so this must outlast
-        `early_ttl`: no message of the first try is still kept anywhere."""
-        return max(120.0, self.early_ttl + 30.0)
+        step again: long enough for the other groups of the step to commit and publish (two
+        join windows, at least 30 s). Every try has its own round ids (rule T7), so no
+        message of an earlier try can be taken for one of the retry's; before, a retry reused
+        them and had to outlast `early_ttl` (120 s with the defaults, 60 s now)."""
+        return max(30.0, 2.0 * self.join_window)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,7 @@ class Trainer(Lineage):
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self._warmed = False  # our first trained phase was decided (`warms_up`)
+        self._tries: dict[int, int] = {}  # step -> the try we post for it (T7: its round tag)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
         # and round (issue 17: they took longer than the round itself), where the model can
@@ -193,8 +194,11 @@ class Trainer(Lineage):
         tm: dict[str, float] = {}
         lap = trio.current_time()
         ready_at, again_joining = self._ahead.pop(t, (None, False))
+        for old in [k for k in self._tries if k < t - 2]:
+            del self._tries[old]
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining or again_joining,
-                                  self.elect_cfg.window, ready_at or self.round.contributor.ready_at(wall_time()))
+                                  self.elect_cfg.window, ready_at or self.round.contributor.ready_at(wall_time()),
+                                  self._tries.get(t, 0))
         lap = _lap(tm, "ready", lap)
         if self.round.config.robust is not None:
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
@@ -209,7 +213,7 @@ class Trainer(Lineage):
         # own last roster, 16 real processes on 2 cores closed each step on the few whose
         # records were out, and dealt from such partial views the groups disagreed (9
         # different groups at step 2, half the peers skipping it).
-        expected |= self.sightings.closed.get(t - 1, frozenset()) - {self.me}
+        expected |= set(self.sightings.closed.get(t - 1, {})) - {self.me}
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   expected, self._learn, self.sightings, gone=self.round.svc.unreachable)
         _lap(tm, "elect", lap)
@@ -233,6 +237,10 @@ class Trainer(Lineage):
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
         group = await self._drop_refused(group, retry)
+        # T7: this try's round tag (the largest try the group posted); a try nobody commits
+        # sends us to the next tag, so a retry never shares a round id with an earlier try
+        tag = election.round_tag(self.sightings.closed.get(t, {}), group, self._tries.get(t, 0))
+        self._tries[t] = tag + 1
         if not group:
             return await self._skip(t, "not ready by the deadline")
         self.events.emit("group_formed", step=t, members=group)
@@ -258,7 +266,7 @@ class Trainer(Lineage):
             first_wait = min(self.spec.timeouts.early_ttl, max(
                 self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)))
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   first_wait, weight=self.weight)
+                                   first_wait, weight=self.weight, tag=tag)
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
