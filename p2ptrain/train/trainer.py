@@ -342,8 +342,8 @@ class Trainer(Lineage):
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
         await self._wait_reported()  # a catch-up replaces the state the last report reads
-        # Long enough that, if we train step t again after all, no message of this try is
-        # still kept by anyone (the retry reuses its round ids: `TimeoutsSpec.retry_wait`).
+        # Long enough for the step's other groups to commit and publish (`TimeoutsSpec.retry_wait`);
+        # a retry has its own round ids (T7), so nothing of this try can be taken for it.
         await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
         return True
 
