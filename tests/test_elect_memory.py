@@ -120,6 +120,25 @@ async def test_the_next_step_expects_every_candidate_the_last_election_closed_wi
 
 
 @trio_test()
+async def test_a_peer_past_the_step_is_not_waited_for_and_a_retry_leaves_its_old_record_out():
+    """Rule E9: b's state is at step 3, so at step 2 it is not coming: expected (our last
+    roster), it does not hold the step; and in a retry of step 2 its old ready record is
+    stale (it committed step 2 and moved on), so the retry does not elect it. A first try
+    still counts such a record for the deal (the other groups' members commit before a late
+    closer closes). Before: a peer partitioned away retried a step the others had long
+    committed, elected them all from their old records, and waited for them (the simulator)."""
+    a, b, c, *_ = await swarm(6)
+    await RunRecords(b, RUN).publish_state(records.State(3, "p" * 64, "c" * 64))
+    await ready_later(b, 2, 0.0)  # its record from when it trained step 2
+    await ready_later(a, 2, 0.0)
+    t0 = trio.current_time()
+    group = await elect.elect(a, RUN, 2, me(a), CFG, set(), {me(b), me(c)} - {me(c)}, retry=True)
+    assert group == [me(a)] and trio.current_time() - t0 < CFG.window, trio.current_time() - t0
+    group = await elect.elect(a, RUN, 2, me(a), CFG, set(), set())  # a first try: b is dealt
+    assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
 async def test_only_newcomers_ready_gives_up_after_the_bound():
     a, b, *_ = await swarm(5)
     t0 = trio.current_time()

@@ -123,7 +123,7 @@ def same_cell(run_id: str, step: int, me: str, level: int, peers: set[str]) -> s
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
                             expected: set[str], sightings: election.Sightings | None = None,
-                            gone: Gone | None = None) -> tuple[list[election.Ready], float] | None:
+                            gone: Gone | None = None, retry: bool = False) -> tuple[list[election.Ready], float] | None:
     """(ready records, the deadline waited for) once the step closed (see the module
     docstring); None on give-up. Expected peers that have not posted yet count toward the
     median deadline (`election.deadline`), so an early peer that sees only itself and a liar
@@ -136,18 +136,29 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     probe_at = trio.current_time()
     interval, before = config.poll, None
     at_step: set[str] = set()
+    past: set[str] = set()
     states_at = trio.current_time()
     while True:
-        recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
+        # Rule E9 (`retry`): in a retry, a record for this step from a peer whose state is
+        # already past it is stale (it committed the step and moved on). Counted, a peer
+        # partitioned away that retried a step the others had long committed elected them all
+        # and waited out its retry's first confirmation (the simulator, seed 13, 4 peers). Not
+        # in a first try: there the other groups' members count for the deal even once they
+        # committed (a late closer would deal from fewer peers than its group did).
+        recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings)
+                if r.peer not in ignored and (r.peer not in past or not retry)]
         # Last step's roster is at this step too even if its state record is not out yet.
         # The state key holds every peer's record (O(N) a read): read every `probe` seconds,
         # not every poll, and afresh before closing early (a peer whose state appeared since
         # is expected too).
         fresh = trio.current_time() >= states_at
         if fresh:
-            at_step = await states.peers_at_step(dht, run_id, step)
+            steps = await states.peer_steps(dht, run_id)
+            at_step = {p for p, s in steps.items() if s == step}
+            past = {p for p, s in steps.items() if s > step} - {me}
+            recs = [r for r in recs if r.peer not in past or not retry]
             states_at = trio.current_time() + config.probe
-        waiting = (at_step | expected) - ignored - absent
+        waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
         if trio.current_time() >= probe_at and waiting - posted:
@@ -180,10 +191,12 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
 
 async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignored: set[str],
                 expected: set[str], learn_addrs: Callable[[str, list[str]], None] | None = None,
-                sightings: election.Sightings | None = None, gone: Gone | None = None) -> list[str]:
+                sightings: election.Sightings | None = None, gone: Gone | None = None,
+                retry: bool = False) -> list[str]:
     """Our group for `step` in ring order, [] when nobody trained it. Candidates' addresses
-    go to `learn_addrs` so the group can dial each other; `gone` as in `wait_for_deadline`."""
-    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings, gone)
+    go to `learn_addrs` so the group can dial each other; `gone` and `retry` as in
+    `wait_for_deadline`."""
+    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings, gone, retry)
     if got is None:
         return []
     recs, d = got

@@ -16,4 +16,9 @@ from p2ptrain.records import RunRecords
 
 async def peers_at_step(dht, run_id: str, step: int) -> set[str]:
     """Peers whose published state is at outer step `step` (they are training it now)."""
-    return {peer_id_to_str(sub) for sub, st in await RunRecords(dht, run_id).read_states() if st.step == step}
+    return {p for p, s in (await peer_steps(dht, run_id)).items() if s == step}
+
+
+async def peer_steps(dht, run_id: str) -> dict[str, int]:
+    """peer -> the outer step of its published state."""
+    return {peer_id_to_str(sub): st.step for sub, st in await RunRecords(dht, run_id).read_states()}

@@ -187,7 +187,7 @@ class Trainer(Lineage):
         self._warmed = True  # decided at our first trained phase, whatever its step
         return t > 0 and await self.someone_trains(t)
 
-    async def announce(self, t: int, joining: bool) -> tuple[list[str], dict[str, float]]:
+    async def announce(self, t: int, joining: bool, retry: bool = False) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds
         spent). The overlapped loop calls this as soon as step t's base is committed, while
         phase t still trains, so a round starts the moment its phase ends."""
@@ -215,7 +215,8 @@ class Trainer(Lineage):
         # different groups at step 2, half the peers skipping it).
         expected |= set(self.sightings.closed.get(t - 1, {})) - {self.me}
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
-                                  expected, self._learn, self.sightings, gone=self.round.svc.unreachable)
+                                  expected, self._learn, self.sightings, gone=self.round.svc.unreachable,
+                                  retry=retry)
         _lap(tm, "elect", lap)
         return group, tm
 
@@ -232,7 +233,7 @@ class Trainer(Lineage):
         if retry:  # T6: a new election, timed afresh
             self.sightings.forget(t)
         if elected is None:
-            group, tm = await self.announce(t, joining)
+            group, tm = await self.announce(t, joining, retry)
             lap = trio.current_time()
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
