@@ -133,7 +133,8 @@ async def test_a_peer_past_the_step_is_not_waited_for_and_a_retry_leaves_its_old
     await ready_later(a, 2, 0.0)
     t0 = trio.current_time()
     group = await elect.elect(a, RUN, 2, me(a), CFG, set(), {me(b), me(c)} - {me(c)}, retry=True)
-    assert group == [me(a)] and trio.current_time() - t0 < CFG.window, trio.current_time() - t0
+    # closed at the deadline of a's own record (its window), not held up to two windows for b
+    assert group == [me(a)] and trio.current_time() - t0 < CFG.window + 2, trio.current_time() - t0
     group = await elect.elect(a, RUN, 2, me(a), CFG, set(), set())  # a first try: b is dealt
     assert sorted(group) == sorted([me(a), me(b)])
 
