@@ -3,9 +3,9 @@
 N peers, each holding its own committed outer state (params x_i, Nesterov momentum m_i,
 work w_i; all start at the genesis: the same x, m = 0, w = 0). Each outer step t every peer
 runs H AdamW steps from x_i on its own data (`train_batch` keyed by its id, as `bench diloco`'s
-workers) and computes d_i = x_i - local_i. The peers are then dealt into groups, redrawn every
-step (Moshpit SGD), by the product's rule (`p2ptrain.run.election.groups`, rule E8: ranges
-of the placement hash, G/2 to G members). Each group commits `merge_round` of its members' states with g =
+workers) and computes d_i = x_i - local_i. The peers are then dealt into ceil(N / G) groups,
+redrawn every step (Moshpit SGD): sorted by sha256(f"{seed}|{t}|" + peer id), cut into
+consecutive slices of G. Each group commits `merge_round` of its members' states with g =
 the fp32 mean of its members' d_i: the product's merge (rule M1 of docs/PROTOCOL.md,
 `p2ptrain.run.merge`: each member's base weighted by the members that trained the round that
 made it, capped at G; float64 accumulation in base-hash order), then the Nesterov step as
@@ -23,14 +23,13 @@ mean state, against how far that mean moved in the step).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
-
-from p2ptrain.run import election
 
 GOAL_PCT = 1.0
 
@@ -96,14 +95,12 @@ def add_arguments(p) -> None:
 
 
 def deal_groups(seed: int, t: int, peers: list[bytes], G: int) -> list[list[int]]:
-    """Step t's groups as the product deals them (`p2ptrain.run.election.groups`, rule E8:
-    ranges of the placement hash, G/2 to G members), the run id being the seed: peer indices,
-    each group in peer order."""
+    """Step t's groups: peer indices sorted by sha256(f"{seed}|{t}|" + id), cut into consecutive
+    slices of G (the last one shorter when G does not divide N); each group in peer order."""
     if G < 1:
         raise ValueError(f"group size must be >= 1, got {G}")
-    names = [p.hex() for p in peers]
-    index = {n: i for i, n in enumerate(names)}
-    return [sorted(index[n] for n in g) for g in election.groups(f"bench-diloco-{seed}", t, names, G)]
+    order = sorted(range(len(peers)), key=lambda i: hashlib.sha256(f"{seed}|{t}|".encode() + peers[i]).digest())
+    return [sorted(order[k:k + G]) for k in range(0, len(order), G)]
 
 
 def _spread(states, prev_mean):

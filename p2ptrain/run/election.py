@@ -11,8 +11,7 @@ rule to the records it sees:
     the deadline into the past and make every honest peer miss its own step (issue 15);
   - the candidates are the records seen by the deadline (a later one skips the step);
   - candidates are ordered by SHA-256(run, t, peer id) (the placement hash) and dealt into
-    groups of at most G by ranges of that hash (`groups`, rule E8; re-drawn every step,
-    Moshpit-style);
+    ceil(N / G) groups of near-equal size (re-drawn every step, Moshpit-style);
   - within a group the same order is the ring order.
 No peer is special: if any one vanishes, the others still compute the same groups from the
 records that remain, and members confirm the roster (its hash) before reducing.
@@ -146,49 +145,14 @@ def candidates(records: list[Ready], window: float, exclude: set[str] = frozense
 
 
 def groups(run_id: str, step: int, peers: list[str], group_size: int) -> list[list[str]]:
-    """Deterministic partition into groups of at most `group_size` (rule E8, docs/PROTOCOL.md).
-
-    The placement-hash space is cut into n = ceil(N / G) equal ranges (bins). A bin with
-    fewer than ceil(G / 2) peers is carried into the next one; a bin (with what it carries)
-    of more than G is cut into ceil(k / G) consecutive parts of near-equal size; what is
-    left at the end joins the last group. Sizes stay within G, and, but for a run of few
-    peers, at least ceil(G / 2) (2 when G = 2: a bin of 3 gives a pair, and carries one). What matters is what a record seen by some members and
-    not by others (one that reached them just before the deadline) does: it moves only its
-    own bin, and a carry into the next, while n stays the same. Dealt round-robin (every
-    n-th peer of the order, as before), one record more or less shifted every peer after
-    it into another group, so the members of almost every group elected different rosters
-    and skipped (16 real processes: issue 31's scale bench). Pure-model figures (a record
-    seen by half the peers; every record missed by each peer with p = 0.03) are in PROTOCOL.md."""
+    """Deterministic partition into groups of at most `group_size`, sizes differing by <= 1."""
     if group_size < 1:
         raise ValueError("group_size must be >= 1")
     ordered = sorted(set(peers), key=lambda p: order_key(run_id, step, p))
     if not ordered:
         return []
-    n = -(-len(ordered) // group_size)
-    bins: list[list[str]] = [[] for _ in range(n)]
-    for p in ordered:
-        bins[(int.from_bytes(order_key(run_id, step, p)[:8], "big") * n) >> 64].append(p)
-    least = max(-(-group_size // 2), min(2, group_size))  # a group of one commits nothing (H2)
-
-    def cut(members: list[str]) -> list[list[str]]:
-        m = -(-len(members) // group_size)
-        return [members[i * len(members) // m:(i + 1) * len(members) // m] for i in range(m)]
-
-    out: list[list[str]] = []
-    carry: list[str] = []
-    for b in bins:
-        carry += b
-        if len(carry) < least:
-            continue
-        if len(carry) // -(-len(carry) // group_size) < least:  # G = 2, an odd count: pairs, one on
-            out += cut(carry[:-1])
-            carry = carry[-1:]
-        else:
-            out += cut(carry)
-            carry = []
-    if carry:
-        out[-1:] = cut(out[-1] + carry) if out else [carry]
-    return out
+    n_groups = -(-len(ordered) // group_size)
+    return [ordered[i::n_groups] for i in range(n_groups)]
 
 
 def my_group(run_id: str, step: int, peers: list[str], group_size: int, me: str) -> list[str]:
