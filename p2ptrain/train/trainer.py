@@ -260,7 +260,7 @@ class Trainer(Lineage):
         # exchange timeout, left just before the other came: both skipped again, 120 s apart.
         first_wait = self.elect_cfg.window if elected is not None else None
         if retry:
-            # T6: members come back as far apart as one stayed in the failed round longer than
+            # T5: members come back as far apart as one stayed in the failed round longer than
             # another (later attempts wait exchange + abort_skew each), within what a node
             # keeps of a round it has not started (`early_ttl`)
             cfg = self.round.config
