@@ -164,17 +164,15 @@ class ContributionRound(Agreement):
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
         meets when the slowest phase ends, not within the exchange timeout); later attempts
-        wait the exchange timeout. `tag`: the group's round tag (rule T7): its attempts are
-        numbered from tag x `election.ATTEMPTS_PER_TRY`, so no message of another try of
-        step t (same roster, same step) can be taken for one of this try."""
+        wait the exchange timeout. `tag`: the round tag (T7), which numbers our attempts from
+        tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's."""
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
         self.silent_seen = plan.silent  # live: the trainer probes these when elected again
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
-        first = tag * election.ATTEMPTS_PER_TRY
-        attempt = first - 1
+        attempt = (first := tag * election.ATTEMPTS_PER_TRY) - 1
         while (attempt := attempt + 1) - first < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
             if probe.left == self.me:  # we sit this attempt out and wait at the next one
                 roster = probe.failed(roster)
@@ -187,8 +185,7 @@ class ContributionRound(Agreement):
             roster = [p for p in roster if p not in left_out]
             out.members = roster
             if not rosters.quorum(roster, elected):  # Q1: the rest of the group may commit
-                log.info("step %d attempt %d: %d of the %d elected are no quorum", t, attempt, len(roster),
-                         len(elected))
+                log.info("step %d attempt %d: %d of the %d elected are no quorum", t, attempt, len(roster), len(elected))
                 return out
             if roster == [self.me]:
                 # Alone, and still the group's quorum (a group of one, or the tie-breaking
@@ -200,9 +197,7 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            wait = first_wait if attempt == first and first_wait is not None else self.config.exchange_timeout
-            if attempt > first:
-                wait += self.config.abort_skew
+            wait = self._confirm_wait(attempt - first, first_wait)
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
@@ -241,6 +236,11 @@ class ContributionRound(Agreement):
             else:  # someone was caught: a later commit says nothing about who we left out
                 probe.left = None
         return out
+
+    def _confirm_wait(self, nth: int, first_wait: float | None) -> float:
+        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`)."""
+        first = self.config.exchange_timeout if first_wait is None else first_wait
+        return first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

@@ -253,21 +253,8 @@ class Trainer(Lineage):
             self._expect[t + 1].update(group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
-        # Elected ahead, the members meet when their phases end: wait for them as long as the
-        # election would have (its join window), not the exchange timeout. So does a retry:
-        # members come back to a step nobody committed as far apart as they left it (one
-        # waited out a confirmation the other had left), and the early one, waiting only the
-        # exchange timeout, left just before the other came: both skipped again, 120 s apart.
-        first_wait = self.elect_cfg.window if elected is not None else None
-        if retry:
-            # T5: members come back as far apart as one stayed in the failed round longer than
-            # another (later attempts wait exchange + abort_skew each), within what a node
-            # keeps of a round it has not started (`early_ttl`)
-            cfg = self.round.config
-            first_wait = min(self.spec.timeouts.early_ttl, max(
-                self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)))
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   first_wait, weight=self.weight, tag=tag)
+                                   self._first_wait(elected is not None, retry), weight=self.weight, tag=tag)
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
@@ -312,6 +299,20 @@ class Trainer(Lineage):
         else:
             await self._report(t, tm, report, self._reported)
         return False
+
+    def _first_wait(self, ahead: bool, retry: bool) -> float | None:
+        """How long the round's first roster confirmation waits for members (None: the
+        exchange timeout). Elected ahead, the members meet when their phases end: as long as
+        the election would have (its join window). A retry (T5): members come back to a step
+        nobody committed as far apart as one stayed in the failed round longer than another
+        (later attempts wait exchange + abort skew each), within what a node keeps of a round
+        it has not started (`early_ttl`). Waiting only the exchange timeout, the early one
+        left just before the other came, and both skipped again, `retry_wait` apart."""
+        if retry:
+            cfg = self.round.config
+            return min(self.spec.timeouts.early_ttl, max(
+                self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)))
+        return self.elect_cfg.window if ahead else None
 
     async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
         """Evaluate the committed params, publish the state record, report the step."""
