@@ -107,11 +107,8 @@ class RoutingTable:
         own neighbourhood, and whole quarters of the space were unknown to them, so
         lookups into those quarters stopped at the ~40th closest node (issue 30, 128
         simulated peers). Kademlia's join refreshes exactly these buckets."""
-        if not self._ids:
-            return []
-        nearest = min(self._buckets_in_use())
         targets = []
-        for idx in range(ID_BITS - 1, nearest, -1):
+        for idx in self._far_buckets():
             bucket = self._buckets.get(idx)
             if bucket is not None and bucket.members and now - max(bucket.members.values()) < max_age:
                 continue
@@ -121,12 +118,13 @@ class RoutingTable:
     def bucket_targets(self, rng) -> list[int]:
         """A random id in every bucket above our nearest neighbour's, farthest first (the
         lookups that fill a new node's table: `DHTNode.bootstrap`)."""
-        if not self._ids:
-            return []
-        return [self.random_id_in_bucket(idx, rng) for idx in range(ID_BITS - 1, min(self._buckets_in_use()), -1)]
+        return [self.random_id_in_bucket(idx, rng) for idx in self._far_buckets()]
 
-    def _buckets_in_use(self) -> list[int]:
-        return [idx for idx, b in self._buckets.items() if b.members]
+    def _far_buckets(self) -> range:
+        """Bucket indices above our nearest neighbour's, farthest first (none: empty table)."""
+        if not self._ids:
+            return range(0)
+        return range(ID_BITS - 1, min(idx for idx, b in self._buckets.items() if b.members), -1)
 
     def random_id_in_bucket(self, idx: int, rng) -> int:
         """A random id at exactly bucket `idx`'s distance from us."""

@@ -139,14 +139,7 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     past: set[str] = set()
     states_at = trio.current_time()
     while True:
-        # Rule E9 (`retry`): in a retry, a record for this step from a peer whose state is
-        # already past it is stale (it committed the step and moved on). Counted, a peer
-        # partitioned away that retried a step the others had long committed elected them all
-        # and waited out its retry's first confirmation (the simulator, seed 13, 4 peers). Not
-        # in a first try: there the other groups' members count for the deal even once they
-        # committed (a late closer would deal from fewer peers than its group did).
-        recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings)
-                if r.peer not in ignored and (r.peer not in past or not retry)]
+        recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
         # The state key holds every peer's record (O(N) a read): read every `probe` seconds,
         # not every poll, and afresh before closing early (a peer whose state appeared since
@@ -156,8 +149,15 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             steps = await states.peer_steps(dht, run_id)
             at_step = {p for p, s in steps.items() if s == step}
             past = {p for p, s in steps.items() if s > step} - {me}
-            recs = [r for r in recs if r.peer not in past or not retry]
             states_at = trio.current_time() + config.probe
+        if retry:
+            # Rule E9: in a retry, a record for this step from a peer whose state is already
+            # past it is stale (it committed the step and moved on). Counted, a peer partitioned
+            # away that retried a step the others had long committed elected them all and waited
+            # out its retry's first confirmation (the simulator, seed 13, 4 peers). Not in a
+            # first try: there the other groups' members count for the deal even once they
+            # committed (a late closer would deal from fewer peers than its group did).
+            recs = [r for r in recs if r.peer not in past]
         waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
