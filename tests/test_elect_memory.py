@@ -61,7 +61,7 @@ async def test_step_closes_at_the_deadline_and_a_late_peer_is_left_out():
 async def test_step_closes_early_once_every_expected_peer_is_ready():
     a, b, c, *_ = await swarm(6)
     for node in (a, b):  # both published a state at step 2: they are training it
-        await RunRecords(node, RUN).publish_state(records.State(2, "p" * 64, "c" * 64))
+        await elect.publish_state(node, RUN, records.State(2, "p" * 64, "c" * 64), CFG.window)
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
         nursery.start_soon(ready_later, a, 2, 0.0)
@@ -128,7 +128,7 @@ async def test_a_peer_past_the_step_is_not_waited_for_and_a_retry_leaves_its_old
     closer closes). Before: a peer partitioned away retried a step the others had long
     committed, elected them all from their old records, and waited for them (the simulator)."""
     a, b, c, *_ = await swarm(6)
-    await RunRecords(b, RUN).publish_state(records.State(3, "p" * 64, "c" * 64))
+    await elect.publish_state(b, RUN, records.State(3, "p" * 64, "c" * 64), CFG.window)
     await ready_later(b, 2, 0.0)  # its record from when it trained step 2
     await ready_later(a, 2, 0.0)
     t0 = trio.current_time()
@@ -265,7 +265,7 @@ async def test_an_expected_peer_that_announced_the_next_step_does_not_hold_this_
     stalled a running group for 60 s on a loaded machine)."""
     a, b, c, *_ = await swarm(6)
     for node in (a, b, c):
-        await RunRecords(node, RUN).publish_state(records.State(4, "p" * 64, "c" * 64))
+        await elect.publish_state(node, RUN, records.State(4, "p" * 64, "c" * 64), CFG.window)
     await elect.publish_ready(c, RUN, 5, ["/ip4/127.0.0.1/tcp/1"], True, CFG.window)
     async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
@@ -285,7 +285,7 @@ async def test_a_trained_record_for_the_next_step_is_no_sign_a_peer_skips_this_o
     ahead (E7 as first built) closed step 0 on a alone, and both skipped it."""
     a, b, *_ = await swarm(6)
     for node in (a, b):
-        await RunRecords(node, RUN).publish_state(records.State(0, "p" * 64, "c" * 64))
+        await elect.publish_state(node, RUN, records.State(0, "p" * 64, "c" * 64), CFG.window)
     await elect.publish_ready(b, RUN, 1, ["/ip4/127.0.0.1/tcp/1"], False, CFG.window)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ready_later, a, 0, 0.0)
@@ -363,3 +363,39 @@ async def test_every_member_of_a_big_run_computes_its_group_from_its_own_cell_al
     for p, g in groups.items():
         assert p in g and 3 <= len(g) <= 4
         assert all(groups[q] == g for q in g)  # every member of a group computes the same group
+
+
+@trio_test()
+async def test_a_big_run_s_election_reads_its_cell_s_state_records_not_the_run_s():
+    """Rule E10: state records are filed under the writer's cells of its step and the step
+    before, and the election reads only its own cell's. In a run of 360 peers, r (reading
+    level 1: a quarter of the run) still waits for a same-cell peer that is at the step and
+    has not posted, and a retry leaves out the record of one that moved past the step -- and
+    r never reads the run's `state` key, which holds every peer's record (O(N) a read; at
+    1,000 peers a reply showed a quarter of them). Before: the election read that key every
+    probe second."""
+    ids = [Identity.from_seed(random.Random(i).randbytes(32)) for i in range(2 * election.SPLIT + 40)]
+    shared: dict = {}
+    boards = [_Board(shared, ident) for ident in ids]
+    r = boards[0]
+    mine = election.cell(RUN, 1, me(r), 1)
+    late, moved = [b for b in boards[1:] if election.cell(RUN, 1, me(b), 1) == mine][:2]
+    for bd in boards:
+        await elect.publish_state(bd, RUN, records.State(1, "p" * 64, "c" * 64), CFG.window)
+        if bd is not late:
+            await elect.publish_ready(bd, RUN, 1, [], False, CFG.window)
+    assert len(shared[keys.state(RUN)]) == len(ids)
+    read: list[str] = []
+    get = r.get
+    r.get = lambda key: (read.append(key), get(key))[1]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ready_later, late, 1, 5.0)
+        t0 = trio.current_time()
+        recs, _ = await elect.wait_for_deadline(r, RUN, 1, CFG, set(), set(), election.Sightings())
+    assert late.identity.peer_id_str in {x.peer for x in recs} and 5.0 <= trio.current_time() - t0 < CFG.window
+    assert keys.state(RUN) not in read and keys.state(RUN, 1, 1, mine) in read
+    assert len(shared[keys.state(RUN, 1, 1, mine)]) < election.SPLIT
+    # `moved` committed step 1: its state record (now step 2) replaces its entry in step 1's cell
+    await elect.publish_state(moved, RUN, records.State(2, "p" * 64, "c" * 64), CFG.window)
+    recs, _ = await elect.wait_for_deadline(r, RUN, 1, CFG, set(), set(), election.Sightings(), retry=True)
+    assert me(moved) not in {x.peer for x in recs} and me(late) in {x.peer for x in recs}

@@ -69,13 +69,18 @@ class RunRecords:
         return [(r, expiry) for _, r, expiry in got]
 
     # -- state ----------------------------------------------------------------------------
-    async def publish_state(self, state: State, ttl: float = STATE_TTL) -> int:
-        return await self.dht.store(keys.state(self.run_id), codecs.encode_state(state), ttl=ttl)
+    async def publish_state(self, state: State, ttl: float = STATE_TTL, step: int | None = None,
+                            level: int = 0, cell: int = 0) -> int:
+        """Our state under the run's `state` key, or with `step` under one cell of that step
+        (`keys.state`; which cells: `p2ptrain.run.elect.publish_state`)."""
+        return await self.dht.store(keys.state(self.run_id, step, level, cell), codecs.encode_state(state), ttl=ttl)
 
-    async def read_states(self) -> list[tuple[bytes, State]]:
-        """Every peer's published state: (peer id bytes, state)."""
+    async def read_states(self, step: int | None = None, level: int = 0, cell: int = 0) -> list[tuple[bytes, State]]:
+        """Every peer's published state (with `step`: those filed under that cell of the
+        step): (peer id bytes, state)."""
         out = []
-        for sub, st, _ in await self._read(keys.state(self.run_id), lambda _, v: codecs.decode_state(v), "state"):
+        for sub, st, _ in await self._read(keys.state(self.run_id, step, level, cell),
+                                           lambda _, v: codecs.decode_state(v), "state"):
             self._learn(sub, st.addrs)
             out.append((sub, st))
         return out

@@ -8,7 +8,7 @@ reading and writing them goes through `p2ptrain.records.board.RunRecords`.
 
   manifest    the signed run manifest, served by every member
   ready/<t>   "ready for outer step t", read by the election (ready/<t>/<l>.<c>: one cell of it)
-  state       each member's newest state
+  state       each member's newest state (state/<t>/<l>.<c>: those at or just past step t, by cell)
   providers   checkpoint provider records (the quorum rule: `p2ptrain.ckpt.providers`)
   reputation  robust-rule reports (the verdict: `p2ptrain.run.reputation`)
   data        peers serving the run's tokenizer and token stream (`p2ptrain.train.shards`)
@@ -36,8 +36,13 @@ def ready(run_id: str, step: int, level: int = 0, cell: int = 0) -> str:
     return _key(run_id, f"ready/{step}" if level == 0 else f"ready/{step}/{level}.{cell}")
 
 
-def state(run_id: str) -> str:
-    return _key(run_id, "state")
+def state(run_id: str, step: int | None = None, level: int = 0, cell: int = 0) -> str:
+    """`state`: every member's newest state (status, catch-up). With `step`, the same records
+    filed by step, in the cells of that step's ready records (`state/<t>`, `state/<t>/<l>.<c>`):
+    what the election reads to know whom to expect (`p2ptrain.run.elect.publish_state`)."""
+    if step is None:
+        return _key(run_id, "state")
+    return _key(run_id, f"state/{step}" if level == 0 else f"state/{step}/{level}.{cell}")
 
 
 def data(run_id: str) -> str:

@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import trio
 
 from p2ptrain.clock import wall_time
+from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords, keys
-from p2ptrain.run import election, states
+from p2ptrain.records.codecs import State
+from p2ptrain.run import election
 
 log = logging.getLogger("p2ptrain.run.elect")
 _read_level: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -68,21 +70,51 @@ async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: 
     ready_at = wall_time() if ready_at is None else ready_at
     board = RunRecords(dht, run_id)
     ttl = election.ready_ttl(window)
-    # Levels 0 .. one finer than we last read: a reader moves one level per read, from a
-    # level everyone writes (0) down to ours, so the levels nobody reads cost no stores.
-    upto = _read_level.get(dht, {}).get(run_id, 0) + 1
-    # The DHT re-stores our records until told otherwise; a step's ready record is read only
-    # while the step is open, so those of steps well past stop being re-stored.
-    mine = _published.setdefault(dht, {}).setdefault(run_id, {})
-    for old in [t for t in mine if t < step - 2]:
-        for key in mine.pop(old):
-            dht.forget(key)
-    placed = election.cells(run_id, step, dht.identity.peer_id_str)[:upto + 1]
-    mine.setdefault(step, set()).update(keys.ready(run_id, step, level, cell) for level, cell in placed)
+    placed = _placed(dht, run_id, step, keys.ready)
     async with trio.open_nursery() as nursery:
         for level, cell in placed:
             nursery.start_soon(board.publish_ready, step, ready_at, addrs, joining, ttl, level, cell, tries)
     return ready_at
+
+
+def _placed(dht, run_id: str, step: int, key) -> list[tuple[int, int]]:
+    """Our (level, cell) of `step` at each level a reader may need, and forget the keys of
+    steps well past (`key`: `keys.ready` or `keys.state`)."""
+    # Levels 0 .. one finer than we last read: a reader moves one level per read, from a
+    # level everyone writes (0) down to ours, so the levels nobody reads cost no stores.
+    upto = _read_level.get(dht, {}).get(run_id, 0) + 1
+    # The DHT re-stores our records until told otherwise; a step's records are read only
+    # while the step is open, so those of steps well past stop being re-stored.
+    mine = _published.setdefault(dht, {}).setdefault(run_id, {})
+    for old in [t for t in mine if t < step - 2]:
+        for k in mine.pop(old):
+            dht.forget(k)
+    placed = election.cells(run_id, step, dht.identity.peer_id_str)[:upto + 1]
+    mine.setdefault(step, set()).update(key(run_id, step, level, cell) for level, cell in placed)
+    return placed
+
+
+async def publish_state(dht, run_id: str, state: State, window: float) -> None:
+    """Store our state record under the run's `state` key (status, catch-up) and, for the
+    election, in our cells of step `state.step` and of the step before (rule E10): a reader
+    of step t's cell learns who is at t (expected) and who already moved past it (E9)
+    from O(cell) records, where the run's key holds every peer's (O(N) a read; at 1,000
+    peers a reply shows a quarter of them)."""
+    board = RunRecords(dht, run_id)
+    ttl = election.ready_ttl(window)  # as long as the ready records they are read beside
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(board.publish_state, state)
+        for step in {state.step, state.step - 1} - {-1}:
+            for level, cell in _placed(dht, run_id, step, keys.state):
+                nursery.start_soon(board.publish_state, state, ttl, step, level, cell)
+
+
+async def cell_steps(dht, run_id: str, step: int, level: int) -> dict[str, int]:
+    """peer -> its state's step, for the peers filed under our cell of `step` at `level`
+    (`publish_state`): those at the step, and those past it."""
+    me = dht.identity.peer_id_str
+    got = await RunRecords(dht, run_id).read_states(step, level, election.cell(run_id, step, me, level))
+    return {peer_id_to_str(sub): st.step for sub, st in got}
 
 
 async def read_ready(dht, run_id: str, step: int, window: float,
@@ -141,12 +173,12 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
-        # The state key holds every peer's record (O(N) a read): read every `probe` seconds,
-        # not every poll, and afresh before closing early (a peer whose state appeared since
-        # is expected too).
+        # Our cell's state records (E10; O(cell) a read): every `probe` seconds, not every
+        # poll, and afresh before closing early (a peer whose state appeared since is
+        # expected too).
         fresh = trio.current_time() >= states_at
         if fresh:
-            steps = await states.peer_steps(dht, run_id)
+            steps = await cell_steps(dht, run_id, step, sightings.level(step))
             at_step = {p for p, s in steps.items() if s == step}
             past = {p for p, s in steps.items() if s > step} - {me}
             states_at = trio.current_time() + config.probe

@@ -26,7 +26,7 @@ import random
 import trio
 
 from p2ptrain import clock
-from p2ptrain.dht.node import DHTConfig, DHTNode
+from p2ptrain.dht.node import DHTNode
 from p2ptrain.dht.record import make_record
 from p2ptrain.identity import Identity, peer_id_to_str
 from p2ptrain.records import keys
@@ -133,7 +133,7 @@ class Arms:
         extra = []
         for _ in range(self.senders):  # client connections of their own: no replica, one identity each
             ident = Identity.from_seed(rng.randbytes(32))
-            extra.append(DHTNode(ident, self.w.dhtnet.transport(ident.peer_id), DHTConfig(), server=False))
+            extra.append(self.w.dhtnet.node(ident, server=False))
         async with trio.open_nursery() as nursery:
             for node in extra:
                 nursery.start_soon(node.bootstrap, [(self.w.boot.peer_id, [])])
@@ -163,7 +163,7 @@ class Arms:
         """A reader that is no replica: how many honest ready records it misses."""
         w = self.w
         ident = Identity.from_seed(random.Random(w.seed * 7919 - 2).randbytes(32))
-        probe = DHTNode(ident, w.dhtnet.transport(ident.peer_id), DHTConfig(), server=False)
+        probe = w.dhtnet.node(ident, server=False)
         await probe.bootstrap([(w.boot.peer_id, [])])
         honest = w.monitor.world.honest
         while True:

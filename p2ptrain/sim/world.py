@@ -30,7 +30,7 @@ import trio
 import trio.testing
 
 from p2ptrain import clock, entropy, peer
-from p2ptrain.dht.node import DHTConfig, DHTNode
+from p2ptrain.dht.node import DHTNode
 from p2ptrain.identity import Identity
 from p2ptrain.run import manifest as mf
 from p2ptrain.run.spec import USER, DataSpec, GenesisSpec, ModelSpec, RunSpec, TimeoutsSpec, TrainSpec
@@ -228,8 +228,7 @@ class World:
     async def main(self) -> None:
         clock.pin_epoch(EPOCH)
         async with trio.open_nursery() as nursery:
-            boot_t = self.dhtnet.transport(self.boot.peer_id)
-            self.boot_dht = DHTNode(self.boot, boot_t, DHTConfig())
+            self.boot_dht = self.dhtnet.node(self.boot)
             await nursery.start(self.boot_dht.run)
             for i in range(len(self.sc.peers)):
                 nursery.start_soon(self._life, i)
@@ -285,7 +284,7 @@ class World:
         plan, ident = self.sc.peers[i], self.ids[i]
         with clock.skewed(plan.skew):
             async with trio.open_nursery() as nursery:
-                dht = DHTNode(ident, self.dhtnet.transport(ident.peer_id), DHTConfig())
+                dht = self.dhtnet.node(ident)
                 await nursery.start(dht.run)
                 await dht.bootstrap([(self.boot.peer_id, [])])
                 node = SimNode(ident, dht, SimHost(self.net, self.hosts, ident.peer_id, nursery), self.net)

@@ -28,7 +28,7 @@ from p2ptrain.ckpt.download import CheckpointServer
 from p2ptrain.ckpt.fetch import BlobServer
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.sparse import SparseReducer
-from p2ptrain.records import RunRecords, State
+from p2ptrain.records import State
 from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
@@ -386,6 +386,7 @@ class Trainer(Lineage):
         served = await self.ckpt_server.publish(self.dht, self.run_id, data, self.local.step, params,
                                                 sorted(self.last_roster) if self.local.step else [], addrs,
                                                 blocking=self._beside_phase)
-        await RunRecords(self.dht, self.run_id).publish_state(State(
-            self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), self.node.conn_counts()))
+        await elect.publish_state(self.dht, self.run_id, State(
+            self.local.step, params, served.sha256, loss, val_loss, tuple(addrs), self.node.conn_counts()),
+            self.elect_cfg.window)
         self.events.emit("checkpoint_snapshot", step=self.local.step, seconds=round(snapshot, 4), bytes=len(data))
