@@ -399,3 +399,27 @@ async def test_a_big_run_s_election_reads_its_cell_s_state_records_not_the_run_s
     await elect.publish_state(moved, RUN, records.State(2, "p" * 64, "c" * 64), CFG.window)
     recs, _ = await elect.wait_for_deadline(r, RUN, 1, CFG, set(), set(), election.Sightings(), retry=True)
     assert me(moved) not in {x.peer for x in recs} and me(late) in {x.peer for x in recs}
+
+
+@trio_test()
+async def test_a_reader_that_moves_to_a_finer_level_files_its_own_records_there():
+    """Rule E5: writers store at the levels they have read (0 .. one finer), and a reader
+    that moves to a finer level stores its own records there as it arrives. With 700 peers
+    the level-1 cells are full (~175), so step 1's readers move to level 2, where no record
+    was stored before anyone read. Before, those cells stayed empty for the whole step:
+    every reader waited on an empty cell (the simulator's 1,000-peer world formed no
+    group in 30 s)."""
+    ids = [Identity.from_seed(random.Random(i).randbytes(32)) for i in range(4 * election.SPLIT + 60)]
+    shared: dict = {}
+    boards = [_Board(shared, ident) for ident in ids]
+    for bd in boards:
+        await elect.publish_ready(bd, RUN, 1, [], False, CFG.window)
+    assert not [k for k in shared if k.startswith(keys.ready(RUN, 1) + "/2.")]
+    sights = {me(bd): election.Sightings() for bd in boards}
+    for bd in boards:
+        await elect.read_ready(bd, RUN, 1, CFG.window, sights[me(bd)])
+    for bd in boards:
+        recs = await elect.read_ready(bd, RUN, 1, CFG.window, sights[me(bd)])
+        assert sights[me(bd)].level(1) == 2
+        mine = election.cell(RUN, 1, me(bd), 2)
+        assert {r.peer for r in recs} == {me(b) for b in boards if election.cell(RUN, 1, me(b), 2) == mine}

@@ -17,10 +17,11 @@ deadline rule is unchanged. A peer that sees only newcomers' records gives up af
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -31,10 +32,8 @@ from p2ptrain.records.codecs import State
 from p2ptrain.run import election
 
 log = logging.getLogger("p2ptrain.run.elect")
-_read_level: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""DHT node -> {run id: the level of cells it last read}: which levels its writes need."""
-_published: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""DHT node -> {run id: {step: ready keys we stored}} (to stop re-storing old ones)."""
+_stored: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""DHT node -> {run id: `_Ours`}: our election records, and the cells they are stored in."""
 Gone = Callable[[set[str]], Awaitable[set[str]]]
 """Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 
@@ -68,30 +67,12 @@ async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: 
     (`election.cells`: a reader reads the one level its run's size needs), concurrently. ready_at (now unless
     given) is informational: readers time a record by when they first saw it (D1)."""
     ready_at = wall_time() if ready_at is None else ready_at
-    board = RunRecords(dht, run_id)
-    ttl = election.ready_ttl(window)
-    placed = _placed(dht, run_id, step, keys.ready)
-    async with trio.open_nursery() as nursery:
-        for level, cell in placed:
-            nursery.start_soon(board.publish_ready, step, ready_at, addrs, joining, ttl, level, cell, tries)
+    ours = _ours(dht, run_id)
+    ours.forget_before(dht, step - 2)
+    ours.ready[step] = dict(ready_at=ready_at, addrs=addrs, joining=joining, ttl=election.ready_ttl(window),
+                            tries=tries)
+    await _file(dht, run_id, step, fresh="ready")
     return ready_at
-
-
-def _placed(dht, run_id: str, step: int, key) -> list[tuple[int, int]]:
-    """Our (level, cell) of `step` at each level a reader may need, and forget the keys of
-    steps well past (`key`: `keys.ready` or `keys.state`)."""
-    # Levels 0 .. one finer than we last read: a reader moves one level per read, from a
-    # level everyone writes (0) down to ours, so the levels nobody reads cost no stores.
-    upto = _read_level.get(dht, {}).get(run_id, 0) + 1
-    # The DHT re-stores our records until told otherwise; a step's records are read only
-    # while the step is open, so those of steps well past stop being re-stored.
-    mine = _published.setdefault(dht, {}).setdefault(run_id, {})
-    for old in [t for t in mine if t < step - 2]:
-        for k in mine.pop(old):
-            dht.forget(k)
-    placed = election.cells(run_id, step, dht.identity.peer_id_str)[:upto + 1]
-    mine.setdefault(step, set()).update(key(run_id, step, level, cell) for level, cell in placed)
-    return placed
 
 
 async def publish_state(dht, run_id: str, state: State, window: float) -> None:
@@ -100,13 +81,65 @@ async def publish_state(dht, run_id: str, state: State, window: float) -> None:
     of step t's cell learns who is at t (expected) and who already moved past it (E9)
     from O(cell) records, where the run's key holds every peer's (O(N) a read; at 1,000
     peers a reply shows a quarter of them)."""
-    board = RunRecords(dht, run_id)
-    ttl = election.ready_ttl(window)  # as long as the ready records they are read beside
+    ours = _ours(dht, run_id)
+    ours.forget_before(dht, state.step - 2)
+    ours.state = (state, election.ready_ttl(window))  # as long as the ready records beside them
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(board.publish_state, state)
+        nursery.start_soon(RunRecords(dht, run_id).publish_state, state)
         for step in {state.step, state.step - 1} - {-1}:
-            for level, cell in _placed(dht, run_id, step, keys.state):
-                nursery.start_soon(board.publish_state, state, ttl, step, level, cell)
+            nursery.start_soon(functools.partial(_file, dht, run_id, step, fresh="state"))
+
+
+@dataclass
+class _Ours:
+    """What one DHT node stored for one run's elections, and where."""
+    level: int = 0
+    """The level of cells we last read: we store at levels 0 .. one finer than it."""
+    keys: dict[int, set[str]] = field(default_factory=dict)
+    """step -> the cell keys holding our records of that step."""
+    ready: dict[int, dict] = field(default_factory=dict)
+    """step -> our ready record's fields (`RunRecords.publish_ready`'s arguments)."""
+    state: tuple[State, float] | None = None
+    """Our newest state record and its cell TTL."""
+
+    def forget_before(self, dht, step: int) -> None:
+        # The DHT re-stores our records until told otherwise; a step's records are read only
+        # while the step is open, so those of steps well past stop being re-stored.
+        for old in [t for t in self.keys if t < step]:
+            for k in self.keys.pop(old):
+                dht.forget(k)
+            self.ready.pop(old, None)
+
+
+def _ours(dht, run_id: str) -> _Ours:
+    return _stored.setdefault(dht, {}).setdefault(run_id, _Ours())
+
+
+async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
+    """Store our ready and state records of `step` (those we have: E5, E10) in our cells at
+    levels 0 .. one finer than we last read: those of the `fresh` kind ('ready', 'state')
+    all again (the record changed), the others only where not stored yet. A reader moves
+    one level per read, from a level everyone writes (0) down to ours, so the levels
+    nobody reads cost no stores; and a reader that moves to a finer level files its own
+    records there as it arrives. Before, records stayed where they were first stored:
+    at 1,000 peers step 0's readers moved two levels down to cells nobody had written and
+    waited there for good (the simulator, seed 1: no group formed in 30 s)."""
+    ours = _ours(dht, run_id)
+    board = RunRecords(dht, run_id)
+    stored = ours.keys.setdefault(step, set())
+    state = ours.state if ours.state is not None and step in (ours.state[0].step, ours.state[0].step - 1) else None
+    jobs = []
+    for level, cell in election.cells(run_id, step, dht.identity.peer_id_str)[:ours.level + 2]:
+        if step in ours.ready and (fresh == "ready" or keys.ready(run_id, step, level, cell) not in stored):
+            stored.add(keys.ready(run_id, step, level, cell))
+            jobs.append(functools.partial(board.publish_ready, step, level=level, cell=cell, **ours.ready[step]))
+        if state is not None and (fresh == "state" or keys.state(run_id, step, level, cell) not in stored):
+            stored.add(keys.state(run_id, step, level, cell))
+            jobs.append(functools.partial(board.publish_state, state[0], state[1], step, level, cell))
+    if jobs:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(job)
 
 
 async def cell_steps(dht, run_id: str, step: int, level: int) -> dict[str, int]:
@@ -140,7 +173,8 @@ async def read_ready(dht, run_id: str, step: int, window: float,
         else:
             break
     s.set_level(step, level)
-    _read_level.setdefault(dht, {})[run_id] = s.last_level
+    _ours(dht, run_id).level = s.last_level
+    await _file(dht, run_id, step)  # a no-op unless we moved to a level we have not stored at
     seen = s.observe(step, [r.peer for r, _ in got], wall_time())
     return [dataclasses.replace(r, ready_at=seen[r.peer]) for r, _ in got]
 
