@@ -232,6 +232,12 @@ def test_ready_record_codec_bounds_and_rejects():
             records.decode_ready("peer", bad)
     assert rec.tries == 0 and records.decode_ready("p", records.encode_ready(1.0, [], False, 3)).tries == 3
     assert b"try" not in records.encode_ready(1.0, [], False)  # a first try's record is as before
+    assert records.decode_ready("p", records.encode_ready(1.0, [], False, 0, "ab" * 8)).boot == "ab" * 8
+    for bad in ({"boot": b"\x01"}, {"boot": 7}, {"boot": "x" * 33}):
+        with pytest.raises(records.RecordError):
+            records.decode_ready("peer", msgpack.packb({"ready_at": 1.0, **bad}))
+        with pytest.raises(records.RecordError):
+            records.decode_state(msgpack.packb({"step": 1, "params": "p", "ckpt": "c", **bad}))
 
 
 @trio_test()
@@ -423,3 +429,39 @@ async def test_a_reader_that_moves_to_a_finer_level_files_its_own_records_there(
         assert sights[me(bd)].level(1) == 2
         mine = election.cell(RUN, 1, me(bd), 2)
         assert {r.peer for r in recs} == {me(b) for b in boards if election.cell(RUN, 1, me(b), 2) == mine}
+
+
+@trio_test()
+async def test_a_retry_leaves_out_the_ready_record_an_earlier_incarnation_left():
+    """Rule E11: b posted its ready record for step 0, crashed and started again (a new
+    process: a new boot nonce in its records). Its new state record says step 0, but the
+    record its earlier incarnation left is stale: that process will never come to the
+    round. A retry leaves it out; a first try still deals it (as E9). Before: a peer's
+    retry elected a restarted peer from its pre-crash record while it caught up, and waited
+    out the retry's first confirmation for it (the simulator, 4 peers, seed 157)."""
+    shared: dict = {}
+    a, b = (_Board(shared, Identity.from_seed(bytes([i + 1]) * 32)) for i in range(2))
+    for bd in (a, b):
+        await elect.publish_state(bd, RUN, records.State(0, "p" * 64, "c" * 64), CFG.window)
+        await elect.publish_ready(bd, RUN, 0, [], False, CFG.window)
+    b_again = _Board(shared, b.identity)  # same identity and workdir, a new process
+    await elect.publish_state(b_again, RUN, records.State(0, "p" * 64, "c" * 64), CFG.window)
+    recs, _ = await elect.wait_for_deadline(a, RUN, 0, CFG, set(), set(), election.Sightings(), retry=True)
+    assert {r.peer for r in recs} == {me(a)}
+    recs, _ = await elect.wait_for_deadline(a, RUN, 0, CFG, set(), set(), election.Sightings())
+    assert {r.peer for r in recs} == {me(a), me(b)}
+
+
+@trio_test()
+async def test_a_peer_that_jumps_ahead_is_past_the_step_it_left_in_that_step_s_cell():
+    """Rule E10: b's state was at step 0 and it caught up to step 4 at once; step 0's cell
+    must say so (E9: not expected there), not go on saying 0. Before, the state record was
+    filed under the new step and the one before only: step 0's readers kept waiting for b
+    (the simulator, 4 peers, seed 157)."""
+    shared: dict = {}
+    a, b = (_Board(shared, Identity.from_seed(bytes([i + 1]) * 32)) for i in range(2))
+    await elect.publish_state(b, RUN, records.State(0, "p" * 64, "c" * 64), CFG.window)
+    assert (await elect.cell_states(a, RUN, 0, 0))[me(b)].step == 0
+    await elect.publish_state(b, RUN, records.State(4, "e" * 64, "c" * 64), CFG.window)
+    for t in (0, 3, 4):
+        assert (await elect.cell_states(a, RUN, t, 0))[me(b)].step == 4

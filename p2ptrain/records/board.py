@@ -72,11 +72,11 @@ class RunRecords:
 
     # -- ready/<t> ------------------------------------------------------------------------
     async def publish_ready(self, step: int, ready_at: float, addrs: list[str], joining: bool, ttl: float,
-                            level: int = 0, cell: int = 0, tries: int = 0) -> int:
+                            level: int = 0, cell: int = 0, tries: int = 0, boot: str = "") -> int:
         """Store our ready record for `step` in one cell (its TTL: `p2ptrain.run.election.ready_ttl`;
         a writer stores it in every level's cell: `p2ptrain.run.elect.publish_ready`)."""
         return await self.dht.store(keys.ready(self.run_id, step, level, cell),
-                                    codecs.encode_ready(ready_at, addrs, joining, tries), ttl=ttl)
+                                    codecs.encode_ready(ready_at, addrs, joining, tries, boot), ttl=ttl)
 
     async def read_ready(self, step: int, level: int = 0, cell: int = 0) -> list[tuple[Ready, float]]:
         """Every writer's ready record for `step` in one cell, with its signed expiry, as

@@ -86,16 +86,29 @@ class Ready:
     tries: int = 0
     """The writer's try of the step (rule T7: 0, or one more than the round tag of its last
     try nobody committed). A group's round tag is the largest its members posted."""
+    boot: str = ""
+    """The writer process's incarnation (rule E11: a random hex nonce per start, also in its
+    state records): a ready record of an earlier incarnation is stale."""
 
 
 MAX_TRIES = 1 << 20
+MAX_BOOT = 32
 
 
-def encode_ready(ready_at: float, addrs: list[str], joining: bool, tries: int = 0) -> bytes:
+def encode_ready(ready_at: float, addrs: list[str], joining: bool, tries: int = 0, boot: str = "") -> bytes:
     obj = {"ready_at": ready_at, "addrs": list(addrs)[:MAX_ADDRS], "joining": joining}
     if tries:
         obj["try"] = tries
+    if boot:
+        obj["boot"] = boot
     return msgpack.packb(obj)
+
+
+def _boot(obj: dict, what: str) -> str:
+    boot = obj.get("boot", "")
+    if not (isinstance(boot, str) and len(boot) <= MAX_BOOT):
+        raise RecordError("malformed", f"{what} record's boot is not a string of at most {MAX_BOOT} characters")
+    return boot
 
 
 def decode_ready(peer: str, value: bytes) -> Ready:
@@ -110,7 +123,7 @@ def decode_ready(peer: str, value: bytes) -> Ready:
     tries = obj.get("try", 0)
     if not (isinstance(tries, int) and not isinstance(tries, bool) and 0 <= tries <= MAX_TRIES):
         raise RecordError("malformed", "ready record's try is not an int in 0..2**20")
-    return Ready(peer, float(ready_at), _strings(obj.get("addrs"), "addrs"), joining, tries)
+    return Ready(peer, float(ready_at), _strings(obj.get("addrs"), "addrs"), joining, tries, _boot(obj, "ready"))
 
 
 # -- state --------------------------------------------------------------------------------
@@ -125,6 +138,8 @@ class State:
     val_loss: float | None = None
     addrs: tuple[str, ...] = ()
     conns: dict[str, int] = field(default_factory=dict)
+    boot: str = ""
+    """The writer process's incarnation (`Ready.boot`, rule E11)."""
 
     def to_dict(self) -> dict:
         return {"step": self.step, "params": self.params, "ckpt": self.ckpt, "loss": self.loss,
@@ -138,7 +153,7 @@ def _finite_or_none(x) -> float | None:
 def encode_state(s: State) -> bytes:
     return msgpack.packb({"step": s.step, "params": s.params, "ckpt": s.ckpt, "addrs": list(s.addrs)[:MAX_ADDRS],
                           "loss": _finite_or_none(s.loss), "val_loss": _finite_or_none(s.val_loss),
-                          "conns": dict(s.conns)})
+                          "conns": dict(s.conns), **({"boot": s.boot} if s.boot else {})})
 
 
 def parse_counts(value) -> dict[str, int]:
@@ -164,7 +179,7 @@ def decode_state(value: bytes) -> State:
     if obj.get("conns") is not None and not isinstance(obj["conns"], dict):
         raise RecordError("malformed", "state record's conns is not a map")
     return State(step, params[:64], ckpt[:64], _finite_or_none(obj.get("loss")), _finite_or_none(obj.get("val_loss")),
-                 _strings(obj.get("addrs"), "addrs"), parse_counts(obj.get("conns")))
+                 _strings(obj.get("addrs"), "addrs"), parse_counts(obj.get("conns")), _boot(obj, "state"))
 
 
 # -- providers ----------------------------------------------------------------------------

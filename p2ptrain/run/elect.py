@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import trio
 
+from p2ptrain import entropy
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords, keys
@@ -70,7 +71,7 @@ async def publish_ready(dht, run_id: str, step: int, addrs: list[str], joining: 
     ours = _ours(dht, run_id)
     ours.forget_before(dht, step - 2)
     ours.ready[step] = dict(ready_at=ready_at, addrs=addrs, joining=joining, ttl=election.ready_ttl(window),
-                            tries=tries)
+                            tries=tries, boot=ours.boot)
     await _file(dht, run_id, step, fresh="ready")
     return ready_at
 
@@ -82,11 +83,16 @@ async def publish_state(dht, run_id: str, state: State, window: float) -> None:
     from O(cell) records, where the run's key holds every peer's (O(N) a read; at 1,000
     peers a reply shows a quarter of them)."""
     ours = _ours(dht, run_id)
-    ours.forget_before(dht, state.step - 2)
+    ours.forget_before(dht, min(state.step - 2, ours.state[0].step if ours.state is not None else state.step))
+    state = dataclasses.replace(state, boot=ours.boot)
+    # The step we were filed at before too: a peer that jumps (a catch-up from s to s + 4)
+    # is past s, and s's readers must see it (else they wait for it at s: seed 157).
+    before = ours.state[0].step if ours.state is not None else state.step
     ours.state = (state, election.ready_ttl(window))  # as long as the ready records beside them
+    ours.state_steps = {state.step, state.step - 1, before} - {-1}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(RunRecords(dht, run_id).publish_state, state)
-        for step in {state.step, state.step - 1} - {-1}:
+        for step in sorted(ours.state_steps):
             nursery.start_soon(functools.partial(_file, dht, run_id, step, fresh="state"))
 
 
@@ -101,6 +107,10 @@ class _Ours:
     """step -> our ready record's fields (`RunRecords.publish_ready`'s arguments)."""
     state: tuple[State, float] | None = None
     """Our newest state record and its cell TTL."""
+    state_steps: set[int] = field(default_factory=set)
+    """The steps whose cells file it (E10)."""
+    boot: str = field(default_factory=lambda: entropy.rng().randbytes(8).hex())
+    """This incarnation (rule E11): records an earlier start of ours left in the DHT say another."""
 
     def forget_before(self, dht, step: int) -> None:
         # The DHT re-stores our records until told otherwise; a step's records are read only
@@ -127,7 +137,7 @@ async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
     ours = _ours(dht, run_id)
     board = RunRecords(dht, run_id)
     stored = ours.keys.setdefault(step, set())
-    state = ours.state if ours.state is not None and step in (ours.state[0].step, ours.state[0].step - 1) else None
+    state = ours.state if step in ours.state_steps else None
     jobs = []
     for level, cell in election.cells(run_id, step, dht.identity.peer_id_str)[:ours.level + 2]:
         if step in ours.ready and (fresh == "ready" or keys.ready(run_id, step, level, cell) not in stored):
@@ -142,12 +152,12 @@ async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
                 nursery.start_soon(job)
 
 
-async def cell_steps(dht, run_id: str, step: int, level: int) -> dict[str, int]:
-    """peer -> its state's step, for the peers filed under our cell of `step` at `level`
+async def cell_states(dht, run_id: str, step: int, level: int) -> dict[str, State]:
+    """peer -> its state record, for the peers filed under our cell of `step` at `level`
     (`publish_state`): those at the step, and those past it."""
     me = dht.identity.peer_id_str
     got = await RunRecords(dht, run_id).read_states(step, level, election.cell(run_id, step, me, level))
-    return {peer_id_to_str(sub): st.step for sub, st in got}
+    return {peer_id_to_str(sub): st for sub, st in got}
 
 
 async def read_ready(dht, run_id: str, step: int, window: float,
@@ -203,6 +213,7 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     interval, before = config.poll, None
     at_step: set[str] = set()
     past: set[str] = set()
+    boots: dict[str, str] = {}
     states_at = trio.current_time()
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
@@ -212,9 +223,10 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
         # expected too).
         fresh = trio.current_time() >= states_at
         if fresh:
-            steps = await cell_steps(dht, run_id, step, sightings.level(step))
-            at_step = {p for p, s in steps.items() if s == step}
-            past = {p for p, s in steps.items() if s > step} - {me}
+            sts = await cell_states(dht, run_id, step, sightings.level(step))
+            at_step = {p for p, st in sts.items() if st.step == step}
+            past = {p for p, st in sts.items() if st.step > step} - {me}
+            boots = {p: st.boot for p, st in sts.items() if st.boot}
             states_at = trio.current_time() + config.probe
         if retry:
             # Rule E9: in a retry, a record for this step from a peer whose state is already
@@ -224,6 +236,12 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             # first try: there the other groups' members count for the deal even once they
             # committed (a late closer would deal from fewer peers than its group did).
             recs = [r for r in recs if r.peer not in past]
+            # Rule E11: nor is one an earlier incarnation of its writer left (a restarted peer
+            # whose new state record names another boot): it will never come to that round.
+            # A retry elected a peer from the record it posted before its crash, while it
+            # caught up after its restart, and waited out the retry's first confirmation for
+            # it (the simulator, 4 peers, seed 157).
+            recs = [r for r in recs if not (r.boot and boots.get(r.peer, r.boot) != r.boot)]
         waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
