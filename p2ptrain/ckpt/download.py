@@ -19,6 +19,7 @@ excluded for the rest of the download; one that fails `max_failures` requests is
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import logging
@@ -111,7 +112,11 @@ class CheckpointServer:
         `sha256` is the whole checkpoint's hash). `blocking(fn, *args)` runs the chunking and
         hashing (default `trio.to_thread.run_sync`)."""
         manifest, digest = await (blocking or trio.to_thread.run_sync)(self.serve, data)
-        await RunRecords(dht, run_id).publish_provider(step, digest, manifest.sha256, params, members, addrs, ttl)
+        board = RunRecords(dht, run_id)
+        async with trio.open_nursery() as nursery:  # the run's key (the head) and the state's (a merge's fetch)
+            for by_state in (False, True):
+                nursery.start_soon(functools.partial(board.publish_provider, step, digest, manifest.sha256, params,
+                                                     members, addrs, ttl, by_state=by_state))
         self.current = (step, digest)
         return manifest
 

@@ -108,13 +108,17 @@ class RunRecords:
 
     # -- providers ------------------------------------------------------------------------
     async def publish_provider(self, step: int, manifest: str, sha256: str, params: str, members: list[str],
-                               addrs: list[str], ttl: float = PROVIDER_TTL) -> int:
+                               addrs: list[str], ttl: float = PROVIDER_TTL, by_state: bool = False) -> int:
+        """Under the run's `providers` key, or with `by_state` under the state's own
+        (`keys.providers`; the writer stores both: `p2ptrain.ckpt.download.CheckpointServer.publish`)."""
         value = codecs.encode_provider(step, manifest, sha256, params, members, addrs)
-        return await self.dht.store(keys.providers(self.run_id), value, ttl=ttl)
+        key = keys.providers(self.run_id, step, params) if by_state else keys.providers(self.run_id)
+        return await self.dht.store(key, value, ttl=ttl)
 
-    async def read_providers(self) -> list[Provider]:
+    async def read_providers(self, step: int | None = None, params: str | None = None) -> list[Provider]:
+        """Every member's provider record, or with `step` and `params` those of one state."""
         out = []
-        for sub, p, _ in await self._read(keys.providers(self.run_id),
+        for sub, p, _ in await self._read(keys.providers(self.run_id, step, params),
                                           lambda sub, v: codecs.decode_provider(peer_id_to_str(sub), v), "provider",
                                           cache=True):
             self._learn(sub, p.addrs)

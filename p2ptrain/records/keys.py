@@ -9,7 +9,8 @@ reading and writing them goes through `p2ptrain.records.board.RunRecords`.
   manifest    the signed run manifest, served by every member
   ready/<t>   "ready for outer step t", read by the election (ready/<t>/<l>.<c>: one cell of it)
   state       each member's newest state (state/<t>/<l>.<c>: those at or just past step t, by cell)
-  providers   checkpoint provider records (the quorum rule: `p2ptrain.ckpt.providers`)
+  providers   checkpoint provider records (the quorum rule: `p2ptrain.ckpt.providers`;
+              providers/<t>/<params>: those of one state)
   reputation  robust-rule reports (the verdict: `p2ptrain.run.reputation`)
   data        peers serving the run's tokenizer and token stream (`p2ptrain.train.shards`)
   peers       presence, per run or lobby (`p2ptrain.net.presence`)
@@ -49,8 +50,13 @@ def data(run_id: str) -> str:
     return _key(run_id, "data")
 
 
-def providers(run_id: str) -> str:
-    return _key(run_id, "providers")
+def providers(run_id: str, step: int | None = None, params: str | None = None) -> str:
+    """`providers`: every member's newest provider record (the head, H1). With `step` and
+    `params`, those of one state (`providers/<t>/<params hash>`): a merge round's fetch of
+    a base reads its G holders' records, not the run's O(N)."""
+    if step is None or params is None:
+        return _key(run_id, "providers")
+    return _key(run_id, f"providers/{step}/{params[:64]}")
 
 
 def reputation(run_id: str) -> str:

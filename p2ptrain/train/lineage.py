@@ -191,7 +191,7 @@ class Lineage:
         and `merge.average` checks the params against `base`."""
         with trio.fail_after(timeout):
             while True:
-                recs = [r for r in await RunRecords(self.dht, self.run_id).read_providers()
+                recs = [r for r in await RunRecords(self.dht, self.run_id).read_providers(t, base)
                         if r.peer in holders and r.step == t and r.params == base]
                 if recs:
                     break
