@@ -131,7 +131,7 @@ async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
     all again (the record changed), the others only where not stored yet. A reader moves
     one level per read, from a level everyone writes (0) down to ours, so the levels
     nobody reads cost no stores; and a reader that moves to a finer level files its own
-    records there as it arrives. Before, records stayed where they were first stored:
+    records there as it arrives (rule E12). Before, records stayed where they were first stored:
     at 1,000 peers step 0's readers moved two levels down to cells nobody had written and
     waited there for good (the simulator, seed 1: no group formed in 30 s)."""
     ours = _ours(dht, run_id)
