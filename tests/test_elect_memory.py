@@ -465,3 +465,24 @@ async def test_a_peer_that_jumps_ahead_is_past_the_step_it_left_in_that_step_s_c
     await elect.publish_state(b, RUN, records.State(4, "e" * 64, "c" * 64), CFG.window)
     for t in (0, 3, 4):
         assert (await elect.cell_states(a, RUN, t, 0))[me(b)].step == 4
+
+
+@trio_test()
+async def test_a_reader_of_a_sparse_child_cell_reads_its_full_parent_once_a_step():
+    """A reader whose level-2 cell holds few records yet (early in a step) checks whether
+    its parent is still full (a run that shrank moves back up); a step's records only
+    accumulate, so once seen full the parent is not read again that step. Before, every
+    poll read the parent's ~175-250 records beside its own cell's few."""
+    ids = [Identity.from_seed(random.Random(i).randbytes(32)) for i in range(4 * election.SPLIT + 60)]
+    shared: dict = {}
+    boards = [_Board(shared, ident) for ident in ids]
+    for bd in boards:
+        await elect.publish_ready(bd, RUN, 1, [], False, CFG.window)
+    r, s = boards[0], election.Sightings()
+    read: list[str] = []
+    get = r.get
+    r.get = lambda key: (read.append(key), get(key))[1]
+    for _ in range(5):
+        await elect.read_ready(r, RUN, 1, CFG.window, s)
+    parent = keys.ready(RUN, 1, 1, election.cell(RUN, 1, me(r), 1))
+    assert s.level(1) == 2 and read.count(parent) == 1, read.count(parent)

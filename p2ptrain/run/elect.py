@@ -173,11 +173,15 @@ async def read_ready(dht, run_id: str, step: int, window: float,
     for _ in range(election.LEVELS):  # at most one pass down or up the levels
         move = election.level_move(level, len(got))
         if move > 0:
+            s.full.add((step, level))
             level += 1
             got = await board.read_ready(step, level, election.cell(run_id, step, me, level))
         elif move < 0:
+            if (step, level - 1) in s.full:
+                break
             parent = await board.read_ready(step, level - 1, election.cell(run_id, step, me, level - 1))
             if len(parent) >= election.SPLIT:
+                s.full.add((step, level - 1))
                 break
             level, got = level - 1, parent
         else:
