@@ -46,8 +46,11 @@ class Agreement:
                                max(0, min(int(weight), rosters.MAX_WEIGHT)))
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
+        # Rule G3: a member whose state is already past the step (it caught up and moved on
+        # after our election closed) is silent at once, not after the whole wait.
+        away = {"absent": self._absent} if self._absent is not None else {}
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
-                                      unreachable_silent=True, answer_strangers=True)
+                                      unreachable_silent=True, answer_strangers=True, **away)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         if self.bases is None:  # no way to merge: another base cannot share a round with us
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}

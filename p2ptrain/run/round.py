@@ -139,12 +139,8 @@ class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0) -> None:
-        self.run_id = run_id
-        self.identity = identity
-        self.me = identity.peer_id_str
-        self.svc = service
-        self.config = config
-        self.ledger = ledger
+        self.run_id, self.identity, self.me = run_id, identity, identity.peer_id_str
+        self.svc, self.config, self.ledger = service, config, ledger
         self.contributor = contributor or Contributor()
         self.ring_cfg = ring.RingConfig(config.ring_mode, sub_chunk_bytes=config.sub_chunk_bytes)
         self.sparse = sparse
@@ -155,18 +151,21 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
         self._gone: set[str] = set()
+        self._absent = None
         self.silent_seen: set[str] = set()
         """Members found silent or gone at some attempt of the last `run` (G2)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
+                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0,
+                  absent=None) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
         meets when the slowest phase ends, not within the exchange timeout); later attempts
         wait the exchange timeout. `tag`: the round tag (T7), which numbers our attempts from
-        tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's."""
-        out = Outcome(None, list(group))
+        tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's.
+        `absent(members)`: those that will not come (G3; `ReduceService.exchange`)."""
+        out, self._absent = Outcome(None, list(group)), absent
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
         self.silent_seen = plan.silent  # live: the trainer probes these when elected again

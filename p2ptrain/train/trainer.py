@@ -15,6 +15,7 @@ rules H1 and H2 of docs/PROTOCOL.md).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -254,7 +255,8 @@ class Trainer(Lineage):
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   self._first_wait(elected is not None, retry), weight=self.weight, tag=tag)
+                                   self._first_wait(elected is not None, retry), weight=self.weight, tag=tag,
+                                   absent=functools.partial(self._past, t))
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
@@ -299,6 +301,12 @@ class Trainer(Lineage):
         else:
             await self._report(t, tm, report, self._reported)
         return False
+
+    async def _past(self, t: int, peers: set[str]) -> set[str]:
+        """Rule G3: those of `peers` whose state record in our cell of step t is past it
+        (their own claim: a liar only leaves itself out of our round)."""
+        sts = await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))
+        return {p for p in peers if p in sts and sts[p].step > t}
 
     def _first_wait(self, ahead: bool, retry: bool) -> float | None:
         """How long the round's first roster confirmation waits for members (None: the
