@@ -151,7 +151,7 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
         self._gone: set[str] = set()
-        self._absent = None
+        self._absent, self._moved_on = None, set()
         self.silent_seen: set[str] = set()
         """Members found silent or gone at some attempt of the last `run` (G2)."""
 
@@ -199,6 +199,8 @@ class ContributionRound(Agreement):
             wait = self._confirm_wait(attempt - first, first_wait)
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
+            if self._moved_on:  # G3: members committed this step elsewhere: adopt it, no fork beside it
+                return out
             action, nxt = plan.after(roster, verdict)
             if action != "go":
                 log.info("step %d attempt %d: roster not confirmed by %s: %s", t, attempt,
@@ -207,8 +209,7 @@ class ContributionRound(Agreement):
                     return out
                 roster = nxt
                 continue
-            t0 = trio.current_time()
-            out.merged = None
+            t0, out.merged = trio.current_time(), None
             merged_ok = await self._merge_bases(out, t, attempt, roster, base, verdict)
             out.took("merge", t0)
             if not merged_ok and self._gone:  # a base's holders crashed (G2): on without them
