@@ -343,6 +343,10 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
     return None
 
 
+FORGIVE = 10.0
+"""Seconds a catch-up keeps a checkpoint nobody served, or a donor that did not answer, out."""
+
+
 async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, load, *,
                 timeout: float = 120.0, patience: float | None = None, rejected: set[str] | None = None,
                 trusted: frozenset[str] = frozenset()) -> int | None:
@@ -359,8 +363,17 @@ async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, 
     give_up = trio.current_time() + (timeout if patience is None else patience)
     unserved: set[str] = set()
     avoid: set[str] = set()  # donors found unresponsive during this catch-up
+    forgive_at = trio.current_time() + FORGIVE
     with trio.move_on_after(timeout):
         while True:
+            if trio.current_time() >= forgive_at:
+                # A partition heals: a checkpoint nobody served and donors that did not answer
+                # may serve now. Kept for the whole catch-up, a state first found while its
+                # holders were cut off was never fetched once they came back, and the peer
+                # retried its old step beside it: a fork (the simulator, 4 peers, seed 74).
+                unserved.clear()
+                avoid.clear()
+                forgive_at = trio.current_time() + FORGIVE
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events, at_least, have_step,
                                              trusted=trusted, reject=rejected | unserved, avoid=avoid)

@@ -305,8 +305,10 @@ class Trainer(Lineage):
     async def _past(self, t: int, peers: set[str]) -> set[str]:
         """Rule G3: those of `peers` whose state record in our cell of step t is past it
         (their own claim: a liar only leaves itself out of our round)."""
-        sts = await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))
-        return {p for p in peers if p in sts and sts[p].step > t}
+        with trio.move_on_after(1.0):  # a probe, never a stall of the wait it serves
+            sts = await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))
+            return {p for p in peers if p in sts and sts[p].step > t}
+        return set()
 
     def _first_wait(self, ahead: bool, retry: bool) -> float | None:
         """How long the round's first roster confirmation waits for members (None: the
