@@ -405,3 +405,31 @@ def test_fair_slots_take_turns_per_identity_and_bound_their_queues():
     assert slots.release("c") == [] and slots.release("a") == [] and slots.busy == 0 and slots.waiting == 0
     with pytest.raises(ValueError):
         SlotConfig(per_peer=0)
+
+
+@trio_test()
+async def test_a_catch_up_retries_a_state_whose_holders_were_cut_off(monkeypatch):
+    """The head is found while a partition cuts its holders off: its fetch fails, and the
+    catch-up keeps it out -- for `FORGIVE` seconds, not for the whole catch-up. Before, the
+    state was never fetched after the partition healed; the peer retried its old step beside
+    it and the run forked (the simulator, 4 peers, seed 74)."""
+    from p2ptrain.ckpt import download as dl
+
+    healed_at = trio.current_time() + 15.0
+    calls = []
+
+    async def fetch_checkpoint(node, run_id, spec, events, at_least, have_step, *, trusted, reject, avoid):
+        calls.append(trio.current_time())
+        if "s" * 64 in reject:
+            return None  # nothing else is advertised
+        if trio.current_time() < healed_at:
+            exc = dl.FetchError("no provider served the chunk manifest")
+            exc.sha256 = "s" * 64
+            raise exc
+        return 3, b"state"
+
+    monkeypatch.setattr(dl, "fetch_checkpoint", fetch_checkpoint)
+    loaded = []
+    step = await dl.adopt(None, "r", None, None, 3, 2, loaded.append, timeout=60.0)
+    assert step == 3 and loaded == [b"state"], calls
+    assert trio.current_time() - calls[0] < 15.0 + dl.FORGIVE + 1.0
