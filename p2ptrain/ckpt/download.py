@@ -367,12 +367,9 @@ async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, 
     with trio.move_on_after(timeout):
         while True:
             if trio.current_time() >= forgive_at:
-                # A partition heals: a checkpoint nobody served and donors that did not answer
-                # may serve now. Kept for the whole catch-up, a state first found while its
-                # holders were cut off was never fetched once they came back, and the peer
-                # retried its old step beside it: a fork (the simulator, 4 peers, seed 74).
-                unserved.clear()
-                avoid.clear()
+                # A partition heals: what nobody served may be served now (PROTOCOL H1; kept out
+                # for the whole catch-up, a head found while cut off was never fetched: seed 74).
+                unserved.clear(), avoid.clear()
                 forgive_at = trio.current_time() + FORGIVE
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events, at_least, have_step,

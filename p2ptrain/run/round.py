@@ -194,8 +194,7 @@ class ContributionRound(Agreement):
                 if not joining:
                     out.result, out.alone = delta.copy(), True
                 return out
-            rh = election.roster_hash(self.run_id, t, attempt, roster)
-            t0 = trio.current_time()
+            rh, t0 = election.roster_hash(self.run_id, t, attempt, roster), trio.current_time()
             wait = self._confirm_wait(attempt - first, first_wait)
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)

@@ -15,7 +15,6 @@ rules H1 and H2 of docs/PROTOCOL.md).
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -256,7 +255,7 @@ class Trainer(Lineage):
         lap = _lap(tm, "base_hash", lap)
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
                                    self._first_wait(elected is not None, retry), weight=self.weight, tag=tag,
-                                   absent=functools.partial(self._past, t))
+                                   absent=lambda peers: self._past(t, peers))
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
@@ -303,11 +302,10 @@ class Trainer(Lineage):
         return False
 
     async def _past(self, t: int, peers: set[str]) -> set[str]:
-        """Rule G3: those of `peers` whose state record in our cell of step t is past it
-        (their own claim: a liar only leaves itself out of our round)."""
+        """Rule G3: those of `peers` whose state record in our cell of step t is past it."""
         with trio.move_on_after(1.0):  # a probe, never a stall of the wait it serves
-            sts = await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))
-            return {p for p in peers if p in sts and sts[p].step > t}
+            return {p for p, st in (await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))).items()
+                    if p in peers and st.step > t}
         return set()
 
     def _first_wait(self, ahead: bool, retry: bool) -> float | None:
