@@ -369,11 +369,12 @@ class AllReduceService:
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False, absent=None) -> dict[str, bytes | None]:
-        """Send `payload` to every other member and collect theirs (None where it did not arrive
-        within `timeout`): roster confirmations, headers. `unreachable_silent`: a member we cannot
-        open a stream to is None at once (`Inbox.collect`), as is one `absent(member ids)` names
-        (G3). `answer_strangers`: a non-member that sends us its payload gets ours, once."""
+                       answer_strangers: bool = False) -> dict[str, bytes | None]:
+        """Send `payload` to every other member and collect theirs (None where it did not
+        arrive within `timeout`). Used for roster confirmation and contribution headers.
+        `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
+        `answer_strangers`: a non-member that sends us its payload for this exchange gets
+        ours, once (roster confirmation: `p2ptrain.reduce.exchange`)."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
@@ -381,7 +382,7 @@ class AllReduceService:
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=lambda ids: self._gone(ids, absent), answer=answer)
+                                       gone=self._gone, answer=answer)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out
@@ -390,9 +391,8 @@ class AllReduceService:
         """`p2ptrain.reduce.reach.unreachable` from this node."""
         return await reach.unreachable(self.host, peers, timeout, refused_only=refused_only)
 
-    async def _gone(self, ids: set[bytes], absent=None) -> set[bytes]:
+    async def _gone(self, ids: set[bytes]) -> set[bytes]:
         gone = await reach.unreachable(self.host, {peer_id_to_str(p) for p in ids}, unknown_gone=True)
-        gone |= set(await absent({peer_id_to_str(p) for p in ids} - gone)) if absent else set()
         return {p for p in ids if peer_id_to_str(p) in gone}
 
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:

@@ -46,20 +46,8 @@ class Agreement:
                                max(0, min(int(weight), rosters.MAX_WEIGHT)))
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
-        # Rule G3: a member whose state is already past the step (it committed the step, or
-        # caught up past it, after our election closed) is not waited for, and the caller
-        # leaves the round: the step is committed elsewhere, and going on without that
-        # member would commit a second state beside it (seen: a pair of a 4-group went on
-        # without the pair that had committed, and forked, the simulator's seed 84).
-        self._moved_on = set()
-
-        async def moved_on(peers: set[str]) -> set[str]:
-            got = set(await self._absent(peers))
-            self._moved_on |= got
-            return got
-        away = {"absent": moved_on} if self._absent is not None else {}
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
-                                      unreachable_silent=True, answer_strangers=True, **away)
+                                      unreachable_silent=True, answer_strangers=True)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         if self.bases is None:  # no way to merge: another base cannot share a round with us
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}

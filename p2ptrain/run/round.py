@@ -139,8 +139,12 @@ class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0) -> None:
-        self.run_id, self.identity, self.me = run_id, identity, identity.peer_id_str
-        self.svc, self.config, self.ledger = service, config, ledger
+        self.run_id = run_id
+        self.identity = identity
+        self.me = identity.peer_id_str
+        self.svc = service
+        self.config = config
+        self.ledger = ledger
         self.contributor = contributor or Contributor()
         self.ring_cfg = ring.RingConfig(config.ring_mode, sub_chunk_bytes=config.sub_chunk_bytes)
         self.sparse = sparse
@@ -151,21 +155,18 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self._unexplained = False
         self._gone: set[str] = set()
-        self._absent, self._moved_on = None, set()
         self.silent_seen: set[str] = set()
         """Members found silent or gone at some attempt of the last `run` (G2)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0,
-                  absent=None) -> Outcome:
+                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
         meets when the slowest phase ends, not within the exchange timeout); later attempts
         wait the exchange timeout. `tag`: the round tag (T7), which numbers our attempts from
-        tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's.
-        `absent(members)`: those that will not come (G3; `ReduceService.exchange`)."""
-        out, self._absent = Outcome(None, list(group)), absent
+        tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's."""
+        out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
         plan, probe = rosters.RosterPlan(elected, self.me), rosters.LeaveOneOut(self.run_id, t)
         self.silent_seen = plan.silent  # live: the trainer probes these when elected again
@@ -194,12 +195,11 @@ class ContributionRound(Agreement):
                 if not joining:
                     out.result, out.alone = delta.copy(), True
                 return out
-            rh, t0 = election.roster_hash(self.run_id, t, attempt, roster), trio.current_time()
+            rh = election.roster_hash(self.run_id, t, attempt, roster)
+            t0 = trio.current_time()
             wait = self._confirm_wait(attempt - first, first_wait)
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
-            if self._moved_on:  # G3: members committed this step elsewhere: adopt it, no fork beside it
-                return out
             action, nxt = plan.after(roster, verdict)
             if action != "go":
                 log.info("step %d attempt %d: roster not confirmed by %s: %s", t, attempt,
@@ -208,7 +208,8 @@ class ContributionRound(Agreement):
                     return out
                 roster = nxt
                 continue
-            t0, out.merged = trio.current_time(), None
+            t0 = trio.current_time()
+            out.merged = None
             merged_ok = await self._merge_bases(out, t, attempt, roster, base, verdict)
             out.took("merge", t0)
             if not merged_ok and self._gone:  # a base's holders crashed (G2): on without them

@@ -17,9 +17,7 @@ class ReduceService(Protocol):
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False, absent=None) -> dict[str, bytes | None]:
-        """`absent(members)` (with `unreachable_silent`): those of the members still awaited
-        that will not come (rule G3: their state is past the step), silent at once."""
+                       answer_strangers: bool = False) -> dict[str, bytes | None]: ...
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own=None, check=None, robust=None, on_own=None):

@@ -119,8 +119,7 @@ class SimReduceService:
         return self.net.refused(self.pid, peer_id_from_str(peer), rounds=True)
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes, timeout: float,
-                       unreachable_silent: bool = False, answer_strangers: bool = False,
-                       absent=None) -> dict[str, bytes | None]:
+                       unreachable_silent: bool = False, answer_strangers: bool = False) -> dict[str, bytes | None]:
         hub = self.hub
         pol = self.net.policy.get(self.pid)
         if pol is not None and pol.inflate and round_id.endswith("/roster"):
@@ -135,18 +134,13 @@ class SimReduceService:
                 hub.post(run_id, round_id, self.me, p, payload)
         others = [p for p in members if p != self.me]
         deadline = trio.current_time() + timeout
-        away: set[str] = set()
         while trio.current_time() < deadline:
             waiting = [p for p in others if hub.arrived(run_id, round_id, self.me, p) is None
-                       and not (unreachable_silent and self._gone(p)) and p not in away]
-            if waiting and unreachable_silent and absent is not None:  # rule G3, as the real service
-                away |= set(await absent(set(waiting)))
-                waiting = [p for p in waiting if p not in away]
+                       and not (unreachable_silent and self._gone(p))]
             if not waiting:
                 break
             await hub.wait(min(deadline, hub.next_arrival(run_id, round_id, self.me), trio.current_time() + 1.0))
-        out: dict[str, bytes | None] = {p: None if p in away else hub.arrived(run_id, round_id, self.me, p)
-                                        for p in others}
+        out: dict[str, bytes | None] = {p: hub.arrived(run_id, round_id, self.me, p) for p in others}
         out[self.me] = payload
         return out
 

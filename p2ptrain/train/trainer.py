@@ -254,8 +254,7 @@ class Trainer(Lineage):
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   self._first_wait(elected is not None, retry), weight=self.weight, tag=tag,
-                                   absent=lambda peers: self._past(t, peers))
+                                   self._first_wait(elected is not None, retry), weight=self.weight, tag=tag)
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
@@ -300,13 +299,6 @@ class Trainer(Lineage):
         else:
             await self._report(t, tm, report, self._reported)
         return False
-
-    async def _past(self, t: int, peers: set[str]) -> set[str]:
-        """Rule G3: those of `peers` whose state record in our cell of step t is past it."""
-        with trio.move_on_after(1.0):  # a probe, never a stall of the wait it serves
-            return {p for p, st in (await elect.cell_states(self.dht, self.run_id, t, self.sightings.level(t))).items()
-                    if p in peers and st.step > t}
-        return set()
 
     def _first_wait(self, ahead: bool, retry: bool) -> float | None:
         """How long the round's first roster confirmation waits for members (None: the
