@@ -83,11 +83,11 @@ async def publish_state(dht, run_id: str, state: State, window: float) -> None:
     from O(cell) records, where the run's key holds every peer's (O(N) a read; at 1,000
     peers a reply shows a quarter of them)."""
     ours = _ours(dht, run_id)
-    ours.forget_before(dht, min(state.step - 2, ours.state[0].step if ours.state is not None else state.step))
-    state = dataclasses.replace(state, boot=ours.boot)
     # The step we were filed at before too: a peer that jumps (a catch-up from s to s + 4)
     # is past s, and s's readers must see it (else they wait for it at s: seed 157).
     before = ours.state[0].step if ours.state is not None else state.step
+    ours.forget_before(dht, min(state.step - 2, before))
+    state = dataclasses.replace(state, boot=ours.boot)
     ours.state = (state, election.ready_ttl(window))  # as long as the ready records beside them
     ours.state_steps = {state.step, state.step - 1, before} - {-1}
     async with trio.open_nursery() as nursery:
@@ -140,11 +140,12 @@ async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
     state = ours.state if step in ours.state_steps else None
     jobs = []
     for level, cell in election.cells(run_id, step, dht.identity.peer_id_str)[:ours.level + 2]:
-        if step in ours.ready and (fresh == "ready" or keys.ready(run_id, step, level, cell) not in stored):
-            stored.add(keys.ready(run_id, step, level, cell))
+        ready_key, state_key = keys.ready(run_id, step, level, cell), keys.state(run_id, step, level, cell)
+        if step in ours.ready and (fresh == "ready" or ready_key not in stored):
+            stored.add(ready_key)
             jobs.append(functools.partial(board.publish_ready, step, level=level, cell=cell, **ours.ready[step]))
-        if state is not None and (fresh == "state" or keys.state(run_id, step, level, cell) not in stored):
-            stored.add(keys.state(run_id, step, level, cell))
+        if state is not None and (fresh == "state" or state_key not in stored):
+            stored.add(state_key)
             jobs.append(functools.partial(board.publish_state, state[0], state[1], step, level, cell))
     if jobs:
         async with trio.open_nursery() as nursery:

@@ -56,8 +56,10 @@ def cell(run_id: str, step: int, peer: str, level: int) -> int:
 
 
 def cells(run_id: str, step: int, peer: str) -> list[tuple[int, int]]:
-    """(level, cell) of every key a writer stores its ready record under."""
-    return [(level, cell(run_id, step, peer, level)) for level in range(LEVELS)]
+    """(level, cell) of every key a writer stores its ready record under (`cell` at each
+    level, from one hash: every read of the election asks)."""
+    top = int.from_bytes(order_key(run_id, step, peer)[:2], "big")
+    return [(level, top >> (16 - 2 * level)) for level in range(LEVELS)]
 
 
 def level_move(level: int, count: int) -> int:
