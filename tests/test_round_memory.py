@@ -51,6 +51,7 @@ class Hub:
         self.answers: dict[tuple[str, str], tuple[bytes, set]] = {}  # (round id, member) -> (payload, its roster)
         self.crash: dict[str, str] = {}  # round id -> a member that crashes in its data plane (found gone)
         self.refused: set[str] = set()  # crashed after their messages went out: only a dial finds them gone
+        self.signed: dict[str, dict[str, bool]] = {}  # round id -> member -> signed (its gate passed)
 
     def send(self, round_id: str, frm: str, to: str, payload: bytes) -> None:
         """As the real Inbox does for exchanges that answer strangers: a receiver whose
@@ -103,7 +104,8 @@ class FakeService:
     async def unreachable(self, peers, timeout=3.0, refused_only=False):
         return set(peers) & (self.hub.dead | self.hub.refused)  # a crashed member's dial is refused
 
-    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, on_own=None):
+    async def allreduce(self, vec, run_id, round_id, members, own=None, check=None, robust=None, on_own=None,
+                        gate=None):
         self.hub.calls.append((self.me, round_id, tuple(members)))
         if on_own is not None:  # as the ring does: our own frames are encoded first, whatever follows
             rcfg = ring.RingConfig(CFG.ring_mode, sub_chunk_bytes=CFG.sub_chunk_bytes)
@@ -126,7 +128,21 @@ class FakeService:
         await self.hub.wait_for(lambda: set(members) <= set(got), 10.0)
         if not set(members) <= set(got):
             raise RoundFailed("a member never came", {})
-        return Result(np.mean([got[p] for p in members], axis=0).astype(np.float32), vec.nbytes)
+        result = np.mean([got[p] for p in members], axis=0).astype(np.float32)
+        # As the real service: no frame passes before the headers are verified, and a member
+        # whose gate refuses the result signs nothing, so nobody commits.
+        if gate is not None and hasattr(check, "wait"):
+            await self.hub.wait_for(lambda: not check.pending(), 10.0)
+        refusal = await trio.to_thread.run_sync(gate, result) if gate is not None else None
+        signed = self.hub.signed.setdefault(round_id, {})
+        signed[self.me] = not refusal
+        self.hub.poke()
+        await self.hub.wait_for(lambda: set(members) <= set(signed), 10.0)
+        if refusal:
+            raise RoundFailed(f"we refused the result: {refusal}", refused=refusal)
+        if not all(signed.get(p, False) for p in members):
+            raise RoundFailed("a member aborted the round", {})
+        return Result(result, vec.nbytes)
 
 
 class Events:

@@ -105,7 +105,7 @@ class WithholdingService(AllReduceService):
     def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None) -> _Plane:
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
-        own, check, out, on_own = extras
+        own, check, out, on_own = extras[:4]
         result, sent, digest = ring.allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
         plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))

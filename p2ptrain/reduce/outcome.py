@@ -18,11 +18,13 @@ class RoundFailed(Exception):
     `blamed`: members caught sending bad data (peer id -> reason), by our own data plane or
     by a member that received their bytes (`p2ptrain.reduce.blame`). `suspects`: blamers whose
     accusations nobody corroborated (peer id -> count); their blame is not in `blamed`.
-    `gone`: members found certainly gone (no connection, and their dial refused): crashed."""
+    `gone`: members found certainly gone (no connection, and their dial refused): crashed.
+    `refused`: our own gate refused the result (`p2ptrain.run.lossgate`), with its reason."""
 
     def __init__(self, message: str, blamed: dict[str, str] | None = None,
-                 suspects: dict[str, int] | None = None, gone: tuple[str, ...] = ()) -> None:
+                 suspects: dict[str, int] | None = None, gone: tuple[str, ...] = (), refused: str = "") -> None:
         super().__init__(message)
+        self.refused = refused
         self.blamed = blamed or {}
         self.suspects = suspects or {}
         self.gone = tuple(gone)

@@ -43,6 +43,7 @@ from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
 from p2ptrain.reduce.outcome import RoundFailed, RoundResult, setup_failure
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
 from p2ptrain.reduce.ring import allreduce as ring_allreduce
+from p2ptrain.reduce.service_config import AllReduceConfig
 from p2ptrain.reduce.sessions import BULK_PROTOCOL, BulkSessions, read_msg
 
 log = logging.getLogger("p2ptrain.reduce.service")
@@ -50,49 +51,6 @@ log = logging.getLogger("p2ptrain.reduce.service")
 # 1.1: ok votes are signed (commit certificates), certificate requests and answers.
 VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.1.0")
 __all__ = ["AllReduceConfig", "AllReduceService", "BULK_PROTOCOL", "RoundFailed", "RoundResult", "VOTE_PROTOCOL"]
-
-
-@dataclass
-class AllReduceConfig:
-    mode: str = "int8"
-    """'int8' or 'fp32' on the wire."""
-    sub_chunk_bytes: int = 4 << 20
-    """fp32 bytes per pipelined frame (4 MiB: a 1 MiB int8 frame, as in the raw-socket
-    ceiling; 1 MiB frames measured ~10 % slower from per-frame overhead)."""
-    setup_timeout: float = 15.0
-    """Seconds to set up both bulk sessions (members may start a little apart)."""
-    frame_timeout: float = 20.0
-    """Seconds without a frame (or a vote) before the round gives up."""
-    frame_allowance: float = 10.0
-    """Seconds a begun frame may take beyond its size at `frame_min_rate_mbps` (`bulk.FrameBudget`)."""
-    frame_min_rate_mbps: float = 0.125  # MB/s (1 Mbit/s): a begun frame arriving slower blames its sender
-    commit_timeout: float = 10.0
-    """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
-    missing votes) after our own data plane finished."""
-    gone_probe: float = 1.0
-    """Seconds between checks, while setup waits, for a member certainly gone (no connection,
-    no dial: killed after it confirmed the roster), which fails the round at once."""
-    direct: bool = True
-    """Try a raw TCP connection for bulk bytes; False forces the libp2p stream."""
-    send_rate_mbps: float = 0.0
-    """Cap on bulk send rate in MB/s (0 = none), e.g. to leave room on a home uplink."""
-    control_streams: bool = True
-    """Votes and exchanges on persistent control streams (`ctlstreams`); False: a libp2p
-    stream per message, 3.6-5x the CPU (the baseline of `p2ptrain bench exchange`)."""
-    early_ttl: float = 60.0
-    """Seconds a member's vote or exchange message for a round not started here is kept
-    (`run.spec.TimeoutsSpec.early_ttl`). Read when the service starts."""
-
-    def __post_init__(self) -> None:
-        RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
-        for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe", "frame_allowance",
-                     "frame_min_rate_mbps"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
-        if self.send_rate_mbps < 0:
-            raise ValueError("send_rate_mbps must be >= 0")
-        if not self.early_ttl > 0:
-            raise ValueError("early_ttl must be > 0")
 
 
 @dataclass
@@ -107,6 +65,7 @@ class _Plane:
     t_data: float = 0.0
     error: RingError | None = None  # the data plane failed: we signed nothing
     gather_error: str = ""  # the ring votes failed after we signed
+    refused: str = ""  # our gate refused the result: we signed nothing
 
 
 class AllReduceService:
@@ -183,11 +142,13 @@ class AllReduceService:
     # -- rounds ----------------------------------------------------------------------
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own: list | None = None, check=None, robust=None,
-                        out: np.ndarray | None = None, on_own=None) -> RoundResult:
+                        out: np.ndarray | None = None, on_own=None, gate=None) -> RoundResult:
         """Average `vec` with `members` (ring order, including us). Raises RoundFailed.
 
         `own`, `check`, `out` (a result buffer: reusing one saves page faults) and `on_own`
         go to the data plane (`p2ptrain.reduce.ring.allreduce`); `on_own(-1, None)` at the end.
+        `gate(result)` (ring rounds, worker thread): a reason not to sign the result, or None
+        (`p2ptrain.run.lossgate`); a refusal aborts the round before we vote.
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.reduce.butterfly.allreduce`; `own`, `check` as it defines)."""
         ids = [peer_id_from_str(m) for m in members]
@@ -205,7 +166,7 @@ class AllReduceService:
             path = await self._setup(rnd, mesh, run_id, round_id, robust, config)
             t_setup = trio.current_time()
             roundtrace.mark("setup")
-            plane = await self._data_plane(rnd, mesh, vec, (own, check, out, on_own), robust, config)
+            plane = await self._data_plane(rnd, mesh, vec, (own, check, out, on_own, gate), robust, config)
             await self._decide(rnd, plane, robust is not None, config)
             committed = True
             t_end = trio.current_time()
@@ -292,11 +253,17 @@ class AllReduceService:
         by 0.2-0.4 ms (measured with `bench allreduce --trace` while the hop was marked)."""
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)  # none for a round of one
-        own, check, out, on_own = extras
+        own, check, out, on_own, gate = extras
         result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
+        refusal = gate(result) if gate is not None else None
+        if refusal:  # we sign nothing: no certificate can exist; our neighbours stop waiting now
+            for ch in (send_ch, recv_ch):
+                if ch is not None:
+                    ch.close()
+            return _Plane(error=RingError(refusal), t_data=plane.t_data, refused=refusal)
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]
             return plane
@@ -318,6 +285,9 @@ class AllReduceService:
                 self.board.ledger.note(self.identity.peer_id_str, failure.blame)
                 await self.board.abort(rnd, failure.blame, failure.reason)
                 raise RoundFailed(f"bad data from {failure.blame}: {failure.reason}", {failure.blame: failure.reason})
+            if plane.refused:  # say why before the others take our silence for a crash
+                await self.board.abort(rnd, reason=plane.refused)
+                raise RoundFailed(f"we refused the result: {plane.refused}", refused=plane.refused)
             await trio.sleep(0.2)  # an accuser's vote usually arrives right behind the failure
             aborted = self.board.aborted(rnd)
             raise RoundFailed(f"{aborted[0]} aborted the round" if aborted else f"data plane: {failure}")

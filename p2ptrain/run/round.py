@@ -34,14 +34,14 @@ import trio
 from p2ptrain.reduce import butterfly, ring
 from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
-from p2ptrain.run import election
+from p2ptrain.run import election, lossgate
 from p2ptrain.run.agree import Agreement, BaseSource  # noqa: F401 - BaseSource: the seam, re-exported
 from p2ptrain.run import roster as rosters
-from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests, chunk_norms, frame_digest,
+from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests,
                                        streamed_material, trained_scale)
 from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
-from p2ptrain.run.roundparts import Contributor, ReduceService  # noqa: F401 - the round's seams, re-exported
+from p2ptrain.run.roundparts import Contributor, ReduceService, prepare  # noqa: F401 - the round's seams, re-exported
 
 log = logging.getLogger("p2ptrain.run.round")
 
@@ -111,34 +111,11 @@ class Outcome:
         return now
 
 
-@dataclass
-class _Prepared:
-    send: np.ndarray
-    own: list
-    digests: tuple[str, ...]
-    norms: tuple[float, ...]
-    norm: float
-    lay: list
-
-
-def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: ring.RingConfig,
-            robust: bool) -> _Prepared:
-    """Encode and hash what we send, and the norms we sign (blocking: numba and hashing)."""
-    if not robust:
-        own = ring.own_payloads(send, rank, world, cfg)
-        digests = tuple(frame_digest(p) for p in own)
-    else:  # a copy of every chunk, each signed: every owner checks what it receives
-        own = butterfly.own_payloads(send, world, cfg)
-        digests = butterfly.chunk_digests(own)
-    lay = ring.layout(delta.size, world, cfg)
-    norms = chunk_norms(delta, lay)
-    return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
-
-
 class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
-                 group_size: int = 4, merge_timeout: float = 60.0) -> None:
+                 group_size: int = 4, merge_timeout: float = 60.0, scorer=None,
+                 gate: lossgate.GateConfig | None = None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -153,6 +130,9 @@ class ContributionRound(Agreement):
         """Merge rounds get states here; None: a member with another base is left out (tests
         that drive one round in memory)."""
         self.group_size, self.merge_timeout = group_size, merge_timeout
+        self.scorer, self.gate = scorer, gate or lossgate.GateConfig()
+        """Rule L1 (`p2ptrain.run.lossgate`): `scorer(avg, seed) -> (before, after)`; None: no gate."""
+        self._refused = False
         self._unexplained = False
         self._gone: set[str] = set()
         self.silent_seen: set[str] = set()
@@ -221,13 +201,15 @@ class ContributionRound(Agreement):
                     return out
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
-            self._unexplained, self._gone = False, set()
+            self._unexplained, self._gone, self._refused = False, set(), False
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
                 if probe.left is not None:  # its absence made the difference
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
+            if self._refused:  # L1: on without the members we have no standing with
+                roster = lossgate.without_unvetted(roster, self.me, self.ledger.standing.trusted())
+            elif self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
                 roster = self._without_gone(plan, roster)
             elif self._unexplained:
                 roster = probe.failed(roster)
@@ -287,7 +269,7 @@ class ContributionRound(Agreement):
                 # aborts the round in ~1 s instead of holding every frame check for the timeout.
                 raw = await self.svc.exchange(self.run_id, rid + "/hdr", roster, raw_signed,
                                               self.config.exchange_timeout, unreachable_silent=True)
-                got["verdict"] = v = self._verify(raw, t, attempt, rh, roster)
+                got["raw"], got["verdict"] = raw, (v := self._verify(raw, t, attempt, rh, roster))
                 got["ok"], got["bad"] = v.ok, v.bad
             finally:
                 out.took("headers", h0)
@@ -305,9 +287,13 @@ class ContributionRound(Agreement):
                 nursery.start_soon(headers)
             if held is not None or not got["bad"]:
                 checker = held if held is not None else butterfly.Checker(roster, got["ok"], subs)
+                gated = (not robust and self.scorer is not None and self.gate.enabled
+                         and lossgate.needs_gate(roster, self.me, self.ledger.standing.trusted()))
+                got["base_state"] = out.merged[0] if out.merged is not None else None
+                kw = {"gate": lossgate.make_gate(self.scorer, self.gate, self.run_id, rid, got, world)} if gated else {}
                 try:
                     res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker,
-                                                   robust=self.config.robust, on_own=digests)
+                                                   robust=self.config.robust, on_own=digests, **kw)
                 except RoundFailed as exc:
                     failed = exc
                 finally:
@@ -373,7 +359,8 @@ class ContributionRound(Agreement):
         log.info("step %d attempt %d failed: %s", t, attempt, exc)
         # Nobody named: a crash, a transient, or a member withholding its vote (leave-one-out).
         self._gone = set(getattr(exc, "gone", ())) - {self.me}
-        self._unexplained = not exc.blamed and not getattr(exc, "suspects", {}) and not self._gone
+        self._refused = bool(getattr(exc, "refused", ""))
+        self._unexplained = not exc.blamed and not getattr(exc, "suspects", {}) and not self._gone and not self._refused
         for peer, reason in exc.blamed.items():
             self.ledger.reject(t, peer, reason)
         # A member whose accusations nobody corroborates is aborting rounds on purpose.

@@ -124,6 +124,11 @@ class OuterOptimizer:
         if load_model:
             self.load_into_model()
 
+    def candidate(self, avg_pseudo_grad: torch.Tensor) -> torch.Tensor:
+        """The outer parameters `step(avg_pseudo_grad)` would produce (a whole-model step):
+        `candidate` on this optimizer's state; nothing here moves."""
+        return candidate(self.outer, self.momentum, self.cfg, avg_pseudo_grad)
+
     def skip(self) -> None:
         """A round failed: keep the local parameters and outer state (module docstring)."""
         self.skipped += 1
@@ -153,6 +158,23 @@ class OuterOptimizer:
         # manifest (a donor must not be able to set the outer lr of whoever loads its state).
         if load_model:
             self.load_into_model()
+
+
+def candidate(outer: torch.Tensor, momentum: torch.Tensor, cfg: OuterConfig,
+              avg_pseudo_grad: torch.Tensor) -> torch.Tensor:
+    """The outer parameters a whole-model `OuterOptimizer.step` from (outer, momentum) would
+    produce, momentum included, as a new tensor (the loss gate scores it,
+    p2ptrain.run.lossgate): the same separately rounded operations as `step`."""
+    g = avg_pseudo_grad.detach().to("cpu", torch.float32).reshape(-1)
+    if g.numel() != outer.numel() or momentum.numel() != outer.numel():
+        raise ValueError(f"pseudo-gradient has {g.numel()} values, the model {outer.numel()}")
+    m, lr = cfg.momentum, cfg.lr
+    if m > 0:
+        buf = torch.mul(momentum.reshape(-1), m).add_(g)
+        d = torch.mul(buf, m).add_(g) if cfg.nesterov else buf
+    else:
+        d = g
+    return outer.reshape(-1) - torch.mul(d, lr)
 
 
 def lr_lambda(warmup: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1,

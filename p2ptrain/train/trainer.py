@@ -31,12 +31,14 @@ from p2ptrain.reduce.sparse import SparseReducer
 from p2ptrain.records import State
 from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
+from p2ptrain.run.lossgate import GateConfig
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.train import progress
 from p2ptrain.train.lineage import Lineage
+from p2ptrain.train.scorer import make_scorer
 
 log = logging.getLogger("p2ptrain.train.trainer")
 
@@ -58,6 +60,9 @@ class TrainerConfig:
     """Overlapped runs: how much lower the inner-phase thread's CPU priority is than the
     round's (Linux nice steps, 0-19; 0 = the same), so communication is not slowed by the
     inner steps it overlaps on a shared CPU (`p2ptrain.train.phases.run_niced`)."""
+    loss_gate: bool = True
+    """Sign a round holding a member we have no standing with only if its step lowers the loss
+    on a batch its signed headers draw (rule L1, `p2ptrain.run.lossgate`)."""
 
     def __post_init__(self) -> None:
         if self.max_outer_steps < 0 or self.threads < 1 or self.min_peers < 1 or self.eval_batches < 1:
@@ -88,7 +93,8 @@ class Trainer(Lineage):
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
             contributor, sparse, bases=self, group_size=spec.train.group_size,
-            merge_timeout=spec.timeouts.exchange * 6)
+            merge_timeout=spec.timeouts.exchange * 6,
+            scorer=make_scorer(local, GateConfig(enabled=config.loss_gate)) if robust is None else None)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0

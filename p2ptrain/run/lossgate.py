@@ -1,0 +1,103 @@
+"""The loss gate (issue 32 item 9): a round that mixes in work nobody vetted must lower the loss.
+
+Pure logic: no I/O, no torch. The model side (`p2ptrain.train.scorer`) computes the two
+losses; the all-reduce service asks the gate after its data plane and before it signs its
+commit vote (`p2ptrain.reduce.service`), so a round the gate refuses changes no member.
+
+Rule L1 (loss gate). When our roster holds a member we have no standing with
+(`p2ptrain.run.standing`: fewer than `rounds` committed rounds with us), we sign the round's
+result only if the outer step it would commit lowers the loss on a batch nobody could choose:
+  - the batch is drawn from `round_seed`, a hash of every member's signed header, so it is
+    fixed only after each contribution was committed to (a header signs its frames' digests);
+  - `before` is the loss of the state the round starts from, `after` the loss of the state it
+    would commit (Nesterov momentum included: what would be applied), on the same batch;
+  - `verdict` refuses an `after` that is not below `before` x (1 - `margin`), or not finite.
+A refused round aborts on every member (we never sign: no certificate can exist), and our
+next attempt leaves out the members we have no standing with (`Outcome` as a skip for them:
+no conviction, since nobody can tell from the aggregate which of them pushed the loss up).
+
+Invariant served: no committed round containing unvetted work raised the loss on a batch
+drawn after that work was signed. What it cannot do: attribute the rise to one member. With
+no standing anywhere (a run's first `rounds` steps) the retry leaves every member alone, so
+Sybils present from a run's first step stall it instead of steering it (DESIGN.md, trust).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from p2ptrain.run.contribution import trained_scale
+
+log = logging.getLogger("p2ptrain.run.lossgate")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    enabled: bool = True
+    """Gate rounds that hold a member without standing (rule L1). A per-peer policy: it only
+    decides whether this peer signs, so peers with other settings still agree on every commit."""
+    margin: float = 0.0
+    """The candidate's loss must be below `before` x (1 - margin); 0: any decrease passes."""
+    batches: int = 2
+    """Batches (of the run's batch size) drawn for each score."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.margin < 1.0) or self.batches < 1:
+            raise ValueError("margin must be in [0, 1) and batches >= 1")
+
+
+def needs_gate(roster: list[str], me: str, trusted: frozenset[str] | set[str]) -> bool:
+    """True when the roster holds someone we have no standing with."""
+    return any(p != me and p not in trusted for p in roster)
+
+
+def round_seed(run_id: str, round_id: str, headers: dict[str, bytes]) -> bytes:
+    """32 bytes that no member could know before signing its own header: a hash of every
+    member's signed header (sorted by member), bound to the run and the round."""
+    h = hashlib.sha256(b"p2ptrain/lossgate/1\0" + run_id.encode() + b"\0" + round_id.encode())
+    for peer in sorted(headers):
+        raw = headers[peer]
+        h.update(peer.encode() + b"\0" + len(raw).to_bytes(8, "little") + raw)
+    return h.digest()
+
+
+def verdict(before: float, after: float, margin: float = 0.0) -> str | None:
+    """None when the candidate lowers the loss enough; otherwise the reason to refuse it."""
+    if not (math.isfinite(before) and math.isfinite(after)):
+        return f"loss-rose: not finite ({before!r} -> {after!r})"
+    if after < before * (1.0 - margin):
+        return None
+    return f"loss-rose: {before:.4f} -> {after:.4f}"
+
+
+def is_refusal(reason: str) -> bool:
+    return reason.startswith("loss-rose")
+
+
+def without_unvetted(roster: list[str], me: str, trusted: frozenset[str] | set[str]) -> list[str]:
+    """The next attempt's roster after a refusal: us and the members we have standing with."""
+    return [p for p in roster if p == me or p in trusted]
+
+
+def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict, chunks: int):
+    """The service's `gate(result)` for one ring attempt: the mean the outer step would
+    apply (`Outcome.average`), scored by `scorer(avg, seed) -> (before, after)` on the batch
+    the round's verified headers (`got['raw']`, `got['ok']`) seed, applied to a merge round's
+    merged state where there is one (`got['base_state']`). Fails closed: without
+    verified headers nothing is signed."""
+    def gate(result: np.ndarray) -> str | None:
+        ok, raw = got.get("ok"), got.get("raw")
+        if not ok or not raw or any(p not in raw for p in ok):
+            return "loss-rose: no verified headers to seed the batch"
+        scale = trained_scale((h.norm for h in ok.values()), chunks)
+        avg = result if scale == 1.0 else result * np.float32(scale)
+        before, after = scorer(avg, round_seed(run_id, round_id, {p: raw[p] for p in ok}), got.get("base_state"))
+        why = verdict(before, after, config.margin)
+        log.info("round %s: loss gate %.4f -> %.4f: %s", round_id, before, after, why or "passed")
+        return why
+    return gate

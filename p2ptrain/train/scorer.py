@@ -1,0 +1,76 @@
+"""The model side of the loss gate (rule L1, `p2ptrain.run.lossgate`): score a round's candidate.
+
+`CandidateScorer(local)(avg, seed)` returns (before, after): the loss of the state the round
+starts from and of the state its outer step would commit, on training windows drawn from
+`seed` (a hash of the round's signed headers, so no contributor chose them). It runs in the
+all-reduce service's worker thread, between the data plane and our commit vote, while the
+local model may be training the next phase (overlapped runs): it scores on a model of its
+own and reads the outer state, which only a commit changes, and no commit can happen before
+our vote. Blocking torch work; the cost is two forward passes of `batches` x the run's batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import torch
+
+from p2ptrain.run.lossgate import GateConfig
+from p2ptrain.train import device as dev
+from p2ptrain.train.data import train_batch
+from p2ptrain.train.hf import build_run_model
+from p2ptrain.train.local import decode_state
+from p2ptrain.train.outer import candidate
+
+
+class CandidateScorer:
+    def __init__(self, local, config: GateConfig | None = None) -> None:
+        self.local = local
+        self.config = config or GateConfig()
+        self._model = None
+        self._lock = threading.Lock()
+        self.last_seconds = 0.0
+        """What the last score cost (wall seconds): the gate's price per gated round."""
+
+    def __call__(self, avg: np.ndarray, seed: bytes, base_state: bytes | None = None) -> tuple[float, float]:
+        """`base_state`: a merge round's merged state (checkpoint bytes), which the step
+        would be applied to instead of our own outer state."""
+        with self._lock:
+            t0 = time.perf_counter()
+            local = self.local
+            if self._model is None:
+                self._model = build_run_model(local.spec.model.config, local.seed).to(local.device)
+                self._model.eval()
+            if base_state is None:
+                base, momentum = local.outer.outer, local.outer.momentum
+            else:
+                sd, _ = decode_state(base_state)
+                base, momentum = sd["outer"].to(torch.float32).reshape(-1), sd["momentum"].to(torch.float32)
+            cand = candidate(base, momentum, local.outer.cfg, torch.from_numpy(np.asarray(avg, dtype=np.float32)))
+            tokens = train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len, local.seed)
+            tokens = dev.to_device(tokens, local.device)
+            before, after = self._loss(base, tokens), self._loss(cand, tokens)
+            self.last_seconds = time.perf_counter() - t0
+            return before, after
+
+    def _loss(self, flat: torch.Tensor, tokens: torch.Tensor) -> float:
+        params = list(self._model.parameters())
+        with torch.no_grad():
+            dev.scatter_from_host(flat, params)
+            with dev.autocast(self.local.device, self.local.autocast_dtype):
+                return float(self._model.loss(tokens))
+
+
+def make_scorer(local, config: GateConfig | None = None) -> CandidateScorer | None:
+    """A scorer for a single-process model whose outer steps move the whole model; None where
+    the gate is off or cannot score the step (a streaming run's fragments, a sharded or
+    multi-rank model: the gate does not cover those yet)."""
+    config = config or GateConfig()
+    frags = getattr(local, "frags", None)
+    if not config.enabled or frags is None or frags.P != 1 or not hasattr(local, "outer"):
+        return None
+    if not hasattr(local, "ds"):
+        return None
+    return CandidateScorer(local, config)

@@ -1,0 +1,144 @@
+"""Rule L1, the loss gate (issue 32 item 9; `p2ptrain.run.lossgate`, `p2ptrain.train.scorer`).
+
+Memory tier: members in one trio run over test_round_memory's fake service, whose rounds
+commit only when every member signed (as the real service's certificates). Within-bound
+anti-updates (-2.5 x an honest-looking delta, headers true to them: under every norm bound)
+are what the bound alone let through (`bench redteam` sybil-k4/k8: +74-81 % val loss)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from p2ptrain.run import lossgate
+from test_round_memory import BASE, Hub, N, member, run_rounds
+
+U = np.zeros(N, np.float32)
+U[: N // 2] = 1.0 / np.sqrt(N // 2)  # the direction of descent of the fake loss
+
+
+def fake_scorer(calls: list):
+    """A linear loss: the step applies -lr x avg, so the loss falls by lr x (avg . U)."""
+    def scorer(avg, seed, base_state=None):
+        calls.append(seed)
+        return 1.0, 1.0 - 0.01 * float(np.dot(avg.astype(np.float64), U))
+    return scorer
+
+
+def honest(k: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(U * 40 + rng.standard_normal(N)).astype(np.float32) for _ in range(k)]
+
+
+def group(hub, honest_n: int, sybils: int, standing: bool, calls: list):
+    made = [member(hub, i + 1) for i in range(honest_n + sybils)]
+    rounds = [m[0] for m in made]
+    for r in rounds[:honest_n]:
+        r.scorer = fake_scorer(calls)
+        if standing:  # two committed rounds together: trusted (run.standing)
+            for step in (1, 2):
+                r.ledger.standing.committed(step, [x.me for x in rounds[:honest_n]])
+    return rounds
+
+
+def test_sybils_within_every_bound_are_gated_out_and_the_honest_commit_without_them():
+    hub, calls = Hub(), []
+    rounds = group(hub, 3, 2, standing=True, calls=calls)
+    ds = honest(3, 1) + [d * np.float32(-2.5) for d in honest(2, 2)]
+    outs = run_rounds(rounds, ds, t=5)
+    hon = sorted(r.me for r in rounds[:3])
+    want = np.mean(ds[:3], axis=0)
+    for o in outs[:3]:
+        assert sorted(o.members) == hon and not o.alone
+        assert np.array_equal(o.result, outs[0].result) and np.allclose(o.result, want, atol=1e-6)
+    # the first attempt held all five; every honest member refused it; the retry held three
+    firsts = {c[1]: c[2] for c in hub.calls if c[0] == rounds[0].me}
+    assert [len(m) for m in firsts.values()] == [5, 3]
+    assert len(calls) == 3 and len(set(calls)) == 1  # one batch seed, drawn from the headers, on all three
+    for r in rounds[:3]:  # no conviction: the aggregate does not say which of them pushed
+        assert not r.ledger.ignored
+    for o in outs[3:]:
+        assert o.result is None or not np.allclose(o.result, want, atol=1e-3)
+
+
+def test_at_a_runs_start_unvetted_anti_updates_stall_the_step_and_never_commit():
+    hub, calls = Hub(), []
+    rounds = group(hub, 3, 2, standing=False, calls=calls)
+    ds = honest(3, 3) + [d * np.float32(-2.5) for d in honest(2, 4)]
+    mixed = np.mean(ds, axis=0)
+    outs = run_rounds(rounds, ds, t=1)
+    for o, d in zip(outs[:3], ds[:3]):  # alone at most: the trainer's H2 keeps that from committing
+        assert o.result is None or (o.alone and np.array_equal(o.result, d))
+        assert o.result is None or not np.allclose(o.result, mixed, atol=1e-3)
+    assert calls  # the gate ran
+
+
+def test_an_honest_group_without_standing_passes_the_gate():
+    hub, calls = Hub(), []
+    rounds = group(hub, 4, 0, standing=False, calls=calls)
+    ds = honest(4, 5)
+    outs = run_rounds(rounds, ds, t=1)
+    for o in outs:
+        assert len(o.members) == 4 and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+    assert len(calls) == 4
+
+
+def test_members_with_standing_do_not_pay_for_the_gate():
+    hub, calls = Hub(), []
+    rounds = group(hub, 3, 0, standing=True, calls=calls)
+    outs = run_rounds(rounds, honest(3, 6), t=5)
+    assert all(len(o.members) == 3 for o in outs) and calls == []
+
+
+def test_the_batch_seed_depends_on_every_signed_header_and_the_round():
+    heads = {"a": b"header-a", "b": b"header-b"}
+    s = lossgate.round_seed("r" * 64, "5/0", heads)
+    assert s == lossgate.round_seed("r" * 64, "5/0", dict(reversed(heads.items())))
+    assert s != lossgate.round_seed("r" * 64, "5/1", heads)
+    assert s != lossgate.round_seed("r" * 64, "5/0", {**heads, "b": b"header-B"})
+    assert s != lossgate.round_seed("r" * 64, "5/0", {"a": b"header-ab", "b": b"eader-b"})
+
+
+def test_the_verdict_refuses_rises_ties_and_non_finite_losses():
+    assert lossgate.verdict(2.0, 1.9) is None
+    assert lossgate.verdict(2.0, 2.0).startswith("loss-rose")
+    assert lossgate.verdict(2.0, 2.5).startswith("loss-rose")
+    assert lossgate.verdict(2.0, float("nan")).startswith("loss-rose")
+    assert lossgate.verdict(2.0, 1.99, margin=0.01).startswith("loss-rose")
+    with pytest.raises(ValueError):
+        lossgate.GateConfig(margin=1.0)
+
+
+def test_the_gate_fails_closed_without_verified_headers():
+    gate = lossgate.make_gate(lambda *a: (1.0, 0.0), lossgate.GateConfig(), "r" * 64, "1/0", {}, 2)
+    assert gate(np.zeros(4, np.float32)).startswith("loss-rose")
+
+
+def test_the_scorer_scores_what_the_outer_step_would_commit(tmp_path):
+    """The real model side: an honest pseudo-gradient lowers the loss on a fresh batch, the
+    anti-update of the red team's Sybils raises it, and the candidate is bit for bit the
+    params `OuterOptimizer.step` then commits."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import RunSpec
+    from p2ptrain.train.local import LocalModel, load_run_data
+    from p2ptrain.train.scorer import CandidateScorer
+
+    assert main(["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k"), "--inner-steps", "8"]) == 0
+    manifest, _ = mf.read(tmp_path / "run" / "run.toml")
+    spec = RunSpec.from_dict(manifest)
+    local = LocalModel(spec, load_run_data(spec), b"peer-1", (tmp_path / "run" / "genesis.p2ck").read_bytes())
+    local.inner()
+    delta = local.pseudo_gradient()
+    scorer = CandidateScorer(local)
+    seed = lossgate.round_seed("r" * 64, "0/0", {"p": b"h"})
+    before, after = scorer(delta, seed)
+    assert after < before
+    b2, worse = scorer(delta * np.float32(-2.5), seed)
+    assert b2 == before and worse > before
+    other = scorer(delta, lossgate.round_seed("r" * 64, "0/1", {"p": b"h"}))
+    assert other[0] != before  # another round draws another batch
+    cand = local.outer.candidate(torch.from_numpy(delta))
+    local.outer_step(delta)
+    assert torch.equal(cand, local.outer.outer)
