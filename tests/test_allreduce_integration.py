@@ -179,3 +179,22 @@ def test_robust_round_commits_through_signed_votes(procs):
     res = run_round(ws, members, "b1", 300_007, robust=True)
     assert [r["event"] for r in res] == ["round_committed"] * 3, res
     assert len({r["digest"] for r in res}) == 1
+
+
+def test_a_member_whose_gate_refuses_the_result_aborts_the_round_on_every_member(procs):
+    """Rule L1 on real processes: the refuser signs nothing, so no certificate exists; every
+    member's round fails at once with its tensor unchanged, and the refuser says why."""
+    n = 1_000_003
+    ws, members = start_workers(procs, 3)
+    for i, w in enumerate(ws):
+        w.send({"cmd": "round", "round": "g1", "members": members, "seed": 100 + i, "n": n, "verify": True,
+                **({"refuse": "loss-rose: 2.0 -> 2.5"} if i == 1 else {})})
+    t0 = time.monotonic()
+    res = [w.wait_event(lambda e: e.get("round") == "g1" and e["event"] in ("round_committed", "round_failed"), 90)
+           for w in ws]
+    assert [r["event"] for r in res] == ["round_failed"] * 3, res
+    assert all(r["tensor_before"] == r["tensor_after"] for r in res)
+    assert "we refused the result: loss-rose" in res[1]["reason"]
+    assert time.monotonic() - t0 < 30  # an abort vote, not the commit timeout per member
+    res = run_round(ws, members, "g2", n)  # the same members commit the next round
+    assert [r["event"] for r in res] == ["round_committed"] * 3, res

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from p2ptrain.run import lossgate
+from p2ptrain.run import evidence as evid, lossgate
 from test_round_memory import BASE, Hub, N, member, run_rounds
 
 U = np.zeros(N, np.float32)
@@ -142,3 +142,78 @@ def test_the_scorer_scores_what_the_outer_step_would_commit(tmp_path):
     cand = local.outer.candidate(torch.from_numpy(delta))
     local.outer_step(delta)
     assert torch.equal(cand, local.outer.outer)
+
+
+class EvidenceHub:
+    """Members' served evidence in memory (`p2ptrain.run.evidence.Evidence`)."""
+
+    def __init__(self) -> None:
+        self.served: dict[tuple[str, str], bytes] = {}
+        self.fetched: list[tuple[str, str]] = []
+
+    def seat(self, me: str, withhold: bool = False):
+        hub = self
+
+        class Seat:
+            def publish(self, key, data):
+                if not withhold:
+                    hub.served[(me, key)] = evid.as_f32(data).tobytes()
+
+            def withdraw(self, key):
+                hub.served.pop((me, key), None)
+
+            async def fetch(self, peer, key, nbytes, timeout):
+                hub.fetched.append((me, peer))
+                data = hub.served.get((peer, key))
+                return data if data is not None and len(data) <= nbytes else None
+        return Seat()
+
+
+def with_evidence(rounds, hub: EvidenceHub, withhold: set[int] = frozenset()):
+    for i, r in enumerate(rounds):
+        r.evidence = hub.seat(r.me, i in withhold)
+
+
+def test_at_a_runs_start_each_members_evidence_is_scored_alone_and_the_honest_commit_together():
+    """L2: after the refusal every honest member fetches the evidence of each member it has
+    no standing with, scores it alone on the refused round's batch, and retries with those
+    whose work alone lowers the loss: here the honest three, who then pass the gate."""
+    hub, calls, ev = Hub(), [], EvidenceHub()
+    rounds = group(hub, 3, 2, standing=False, calls=calls)
+    with_evidence(rounds, ev)
+    ds = honest(3, 7) + [d * np.float32(-2.5) for d in honest(2, 8)]
+    outs = run_rounds(rounds, ds, t=1)
+    hon = sorted(r.me for r in rounds[:3])
+    for o in outs[:3]:
+        assert sorted(o.members) == hon and not o.alone
+        assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+    for r in rounds[:3]:  # each honest member fetched the four others' evidence once
+        assert sorted(p for m, p in ev.fetched if m == r.me) == sorted(x.me for x in rounds if x is not r)
+        assert set(p for p, s in r.ledger.sitting_out.items() if s == 1) == {x.me for x in rounds[3:]}
+    assert not ev.served  # withdrawn when each member's run ended
+
+
+def test_a_sybil_that_serves_no_evidence_is_left_out_and_honest_evidence_is_kept():
+    hub, calls, ev = Hub(), [], EvidenceHub()
+    rounds = group(hub, 3, 2, standing=False, calls=calls)
+    with_evidence(rounds, ev, withhold={4})
+    ds = honest(3, 9) + [d * np.float32(-2.5) for d in honest(2, 10)]
+    outs = run_rounds(rounds, ds, t=1)
+    for o in outs[:3]:
+        assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+    for r in rounds[:3]:
+        assert r.ledger.sitting_out[rounds[4].me] == 1 and r.ledger.sitting_out[rounds[3].me] == 1
+
+
+def test_evidence_is_checked_against_the_signed_digest_size_and_norm():
+    from p2ptrain.run.contribution import Header
+
+    d = honest(1, 11)[0]
+    h = Header("r", 1, 0, "x", "p", (float(np.linalg.norm(d)),), ("a" * 64,), float(np.linalg.norm(d)), 1, 1,
+               evidence=evid.digest(d))
+    assert isinstance(evid.check(d.tobytes(), h, N), np.ndarray)
+    assert evid.check(None, h, N) == "no-evidence"
+    assert evid.check((d * np.float32(2)).tobytes(), h, N) == "evidence-mismatch"
+    assert evid.check(d[:-1].tobytes(), h, N) == "evidence-mismatch"
+    h2 = Header("r", 1, 0, "x", "p", (1.0,), ("a" * 64,), 1.0, 1, 1, evidence=evid.digest(d))
+    assert evid.check(d.tobytes(), h2, N) == "evidence-norm"

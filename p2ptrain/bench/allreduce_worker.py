@@ -6,7 +6,8 @@ It runs a real libp2p node and an AllReduceService, prints `worker_ready` (peer 
 then executes commands, one JSON object per stdin line:
   {"cmd": "round", "round": "r1", "members": [[peer_id, addr], ...], "seed": 7, "n": 1000,
    "mode": "int8", "verified": true}
-("robust": the butterfly data plane; "verified": the training path, signed headers and every frame checked: `bench.signed_round`.)
+("robust": the butterfly data plane; "verified": the training path, signed headers and every frame checked: `bench.signed_round`;
+ "refuse": REASON, this member's gate refuses the result, as the loss gate does: `run.lossgate`.)
 It keeps one fp32 tensor: created from `seed` on the first round (or when "reset" is set);
 a committed round replaces it with the result, a failed round must leave it unchanged.
 Events: round_started, round_committed (digest, seconds, path, sent_bytes, rss), and
@@ -160,6 +161,8 @@ async def _round(svc: AllReduceService, cmd: dict, tensor: np.ndarray, out: np.n
         return await verified_allreduce(svc, tensor, run, cmd["round"], ids, out=out)
     if cmd.get("robust"):  # the butterfly data plane, votes over libp2p
         return await svc.allreduce(tensor, run, cmd["round"], ids, robust=RobustConfig())
+    if cmd.get("refuse"):  # as a member whose loss gate refuses the result (p2ptrain.run.lossgate)
+        return await svc.allreduce(tensor, run, cmd["round"], ids, out=out, gate=lambda result: str(cmd["refuse"]))
     return await svc.allreduce(tensor, run, cmd["round"], ids, out=out)
 
 

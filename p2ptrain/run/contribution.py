@@ -34,11 +34,12 @@ from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_by
 
 MAX_HEADER_BYTES = 16 * 1024
 _F32_MAX_SQ = float(np.finfo(np.float32).max) ** 2
-_DOMAIN = b"p2ptrain-contribution-v3"
+_DOMAIN = b"p2ptrain-contribution-v4"
 """v2: ring frame digests are BLAKE3 (`frame_digest`), no longer SHA-256; a v1 header fails
 its signature check here instead of having its frames blamed for the other hash. v3: headers
 carry the signer's anchor (`trusts`, `ref`: issue 32), so every member judges every norm
-from the same signed data."""
+from the same signed data. v4: `evidence`, the signer's whole contribution's BLAKE3, which
+the loss gate's attribution fetches and scores alone (`run.lossgate`, rule L2)."""
 
 
 class BadContribution(Exception):
@@ -66,12 +67,15 @@ class Header:
     ref: float = 0.0
     """The signer's own reference norm: the median of the norms it signed in its last
     committed steps (0: none). Its anchor when it did not train this round (a joiner)."""
+    evidence: str = ""
+    """BLAKE3 (hex) of the signer's contribution as little-endian float32, which it serves for
+    the step (`run.evidence`); "" when it serves none (rule L2, `run.lossgate`)."""
 
     def body(self) -> dict:
         return {"run": self.run, "step": self.step, "attempt": self.attempt, "roster": self.roster,
                 "peer": self.peer, "chunk_norms": list(self.chunk_norms), "own_digests": list(self.own_digests),
                 "norm": self.norm, "inner_steps": self.inner_steps, "tokens": self.tokens,
-                "trusts": list(self.trusts), "ref": self.ref}
+                "trusts": list(self.trusts), "ref": self.ref, "evidence": self.evidence}
 
     @property
     def anchor(self) -> float:
@@ -111,7 +115,7 @@ def decode_header(data: bytes) -> Header:
                    tuple(_strict(x, str) for x in _strict(body["own_digests"], list)),
                    float(_strict(body["norm"], float)), _strict(body["inner_steps"], int),
                    _strict(body["tokens"], int), _ints(_strict(body["trusts"], list)),
-                   float(_strict(body["ref"], float)))
+                   float(_strict(body["ref"], float)), _evidence(body["evidence"]))
     except Exception:
         raise BadContribution("?", "malformed header") from None
     try:
@@ -121,6 +125,12 @@ def decode_header(data: bytes) -> Header:
     if not isinstance(sig, bytes) or not verify(public, sig, _payload(body)):
         raise BadContribution(h.peer, "bad-signature")
     return h
+
+
+def _evidence(x) -> str:
+    if not isinstance(x, str) or x and (len(x) != 64 or x.strip("0123456789abcdef")):
+        raise ValueError("evidence is not a BLAKE3 hex digest")
+    return x
 
 
 def _ints(xs) -> tuple[int, ...]:

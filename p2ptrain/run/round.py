@@ -26,96 +26,30 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import trio
 
 from p2ptrain.reduce import butterfly, ring
-from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.reduce.service import RoundFailed
-from p2ptrain.run import election, lossgate
+from p2ptrain.run import election, evidence as evid, lossgate
 from p2ptrain.run.agree import Agreement, BaseSource  # noqa: F401 - BaseSource: the seam, re-exported
 from p2ptrain.run import roster as rosters
 from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDigests,
                                        streamed_material, trained_scale)
 from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
-from p2ptrain.run.roundparts import Contributor, ReduceService, prepare  # noqa: F401 - the round's seams, re-exported
+from p2ptrain.run.roundparts import (Contributor, Outcome, ReduceService, RoundConfig,  # noqa: F401 - re-exported
+                                     prepare)
 
 log = logging.getLogger("p2ptrain.run.round")
-
-
-@dataclass(frozen=True)
-class RoundConfig:
-    mode: str
-    """'int8' or 'fp32' (the ring's wire format), or 'sparse' (the run's train.allreduce)."""
-    sub_chunk_bytes: int
-    """Must be the service's data-plane frame size: members cut the tensor the same way."""
-    exchange_timeout: float
-    robust: RobustConfig | None = None
-    """Robust runs: butterfly + CenteredClip instead of the ring's mean."""
-    max_attempts: int = 4
-    abort_skew: float = 0.0
-    """Seconds one member may still spend in an attempt after another left it: the
-    service's `commit_timeout` (a member that signed waits that long for a certificate;
-    one that signed nothing aborts at once) plus `exchange_timeout` (a member that went on
-    with a roster another did not confirm waits that long for its header). Confirmations
-    after the first wait this much longer than `exchange_timeout`; before, the member that
-    left first gave up on the other and both skipped the step (issue 17)."""
-
-    def __post_init__(self) -> None:
-        ring.RingConfig(self.ring_mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
-        if not (self.exchange_timeout > 0 and self.max_attempts >= 1 and self.abort_skew >= 0):
-            raise ValueError("exchange_timeout must be > 0, max_attempts >= 1 and abort_skew >= 0")
-
-    @property
-    def ring_mode(self) -> str:
-        return "int8" if self.mode == "sparse" else self.mode
-
-
-@dataclass
-class Outcome:
-    result: np.ndarray | None
-    """The committed mean over the roster (the outer step applies `average`); None when no
-    round committed (the step is skipped)."""
-    members: list[str]
-    bytes_sent: int = 0
-    bytes_recv: int = 0
-    headers: dict = field(default_factory=dict)
-    scores: list | None = None
-    payload_bytes: int | None = None
-    """Sparse runs: our compressed contribution's size (computed), beside the counted bytes."""
-    alone: bool = False
-    """The result is our own delta: every other member dropped out. The caller must not
-    commit it while others are near (rule H2: `Trainer.commit_step`)."""
-    merged: tuple[bytes, str] | None = None
-    """A merge round's merged base (checkpoint bytes, params hash): the committed state is
-    the outer step applied to it, not to our own base (`p2ptrain.run.merge`)."""
-    weight: int = 1
-    """The new state's weight in later merges: the members that trained this round."""
-    parents: tuple[str, ...] = ()
-    """A merge round's bases (params hashes, sorted): the new state's parents."""
-    scale: float = 1.0  # average = result x scale: the mean over those that trained (trained_scale)
-    seconds: dict = field(default_factory=dict)
-    """Where the round's time went (roster, prepare, headers, reduce; summed over attempts;
-    the trainer's `step_timing` event). In ring rounds the parts overlap."""
-
-    def average(self) -> np.ndarray:
-        """What the outer step applies (a model-sized multiply: call it in a worker thread)."""
-        return self.result if self.scale == 1.0 else self.result * np.float32(self.scale)
-
-    def took(self, part: str, since: float) -> float:
-        now = trio.current_time()
-        self.seconds[part] = self.seconds.get(part, 0.0) + now - since
-        return now
 
 
 class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0, scorer=None,
-                 gate: lossgate.GateConfig | None = None) -> None:
+                 gate: lossgate.GateConfig | None = None, evidence: evid.Evidence | None = None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -133,6 +67,12 @@ class ContributionRound(Agreement):
         self.scorer, self.gate = scorer, gate or lossgate.GateConfig()
         """Rule L1 (`p2ptrain.run.lossgate`): `scorer(avg, seed) -> (before, after)`; None: no gate."""
         self._refused = False
+        self.evidence = evidence
+        """Where our contribution is served for L2's attribution (`p2ptrain.run.evidence`)."""
+        self._ev_src: np.ndarray | None = None
+        self._ev_key: str | None = None
+        self._refusal: tuple[dict, str] | None = None  # the refused attempt's (got, round id)
+        self._l2_tried = False
         self._unexplained = False
         self._gone: set[str] = set()
         self.silent_seen: set[str] = set()
@@ -140,6 +80,16 @@ class ContributionRound(Agreement):
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
+        """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
+        self._ev_src, self._ev_key, self._refusal, self._l2_tried = None, None, None, False
+        try:
+            return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag)
+        finally:
+            if self._ev_key is not None and self.evidence is not None:
+                self.evidence.withdraw(self._ev_key)
+
+    async def _run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
+                   joining: bool, first_wait: float | None, weight: int, tag: int) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
@@ -207,8 +157,8 @@ class ContributionRound(Agreement):
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._refused:  # L1: on without the members we have no standing with
-                roster = lossgate.without_unvetted(roster, self.me, self.ledger.standing.trusted())
+            if self._refused:  # L1/L2: on without the members whose work we could not vouch for
+                roster = await self._after_refusal(t, roster, delta.size)
             elif self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
                 roster = self._without_gone(plan, roster)
             elif self._unexplained:
@@ -231,7 +181,7 @@ class ContributionRound(Agreement):
         (`OwnDigests`, `HeldChecker`)."""
         rid, rank, world = f"{t}/{attempt}", roster.index(self.me), len(roster)
         robust = self.config.robust is not None
-        send = self.contributor.payload(delta)
+        send = self._ev_src = self.contributor.payload(delta)
         lay = ring.layout(delta.size, world, self.ring_cfg)
         subs = [len(s) for s in lay]
 
@@ -308,8 +258,12 @@ class ContributionRound(Agreement):
         norm = math.sqrt(math.fsum(x * x for x in norms))
         trusted = self.ledger.standing.trusted()
         trusts = tuple(i for i, p in enumerate(roster) if p in trusted and p != self.me)
+        if self.evidence is not None and self._ev_src is not None and lossgate.needs_gate(roster, self.me, trusted):
+            if self._ev_key is None:  # L2: what others may score alone if a gate refuses this round
+                self._ev_key = evid.digest(self._ev_src)
+                self.evidence.publish(self._ev_key, self._ev_src)
         return Header(self.run_id, t, attempt, rh, self.me, norms, digests, norm, inner_steps, tokens,
-                      trusts, self.ledger.own_reference())
+                      trusts, self.ledger.own_reference(), self._ev_key or "")
 
     def _verify(self, raw: dict[str, bytes | None], t: int, attempt: int, rh: str, roster: list[str]) -> Verdict:
         # Robust runs bound every member's influence whatever its norm: no norm rule.
@@ -342,6 +296,7 @@ class ContributionRound(Agreement):
             self._unexplained = all(r == "missing-header" for r in bad.values())
             return False
         if failed is not None or res is None:
+            self._refusal = (got, f"{t}/{attempt}")
             self._failed(t, attempt, failed or RoundFailed("no result"))
             return False
         ok = got["ok"]
@@ -354,6 +309,25 @@ class ContributionRound(Agreement):
         out.weight = max(1, sum(1 for h in ok.values() if h.tokens > 0))
         out.scale = 1.0 if self.config.robust is not None else trained_scale((h.norm for h in ok.values()), len(lay))
         return True
+
+    async def _after_refusal(self, t: int, roster: list[str], n: int) -> list[str]:
+        """The next roster after our gate refused (L2): the members we have standing with, the
+        joiners (zeros move nothing) and, the first time in a step, those whose evidence alone
+        lowers the loss on the refused round's batch (`evid.attribute`); a second refusal
+        leaves only the first two."""
+        trusted = self.ledger.standing.trusted()
+        got, rid = self._refusal or ({}, "")
+        ok = got.get("ok") or {}
+        keep = {p for p, h in ok.items() if h.norm == 0}
+        if not self._l2_tried and self.evidence is not None and self.scorer is not None and ok:
+            self._l2_tried = True
+            seed = lossgate.round_seed(self.run_id, rid, {p: got["raw"][p] for p in ok})
+            kept, why = await evid.attribute(self.evidence, self.scorer, ok, seed, self.me, trusted, n,
+                                             self.config.exchange_timeout, got.get("base_state"))
+            keep |= kept
+            for peer, reason in sorted(why.items()):
+                self.ledger.sit_out(t, peer, reason.split(":")[0])
+        return [p for p in roster if p == self.me or p in trusted or p in keep]
 
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
         log.info("step %d attempt %d failed: %s", t, attempt, exc)

@@ -2,17 +2,20 @@
 (`ReduceService`: the real `p2ptrain.reduce.service.AllReduceService`, the simulator's
 `p2ptrain.sim.service.SimReduceService`, tests' fakes) and what this peer contributes
 (`Contributor`: hostile-peer tests subclass it), and how it encodes what it sends
-(`prepare`). Split from `p2ptrain.run.round`."""
+(`prepare`), its settings (`RoundConfig`) and what it leaves (`Outcome`). Split from
+`p2ptrain.run.round`."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import trio
 
 from p2ptrain.reduce import butterfly, ring
+from p2ptrain.reduce.robust import RobustConfig
 from p2ptrain.run.contribution import Header, chunk_norms, frame_digest, sign_header
 
 
@@ -71,3 +74,68 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
     lay = ring.layout(delta.size, world, cfg)
     norms = chunk_norms(delta, lay)
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    mode: str
+    """'int8' or 'fp32' (the ring's wire format), or 'sparse' (the run's train.allreduce)."""
+    sub_chunk_bytes: int
+    """Must be the service's data-plane frame size: members cut the tensor the same way."""
+    exchange_timeout: float
+    robust: RobustConfig | None = None
+    """Robust runs: butterfly + CenteredClip instead of the ring's mean."""
+    max_attempts: int = 4
+    abort_skew: float = 0.0
+    """Seconds one member may still spend in an attempt after another left it: the
+    service's `commit_timeout` (a member that signed waits that long for a certificate;
+    one that signed nothing aborts at once) plus `exchange_timeout` (a member that went on
+    with a roster another did not confirm waits that long for its header). Confirmations
+    after the first wait this much longer than `exchange_timeout`; before, the member that
+    left first gave up on the other and both skipped the step (issue 17)."""
+
+    def __post_init__(self) -> None:
+        ring.RingConfig(self.ring_mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
+        if not (self.exchange_timeout > 0 and self.max_attempts >= 1 and self.abort_skew >= 0):
+            raise ValueError("exchange_timeout must be > 0, max_attempts >= 1 and abort_skew >= 0")
+
+    @property
+    def ring_mode(self) -> str:
+        return "int8" if self.mode == "sparse" else self.mode
+
+
+@dataclass
+class Outcome:
+    result: np.ndarray | None
+    """The committed mean over the roster (the outer step applies `average`); None when no
+    round committed (the step is skipped)."""
+    members: list[str]
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    headers: dict = field(default_factory=dict)
+    scores: list | None = None
+    payload_bytes: int | None = None
+    """Sparse runs: our compressed contribution's size (computed), beside the counted bytes."""
+    alone: bool = False
+    """The result is our own delta: every other member dropped out. The caller must not
+    commit it while others are near (rule H2: `Trainer.commit_step`)."""
+    merged: tuple[bytes, str] | None = None
+    """A merge round's merged base (checkpoint bytes, params hash): the committed state is
+    the outer step applied to it, not to our own base (`p2ptrain.run.merge`)."""
+    weight: int = 1
+    """The new state's weight in later merges: the members that trained this round."""
+    parents: tuple[str, ...] = ()
+    """A merge round's bases (params hashes, sorted): the new state's parents."""
+    scale: float = 1.0  # average = result x scale: the mean over those that trained (trained_scale)
+    seconds: dict = field(default_factory=dict)
+    """Where the round's time went (roster, prepare, headers, reduce; summed over attempts;
+    the trainer's `step_timing` event). In ring rounds the parts overlap."""
+
+    def average(self) -> np.ndarray:
+        """What the outer step applies (a model-sized multiply: call it in a worker thread)."""
+        return self.result if self.scale == 1.0 else self.result * np.float32(self.scale)
+
+    def took(self, part: str, since: float) -> float:
+        now = trio.current_time()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - since
+        return now

@@ -31,6 +31,7 @@ from p2ptrain.reduce.sparse import SparseReducer
 from p2ptrain.records import State
 from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
+from p2ptrain.run.evidence import BlobEvidence
 from p2ptrain.run.lossgate import GateConfig
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
 from p2ptrain.run.spec import RunSpec
@@ -94,7 +95,8 @@ class Trainer(Lineage):
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
             contributor, sparse, bases=self, group_size=spec.train.group_size,
             merge_timeout=spec.timeouts.exchange * 6,
-            scorer=make_scorer(local, GateConfig(enabled=config.loss_gate)) if robust is None else None)
+            scorer=make_scorer(local, GateConfig(enabled=config.loss_gate)) if robust is None else None,
+            evidence=BlobEvidence(blobs) if robust is None and sparse is None else None)
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
