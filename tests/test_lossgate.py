@@ -217,3 +217,29 @@ def test_evidence_is_checked_against_the_signed_digest_size_and_norm():
     assert evid.check(d[:-1].tobytes(), h, N) == "evidence-mismatch"
     h2 = Header("r", 1, 0, "x", "p", (1.0,), ("a" * 64,), 1.0, 1, 1, evidence=evid.digest(d))
     assert evid.check(d.tobytes(), h2, N) == "evidence-norm"
+
+
+def test_sybils_that_hold_most_of_a_group_are_convicted_by_their_evidence_and_the_honest_go_on():
+    """Q2: four Sybils and three honest members elected together (no standing anywhere). Q1
+    alone would hold the honest three below the group's quorum for good; the Sybils' own
+    evidence, scored alone, raises the loss, which convicts them for the step on every honest
+    member alike, and the quorum is counted over the rest."""
+    hub, calls, ev = Hub(), [], EvidenceHub()
+    rounds = group(hub, 3, 4, standing=False, calls=calls)
+    with_evidence(rounds, ev)
+    ds = honest(3, 12) + [d * np.float32(-2.5) for d in honest(4, 13)]
+    outs = run_rounds(rounds, ds, t=1)
+    for o in outs[:3]:
+        assert len(o.members) == 3 and not o.alone
+        assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+    for r in rounds[:3]:
+        assert r._convicted == {x.me for x in rounds[3:]}
+
+
+def test_the_evidence_verdict_keeps_leaves_out_and_convicts():
+    assert lossgate.judge_evidence(2.0, 1.9) is None
+    assert lossgate.judge_evidence(2.0, 2.0) == "loss-flat"
+    assert lossgate.judge_evidence(2.0, 2.0 * (1 + lossgate.CONVICT_MARGIN / 2)) == "loss-flat"
+    assert lossgate.judge_evidence(2.0, 2.1) == "loss-rose"
+    assert lossgate.judge_evidence(2.0, float("inf")) == "loss-rose"
+    assert lossgate.judge_evidence(float("nan"), 1.0) == "loss-flat"

@@ -26,7 +26,7 @@ from blake3 import blake3
 from p2ptrain.ckpt.fetch import FetchError, request
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.run.contribution import Header
-from p2ptrain.run.lossgate import verdict
+from p2ptrain.run.lossgate import judge_evidence
 
 log = logging.getLogger("p2ptrain.run.evidence")
 
@@ -90,7 +90,9 @@ async def attribute(evidence: Evidence, scorer, ok: dict[str, Header], seed: byt
                     trusted: frozenset[str], n: int, timeout: float,
                     base_state: bytes | None = None) -> tuple[set[str], dict[str, str]]:
     """(members kept, member -> why not) among those without our standing that trained: kept
-    when its evidence alone lowers the loss on the refused round's batch (`seed`)."""
+    when its evidence alone lowers the loss on the refused round's batch (`seed`); why not:
+    'no-evidence', 'evidence-mismatch', 'evidence-norm', 'loss-flat' or 'loss-rose' (the
+    one conviction: `lossgate.judge_evidence`)."""
     suspects = sorted(p for p, h in ok.items() if p != me and p not in trusted and h.norm > 0)
     got: dict[str, bytes | None] = {}
 
@@ -108,7 +110,7 @@ async def attribute(evidence: Evidence, scorer, ok: dict[str, Header], seed: byt
             why[peer] = vec
             continue
         before, after = await trio.to_thread.run_sync(scorer, vec, seed, base_state)
-        reason = verdict(before, after)
+        reason = judge_evidence(before, after)
         if reason is None:
             kept.add(peer)
         else:

@@ -75,6 +75,23 @@ def verdict(before: float, after: float, margin: float = 0.0) -> str | None:
     return f"loss-rose: {before:.4f} -> {after:.4f}"
 
 
+CONVICT_MARGIN = 1e-3
+"""L2/Q2: evidence that alone raises the loss by more than this (relative) convicts its
+signer for the step. The margin keeps float differences between machines (relative ~1e-6
+for the same bytes) from splitting the verdict; between no decrease and the margin the
+member is only left out ('loss-flat')."""
+
+
+def judge_evidence(before: float, after: float) -> str | None:
+    """L2's verdict on one member's evidence scored alone: None (kept), 'loss-flat' (left
+    out) or 'loss-rose' (convicted: out of the step's quorum count, Q2)."""
+    if math.isfinite(before) and math.isfinite(after) and after < before:
+        return None
+    if not math.isfinite(after) or math.isfinite(before) and after > before * (1.0 + CONVICT_MARGIN):
+        return "loss-rose"
+    return "loss-flat"
+
+
 def is_refusal(reason: str) -> bool:
     return reason.startswith("loss-rose")
 

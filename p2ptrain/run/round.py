@@ -73,6 +73,7 @@ class ContributionRound(Agreement):
         self._ev_key: str | None = None
         self._refusal: tuple[dict, str] | None = None  # the refused attempt's (got, round id)
         self._l2_tried = False
+        self._convicted: set[str] = set()  # Q2: members whose evidence raised the loss this step
         self._unexplained = False
         self._gone: set[str] = set()
         self.silent_seen: set[str] = set()
@@ -82,6 +83,7 @@ class ContributionRound(Agreement):
                   joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
         """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
         self._ev_src, self._ev_key, self._refusal, self._l2_tried = None, None, None, False
+        self._convicted = set()
         try:
             return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag)
         finally:
@@ -114,7 +116,7 @@ class ContributionRound(Agreement):
                 return out
             roster = [p for p in roster if p not in left_out]
             out.members = roster
-            if not rosters.quorum(roster, elected):  # Q1: the rest of the group may commit
+            if not rosters.quorum(roster, [p for p in elected if p not in self._convicted]):  # Q1, Q2
                 log.info("step %d attempt %d: %d of the %d elected are no quorum", t, attempt, len(roster), len(elected))
                 return out
             if roster == [self.me]:
@@ -159,6 +161,7 @@ class ContributionRound(Agreement):
             out.merged = None
             if self._refused:  # L1/L2: on without the members whose work we could not vouch for
                 roster = await self._after_refusal(t, roster, delta.size)
+                plan.elected = [p for p in elected if p not in self._convicted]
             elif self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
                 roster = self._without_gone(plan, roster)
             elif self._unexplained:
@@ -325,8 +328,9 @@ class ContributionRound(Agreement):
             kept, why = await evid.attribute(self.evidence, self.scorer, ok, seed, self.me, trusted, n,
                                              self.config.exchange_timeout, got.get("base_state"))
             keep |= kept
+            self._convicted |= {p for p, r in why.items() if r == "loss-rose"}
             for peer, reason in sorted(why.items()):
-                self.ledger.sit_out(t, peer, reason.split(":")[0])
+                self.ledger.sit_out(t, peer, reason)
         return [p for p in roster if p == self.me or p in trusted or p in keep]
 
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
