@@ -243,3 +243,17 @@ def test_the_evidence_verdict_keeps_leaves_out_and_convicts():
     assert lossgate.judge_evidence(2.0, 2.1) == "loss-rose"
     assert lossgate.judge_evidence(2.0, float("inf")) == "loss-rose"
     assert lossgate.judge_evidence(float("nan"), 1.0) == "loss-flat"
+
+
+def test_bench_lossgate_prints_its_costs_as_ratios_of_a_phase():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "lossgate", "--rounds", "1", "--inner-steps", "2",
+                          "--suspects", "1", "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-800:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["event"] == "bench_lossgate_summary" and summary["rounds"] == 1
+    assert summary["gate_over_phase"] > 0 and summary["attribution_over_phase"] > 0
+    assert summary["evidence_bytes_per_suspect"] == 4 * summary["params"]

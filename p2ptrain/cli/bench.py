@@ -21,6 +21,7 @@ BENCHES = {
     "utilization": "p2ptrain.bench.utilization",
     "exchange": "p2ptrain.bench.exchange",
     "readpause": "p2ptrain.bench.readpause",
+    "lossgate": "p2ptrain.bench.lossgate",
     "sim": "p2ptrain.bench.sim",
 }
 
