@@ -325,8 +325,11 @@ class ContributionRound(Agreement):
         if not self._l2_tried and self.evidence is not None and self.scorer is not None and ok:
             self._l2_tried = True
             seed = lossgate.round_seed(self.run_id, rid, {p: got["raw"][p] for p in ok})
-            kept, why = await evid.attribute(self.evidence, self.scorer, ok, seed, self.me, trusted, n,
-                                             self.config.exchange_timeout, got.get("base_state"))
+            # Every member that refused fetches at once, each piece model-sized: more than an
+            # exchange's time, within what the others' next confirmation waits (`_confirm_wait`).
+            wait = self.config.exchange_timeout + self.config.abort_skew / 2
+            kept, why = await evid.attribute(self.evidence, self.scorer, ok, seed, self.me, trusted, n, wait,
+                                             got.get("base_state"))
             keep |= kept
             self._convicted |= {p for p, r in why.items() if r == "loss-rose"}
             for peer, reason in sorted(why.items()):
