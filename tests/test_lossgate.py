@@ -187,8 +187,9 @@ def test_at_a_runs_start_each_members_evidence_is_scored_alone_and_the_honest_co
     for o in outs[:3]:
         assert sorted(o.members) == hon and not o.alone
         assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
-    for r in rounds[:3]:  # each honest member fetched the four others' evidence once
-        assert sorted(p for m, p in ev.fetched if m == r.me) == sorted(x.me for x in rounds if x is not r)
+    for r in rounds[:3]:  # each honest member fetched the four others' evidence, then the two honest again
+        mine = [p for m, p in ev.fetched if m == r.me]
+        assert set(mine) == {x.me for x in rounds if x is not r} and len(mine) == 6
         assert set(p for p, s in r.ledger.sitting_out.items() if s == 1) == {x.me for x in rounds[3:]}
     assert not ev.served  # withdrawn when each member's run ended
 
@@ -257,3 +258,20 @@ def test_bench_lossgate_prints_its_costs_as_ratios_of_a_phase():
     assert summary["event"] == "bench_lossgate_summary" and summary["rounds"] == 1
     assert summary["gate_over_phase"] > 0 and summary["attribution_over_phase"] > 0
     assert summary["evidence_bytes_per_suspect"] == 4 * summary["params"]
+
+
+def test_one_anti_update_the_mean_would_hide_is_still_judged_alone_and_left_out():
+    """The issue's rule, per contribution: one Sybil's -2.5x among three honest updates leaves
+    a mean that still lowers the loss (the aggregate alone would pass it, and the Sybil would
+    earn standing by it); its evidence alone raises the loss, so no honest member signs, and
+    the three commit their own mean."""
+    hub, calls, ev = Hub(), [], EvidenceHub()
+    rounds = group(hub, 3, 1, standing=False, calls=calls)
+    with_evidence(rounds, ev)
+    ds = honest(3, 14) + [honest(1, 15)[0] * np.float32(-2.5)]
+    assert float(np.dot(np.mean(ds, axis=0), U)) > 0  # the mean alone would pass the gate
+    outs = run_rounds(rounds, ds, t=1)
+    for o in outs[:3]:
+        assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+    for r in rounds[:3]:
+        assert r.ledger.sitting_out[rounds[3].me] == 1 and rounds[3].me not in r.ledger.standing.rounds

@@ -1,22 +1,23 @@
 """Evidence for the loss gate's attribution (rule L2, `p2ptrain.run.lossgate`).
 
-A round the gate refused (L1) says that its mean raised the loss, not who pushed it. Each
-member whose roster held someone it has no standing with signed, in its header, the BLAKE3
-of its whole contribution (`Header.evidence`) and serves those bytes for the step through
-its blob server (`BlobEvidence`). A member that refused fetches the evidence of every member
-it has no standing with that trained, checks it against the signed digest, size and norm,
-and scores each alone on the refused round's batch (`attribute`). Its next attempt keeps
-only the members whose evidence alone lowers the loss: attribution chooses whom to try with,
-and never admits anything, since that attempt is gated again (L1).
+L1's aggregate says whether a round's mean lowers the loss, not whose work does. While its
+roster holds someone it has no standing with, each member signs in its header the BLAKE3 of
+its whole contribution (`Header.evidence`) and serves those bytes for the step through its
+blob server (`BlobEvidence`). A member that gates a round fetches, beside the data plane,
+the evidence of every member it has no standing with that trained (`fetch_all`), and before
+it signs checks each against the signed digest, size and norm and scores it alone on the
+round's batch (`judge_all`): the round is signed only if every such piece lowers the loss
+alone and the mean does too. A refusal names who failed, and the next attempt leaves them out.
 
-Cost: one fp32 copy of each such member's contribution per member that refused, and one
-forward pass each; only after a refusal.
+Cost, per member that gates: one fp32 copy of each unvetted member's contribution (4 bytes a
+parameter) and one forward pass each, every round it gates.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Protocol
 
 import numpy as np
@@ -86,30 +87,40 @@ def check(data: bytes | None, h: Header, n: int) -> np.ndarray | str:
     return vec
 
 
-async def attribute(evidence: Evidence, scorer, ok: dict[str, Header], seed: bytes, me: str,
-                    trusted: frozenset[str], n: int, timeout: float,
-                    base_state: bytes | None = None) -> tuple[set[str], dict[str, str]]:
-    """(members kept, member -> why not) among those without our standing that trained: kept
-    when its evidence alone lowers the loss on the refused round's batch (`seed`); why not:
-    'no-evidence', 'evidence-mismatch', 'evidence-norm', 'loss-flat' or 'loss-rose' (the
-    one conviction: `lossgate.judge_evidence`)."""
-    suspects = sorted(p for p, h in ok.items() if p != me and p not in trusted and h.norm > 0)
-    got: dict[str, bytes | None] = {}
+def suspects(ok: dict[str, Header], me: str, trusted: frozenset[str]) -> list[str]:
+    """Whose work L2 scores alone: members that trained and that we have no standing with."""
+    return sorted(p for p, h in ok.items() if p != me and p not in trusted and h.norm > 0)
+
+
+async def fetch_all(evidence: Evidence, ok: dict[str, Header], who: list[str], n: int,
+                    timeout: float) -> dict[str, bytes | None]:
+    """Each member's served evidence, fetched at once (None: not served in time)."""
+    got: dict[str, bytes | None] = {p: None for p in who}
 
     async def one(peer: str) -> None:
-        got[peer] = await evidence.fetch(peer, ok[peer].evidence, 4 * n, timeout) if ok[peer].evidence else None
+        if ok[peer].evidence:
+            got[peer] = await evidence.fetch(peer, ok[peer].evidence, 4 * n, timeout)
 
     with trio.move_on_after(timeout + 1.0):
         async with trio.open_nursery() as nursery:
-            for p in suspects:
+            for p in who:
                 nursery.start_soon(one, p)
+    return got
+
+
+def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
+              base_state: bytes | None = None) -> tuple[set[str], dict[str, str]]:
+    """(members kept, member -> why not) among `fetched`'s (blocking: one forward pass each):
+    kept when its evidence alone lowers the loss on the round's batch (`seed`); why not:
+    'no-evidence', 'evidence-mismatch', 'evidence-norm', 'loss-flat' or 'loss-rose' (the one
+    conviction: `lossgate.judge_evidence`)."""
     kept, why = set(), {}
-    for peer in suspects:
-        vec = check(got.get(peer), ok[peer], n)
+    for peer in sorted(fetched):
+        vec = check(fetched[peer], ok[peer], n)
         if isinstance(vec, str):
             why[peer] = vec
             continue
-        before, after = await trio.to_thread.run_sync(scorer, vec, seed, base_state)
+        before, after = scorer(vec, seed, base_state)
         reason = judge_evidence(before, after)
         if reason is None:
             kept.add(peer)
@@ -117,3 +128,38 @@ async def attribute(evidence: Evidence, scorer, ok: dict[str, Header], seed: byt
             why[peer] = reason
         log.info("evidence of %s alone: %.4f -> %.4f: %s", peer, before, after, reason or "kept")
     return kept, why
+
+
+class Pieces:
+    """L2 for one gated attempt: `fetch` (a trio task, once the headers are verified) fetches
+    the unvetted members' evidence beside the data plane; calling it with the round's seed
+    (the gate, in the service's worker thread, before we sign) judges each piece alone and
+    returns {member: why not} (empty: every piece lowers the loss alone). Without an evidence
+    source there is nothing to judge (the mean is still gated). `wait`: every gating member
+    fetches model-sized pieces at once, so more than an exchange's time, but within what a
+    neighbour's vote gather waits for our vote (the gate runs before we vote)."""
+
+    def __init__(self, evidence: Evidence | None, scorer, me: str, trusted: frozenset[str], n: int, got: dict,
+                 wait: float) -> None:
+        self.evidence, self.scorer, self.me, self.trusted, self.n = evidence, scorer, me, trusted, n
+        self.got, self.wait = got, wait
+        self.done = threading.Event()
+
+    async def fetch(self) -> None:
+        try:
+            if self.evidence is not None:
+                ok = self.got["ok"]
+                self.got["fetched"] = await fetch_all(self.evidence, ok, suspects(ok, self.me, self.trusted),
+                                                      self.n, self.wait)
+        finally:
+            self.done.set()
+
+    def __call__(self, seed: bytes) -> dict[str, str]:
+        if self.evidence is None:
+            return {}
+        if not self.done.wait(self.wait + 2.0):  # fails closed: nothing judged, nothing signed
+            return {"?": "no-evidence"}
+        got = self.got
+        got["kept"], got["why"] = judge_all(self.scorer, got.get("ok") or {}, got.get("fetched") or {}, seed,
+                                            self.n, got.get("base_state"))
+        return got["why"]

@@ -72,7 +72,6 @@ class ContributionRound(Agreement):
         self._ev_src: np.ndarray | None = None
         self._ev_key: str | None = None
         self._refusal: tuple[dict, str] | None = None  # the refused attempt's (got, round id)
-        self._l2_tried = False
         self._convicted: set[str] = set()  # Q2: members whose evidence raised the loss this step
         self._unexplained = False
         self._gone: set[str] = set()
@@ -82,7 +81,7 @@ class ContributionRound(Agreement):
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
         """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
-        self._ev_src, self._ev_key, self._refusal, self._l2_tried = None, None, None, False
+        self._ev_src, self._ev_key, self._refusal = None, None, None
         self._convicted = set()
         try:
             return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag)
@@ -159,9 +158,8 @@ class ContributionRound(Agreement):
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._refused:  # L1/L2: on without the members whose work we could not vouch for
-                roster = await self._after_refusal(t, roster, delta.size)
-                plan.elected = [p for p in elected if p not in self._convicted]
+            if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
+                roster, plan.elected = self._after_refusal(t, roster), [p for p in elected if p not in self._convicted]
             elif self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
                 roster = self._without_gone(plan, roster)
             elif self._unexplained:
@@ -205,7 +203,12 @@ class ContributionRound(Agreement):
         else:
             digests = OwnDigests(len(lay[rank]), self.config.exchange_timeout + 1.0)
         held = None if robust else HeldChecker(self.config.exchange_timeout + 1.0)
-        got: dict = {}
+        got: dict = {"base_state": out.merged[0] if out.merged is not None else None}
+        trusted = self.ledger.standing.trusted()
+        gated = (not robust and self.scorer is not None and self.gate.enabled
+                 and lossgate.needs_gate(roster, self.me, trusted))
+        pieces = evid.Pieces(self.evidence, self.scorer, self.me, trusted, delta.size, got,
+                             self.config.exchange_timeout + self.config.abort_skew / 2) if gated else None
 
         async def headers() -> None:
             h0 = trio.current_time()
@@ -230,6 +233,8 @@ class ContributionRound(Agreement):
                     held.settle_verified(got.get("ok"), got.get("bad"), roster, rank, subs)
             if held is not None and got["bad"]:  # no frame can pass: stop waiting for the data plane
                 await self.svc.abort(self.run_id, rid, "contribution headers")
+            elif pieces is not None:  # L2: beside the data plane, before we sign
+                await pieces.fetch()
 
         failed: RoundFailed | None = None
         res = None
@@ -240,10 +245,8 @@ class ContributionRound(Agreement):
                 nursery.start_soon(headers)
             if held is not None or not got["bad"]:
                 checker = held if held is not None else butterfly.Checker(roster, got["ok"], subs)
-                gated = (not robust and self.scorer is not None and self.gate.enabled
-                         and lossgate.needs_gate(roster, self.me, self.ledger.standing.trusted()))
-                got["base_state"] = out.merged[0] if out.merged is not None else None
-                kw = {"gate": lossgate.make_gate(self.scorer, self.gate, self.run_id, rid, got, world)} if gated else {}
+                kw = {"gate": lossgate.make_gate(self.scorer, self.gate, self.run_id, rid, got, world, pieces)
+                      } if gated else {}
                 try:
                     res = await self.svc.allreduce(send, self.run_id, rid, roster, own=own, check=checker,
                                                    robust=self.config.robust, on_own=digests, **kw)
@@ -313,27 +316,20 @@ class ContributionRound(Agreement):
         out.scale = 1.0 if self.config.robust is not None else trained_scale((h.norm for h in ok.values()), len(lay))
         return True
 
-    async def _after_refusal(self, t: int, roster: list[str], n: int) -> list[str]:
-        """The next roster after our gate refused (L2): the members we have standing with, the
-        joiners (zeros move nothing) and, the first time in a step, those whose evidence alone
-        lowers the loss on the refused round's batch (`evid.attribute`); a second refusal
-        leaves only the first two."""
-        trusted = self.ledger.standing.trusted()
-        got, rid = self._refusal or ({}, "")
-        ok = got.get("ok") or {}
-        keep = {p for p, h in ok.items() if h.norm == 0}
-        if not self._l2_tried and self.evidence is not None and self.scorer is not None and ok:
-            self._l2_tried = True
-            seed = lossgate.round_seed(self.run_id, rid, {p: got["raw"][p] for p in ok})
-            # Every member that refused fetches at once, each piece model-sized: more than an
-            # exchange's time, within what the others' next confirmation waits (`_confirm_wait`).
-            wait = self.config.exchange_timeout + self.config.abort_skew / 2
-            kept, why = await evid.attribute(self.evidence, self.scorer, ok, seed, self.me, trusted, n, wait,
-                                             got.get("base_state"))
-            keep |= kept
-            self._convicted |= {p for p, r in why.items() if r == "loss-rose"}
-            for peer, reason in sorted(why.items()):
+    def _after_refusal(self, t: int, roster: list[str]) -> list[str]:
+        """The next roster after our gate refused (L2): ourselves, the members we have standing
+        with, the joiners (zeros move nothing) and, when the refusal named members whose work
+        failed alone, those whose work passed; those named sit the step out, and the ones
+        whose work raised the loss no longer count toward the quorum (Q2). A refusal of the
+        mean alone (every piece passed) leaves only the first three."""
+        got = self._refusal[0] if self._refusal else {}
+        ok, why = got.get("ok") or {}, got.get("why") or {}
+        keep = {p for p, h in ok.items() if h.norm == 0} | (set(got.get("kept") or ()) if why else set())
+        self._convicted |= {p for p, r in why.items() if r == "loss-rose"}
+        for peer, reason in sorted(why.items()):
+            if peer in ok:
                 self.ledger.sit_out(t, peer, reason)
+        trusted = self.ledger.standing.trusted()
         return [p for p in roster if p == self.me or p in trusted or p in keep]
 
     def _failed(self, t: int, attempt: int, exc: RoundFailed) -> None:
