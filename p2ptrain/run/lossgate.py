@@ -9,17 +9,20 @@ Rule L1 (loss gate). When our roster holds a member we have no standing with
 result only if the outer step it would commit lowers the loss on a batch nobody could choose:
   - the batch is drawn from `round_seed`, a hash of every member's signed header, so it is
     fixed only after each contribution was committed to (a header signs its frames' digests);
-  - `before` is the loss of the state the round starts from, `after` the loss of the state it
-    would commit (Nesterov momentum included: what would be applied), on the same batch;
+  - `before` is the loss of the state the outer step reaches with no work (a zero mean:
+    momentum alone), `after` of the state it would commit (what would be applied), on the
+    same batch: work is what moves the step away from momentum alone (with 2 inner steps an
+    honest step raised the loss against the starting state in 8 of 25 steps, momentum
+    overshooting, against momentum alone in 3: `p2ptrain.train.scorer`);
   - `verdict` refuses an `after` that is not below `before` x (1 - `margin`), or not finite.
+Every member that gates also judges each unvetted member's work alone the same way (rule L2,
+`p2ptrain.run.evidence`), before it signs.
 A refused round aborts on every member (we never sign: no certificate can exist), and our
-next attempt leaves out the members we have no standing with (`Outcome` as a skip for them:
-no conviction, since nobody can tell from the aggregate which of them pushed the loss up).
+next attempt leaves out the members whose work failed alone (L2), or, when only the mean
+failed, every member we have no standing with.
 
-Invariant served: no committed round containing unvetted work raised the loss on a batch
-drawn after that work was signed. What it cannot do: attribute the rise to one member. With
-no standing anywhere (a run's first `rounds` steps) the retry leaves every member alone, so
-Sybils present from a run's first step stall it instead of steering it (DESIGN.md, trust).
+Invariant served: no committed round mixed in unvetted work that did not lower the loss, alone
+and in the mean, on a batch drawn after that work was signed.
 """
 
 from __future__ import annotations
