@@ -237,13 +237,13 @@ def test_sybils_that_hold_most_of_a_group_are_convicted_by_their_evidence_and_th
         assert r._convicted == {x.me for x in rounds[3:]}
 
 
-def test_the_evidence_verdict_keeps_leaves_out_and_convicts():
+def test_the_evidence_verdict_passes_noise_and_convicts_a_rise():
     assert lossgate.judge_evidence(2.0, 1.9) is None
-    assert lossgate.judge_evidence(2.0, 2.0) == "loss-flat"
-    assert lossgate.judge_evidence(2.0, 2.0 * (1 + lossgate.CONVICT_MARGIN / 2)) == "loss-flat"
-    assert lossgate.judge_evidence(2.0, 2.1) == "loss-rose"
+    assert lossgate.judge_evidence(2.0, 2.0) is None
+    assert lossgate.judge_evidence(2.0, 2.0 * (1 + lossgate.CONVICT_MARGIN / 2)) is None
+    assert lossgate.judge_evidence(2.0, 2.0 * (1 + 2 * lossgate.CONVICT_MARGIN)) == "loss-rose"
     assert lossgate.judge_evidence(2.0, float("inf")) == "loss-rose"
-    assert lossgate.judge_evidence(float("nan"), 1.0) == "loss-flat"
+    assert lossgate.judge_evidence(float("nan"), 1.0) == "loss-rose"
 
 
 def test_bench_lossgate_prints_its_costs_as_ratios_of_a_phase():

@@ -111,9 +111,9 @@ async def fetch_all(evidence: Evidence, ok: dict[str, Header], who: list[str], n
 def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
               base_state: bytes | None = None) -> tuple[set[str], dict[str, str]]:
     """(members kept, member -> why not) among `fetched`'s (blocking: one forward pass each):
-    kept when its evidence alone lowers the loss on the round's batch (`seed`); why not:
-    'no-evidence', 'evidence-mismatch', 'evidence-norm', 'loss-flat' or 'loss-rose' (the one
-    conviction: `lossgate.judge_evidence`)."""
+    kept unless its evidence alone raises the loss on the round's batch (beyond a margin) (`seed`); why not:
+    'no-evidence', 'evidence-mismatch', 'evidence-norm' or 'loss-rose' (the one conviction:
+    `lossgate.judge_evidence`)."""
     kept, why = set(), {}
     for peer in sorted(fetched):
         vec = check(fetched[peer], ok[peer], n)

@@ -48,10 +48,15 @@ class GateConfig:
     """The candidate's loss must be below `before` x (1 - margin); 0: any decrease passes."""
     batches: int = 2
     """Batches (of the run's batch size) drawn for each score."""
+    step_fraction: float = 0.1
+    """How far along the step that work makes (from momentum alone towards the committed
+    state) the loss is read: a direction test. The whole step overshoots with honest work
+    too (2 inner steps: an honest member's step alone raised the loss in 14 of 100 cases, the
+    honest mean in 3 of 25); a tenth of it asks whether the work points downhill."""
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.margin < 1.0) or self.batches < 1:
-            raise ValueError("margin must be in [0, 1) and batches >= 1")
+        if not (0.0 <= self.margin < 1.0) or self.batches < 1 or not 0.0 < self.step_fraction <= 1.0:
+            raise ValueError("margin must be in [0, 1), batches >= 1 and step_fraction in (0, 1]")
 
 
 def needs_gate(roster: list[str], me: str, trusted: frozenset[str] | set[str]) -> bool:
@@ -79,20 +84,20 @@ def verdict(before: float, after: float, margin: float = 0.0) -> str | None:
 
 
 CONVICT_MARGIN = 1e-3
-"""L2/Q2: evidence that alone raises the loss by more than this (relative) convicts its
-signer for the step. The margin keeps float differences between machines (relative ~1e-6
-for the same bytes) from splitting the verdict; between no decrease and the margin the
-member is only left out ('loss-flat')."""
+"""L2: a member's work judged alone fails (and convicts it for the step, Q2) when, a tenth of
+the way along its step, it raises the loss by more than this (relative). One member's work is
+noisier than the mean (2 inner steps, tiny preset: honest pieces rose by up to 0.08 % in the
+steps where every update, the mean too, went uphill on its batch; the red team's -2.5x pieces
+by 0.2-3.8 % in 22 of 25 steps); the mean (L1) must still lower the loss. The margin is also
+far above the float differences between machines for the same bytes (~1e-6)."""
 
 
 def judge_evidence(before: float, after: float) -> str | None:
-    """L2's verdict on one member's evidence scored alone: None (kept), 'loss-flat' (left
-    out) or 'loss-rose' (convicted: out of the step's quorum count, Q2)."""
-    if math.isfinite(before) and math.isfinite(after) and after < before:
+    """L2's verdict on one member's work scored alone: None (it passes) or 'loss-rose' (it
+    raised the loss beyond `CONVICT_MARGIN`, or is not finite: convicted for the step)."""
+    if math.isfinite(before) and math.isfinite(after) and after <= before * (1.0 + CONVICT_MARGIN):
         return None
-    if not math.isfinite(after) or math.isfinite(before) and after > before * (1.0 + CONVICT_MARGIN):
-        return "loss-rose"
-    return "loss-flat"
+    return "loss-rose"
 
 
 def is_refusal(reason: str) -> bool:

@@ -43,7 +43,8 @@ class CandidateScorer:
     def __call__(self, avg: np.ndarray, seed: bytes, base_state: bytes | None = None) -> tuple[float, float]:
         """(reference, after): the loss of the state the outer step reaches with no work at
         all (a zero mean: momentum alone; at a run's first step, the base itself) and of the
-        state it reaches with `avg`, on the batch `seed` draws. `base_state`: a merge round's
+        state `step_fraction` of the way from there towards the one it reaches with `avg`, on
+        the batch `seed` draws (a direction test: does the work point downhill). `base_state`: a merge round's
         merged state (checkpoint bytes), which the step would be applied to instead of our
         own outer state. The reference is computed once per (seed, base)."""
         with self._lock:
@@ -60,11 +61,11 @@ class CandidateScorer:
             tokens = train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len, local.seed)
             tokens = dev.to_device(tokens, local.device)
             key = (seed, None if base_state is None else hashlib.sha256(base_state).digest())
+            ref = candidate(base, momentum, local.outer.cfg, torch.zeros_like(base))
             if self._ref[0] != key:
-                ref = candidate(base, momentum, local.outer.cfg, torch.zeros_like(base))
                 self._ref = (key, self._loss(ref, tokens))
             cand = candidate(base, momentum, local.outer.cfg, torch.from_numpy(np.asarray(avg, dtype=np.float32)))
-            after = self._loss(cand, tokens)
+            after = self._loss(ref.add_(cand.sub_(ref), alpha=self.config.step_fraction), tokens)
             self.last_seconds = time.perf_counter() - t0
             return self._ref[1], after
 
