@@ -120,14 +120,13 @@ def test_malicious_peer_is_excluded_and_changes_nothing(procs, tmp_path, run_dir
         # others learn the blame from its abort vote.
 
 
-def test_an_anti_update_within_every_norm_bound_is_mixed_in_only_where_it_lowers_the_loss(procs, tmp_path, run_dir,
-                                                                                         keys):
+def test_an_anti_update_within_every_norm_bound_is_judged_alone_and_left_out(procs, tmp_path, run_dir, keys):
     """Rules L1/L2 on real processes (issue 32 item 9): a peer sending -2.5x its own update
     under a header true to it passes every norm bound. Each honest peer scores its evidence
-    alone on each round's batch and signs a round with it only where it lowers the loss (at
-    the genesis it does: the tiny model's first AdamW steps are not all descent); where it
-    raises it the Sybil sits the step out, convicted. The honest peers stay identical, and
-    the Sybil never costs them the loss the run reaches without it."""
+    alone on the round's batch before it signs; it raises the loss, so no honest peer signs a
+    round with it: the Sybil sits the step out, convicted, and the honest three commit
+    without it (later it may come back as a joiner: zeros, which anyone may send). The
+    honest peers stay identical, and end where the run without it ends."""
     base = baseline(procs, run_dir, keys)
     with type(procs)(tmp_path / "attack") as group:
         boot, baddr = start_bootstrap(group)
@@ -140,11 +139,9 @@ def test_an_anti_update_within_every_norm_bound_is_mixed_in_only_where_it_lowers
         left_out = [e for p in honest for e in p.all_events if e["event"] == "member_sits_out"
                     and e["remote"] == evil_id]
         assert left_out and {e["reason"] for e in left_out} == {"loss-rose"}, left_out
-        assert all(evil_id not in evs[0]["members"] for evs in steps[1:])  # convicted once it pulled uphill
-        # Measured: +3.2 % after 3 steps, all of it from the genesis step, where the anti-update
-        # lowered the loss on its batch and was mixed in (docs/PROTOCOL.md, L2's measured limit).
+        assert evil_id not in steps[0][0]["members"]
         want = _baseline["events"][-1][0]["val_loss"]
-        assert steps[-1][0]["val_loss"] <= want * 1.05, (steps[-1][0]["val_loss"], want, base)
+        assert steps[-1][0]["val_loss"] <= want * 1.02, (steps[-1][0]["val_loss"], want, base)
 
 
 def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys):
