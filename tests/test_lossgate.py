@@ -275,3 +275,37 @@ def test_one_anti_update_the_mean_would_hide_is_still_judged_alone_and_left_out(
         assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
     for r in rounds[:3]:
         assert r.ledger.sitting_out[rounds[3].me] == 1 and rounds[3].me not in r.ledger.standing.rounds
+
+
+def test_a_peer_at_the_genesis_rejects_a_planted_head_that_scores_worse(tmp_path):
+    """Issue 32's planted checkpoint (red team `plant`): Sybils advertise noise params as a
+    state trained far ahead. Before any honest peer trained, that was the best head there
+    was (a trained state ranks over the genesis). A peer still at the genesis scores a head
+    against its own state on windows it draws, and refuses one that is no better; a state
+    honest work trained loads."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import RunSpec
+    from p2ptrain.train.local import LocalModel, encode_state, load_run_data
+    from p2ptrain.train.scorer import CandidateScorer, WorseThanGenesis, checked_load
+
+    assert main(["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k"), "--inner-steps", "4"]) == 0
+    spec = RunSpec.from_dict(mf.read(tmp_path / "run" / "run.toml")[0])
+    genesis = (tmp_path / "run" / "genesis.p2ck").read_bytes()
+    ds = load_run_data(spec)
+    trainer = LocalModel(spec, ds, b"honest", genesis)
+    trainer.inner()
+    trainer.outer_step(trainer.pseudo_gradient())
+    trained = trainer.state_bytes()
+    planter = LocalModel(spec, ds, b"planter", genesis)
+    with torch.no_grad():
+        planter.outer.outer.copy_(torch.randn(planter.outer.outer.numel()) * 0.5)
+    planter.step = 10**6
+    planted = encode_state(planter.outer, 10**6)
+    newcomer = LocalModel(spec, ds, b"newcomer", genesis)
+    scorer = CandidateScorer(newcomer)
+    with pytest.raises(WorseThanGenesis):
+        checked_load(scorer, newcomer, planted)
+    assert newcomer.step == 0
+    checked_load(scorer, newcomer, trained)
+    assert newcomer.step == 1 and torch.equal(newcomer.outer.outer, trainer.outer.outer)

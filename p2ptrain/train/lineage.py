@@ -11,6 +11,7 @@ own state and fetches the bases it lacks, chunk by chunk, hash-checked.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import trio
@@ -21,6 +22,7 @@ from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords
 from p2ptrain.run import elect, states
+from p2ptrain.train.scorer import checked_load
 
 log = logging.getLogger("p2ptrain.train.trainer")
 NEAR = 3
@@ -166,9 +168,11 @@ class Lineage:
     async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
         """Adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
-        is rejected, not fatal: p2ptrain.ckpt.download.adopt)."""
+        is rejected, not fatal: p2ptrain.ckpt.download.adopt; so is one that scores no better
+        than the genesis we still hold: `scorer.checked_load`)."""
+        load = functools.partial(checked_load, getattr(self.round, "scorer", None), self.local)
         got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
-                          self.local.load_state_at, timeout=timeout, patience=patience,
+                          load, timeout=timeout, patience=patience,
                           rejected=self.ledger.rejected_ckpts, trusted=self.ledger.standing.trusted())
         if got is not None:
             self.weight = 1

@@ -16,6 +16,7 @@ reference once per round).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 
@@ -69,6 +70,20 @@ class CandidateScorer:
             self.last_seconds = time.perf_counter() - t0
             return self._ref[1], after
 
+    def state_losses(self, data: bytes, seed: bytes) -> tuple[float, float]:
+        """(ours, theirs): the loss of our outer state and of the state in checkpoint `data`
+        (a head we are about to adopt, `checked_load`), on the windows `seed` draws."""
+        with self._lock:
+            local = self.local
+            if self._model is None:
+                self._model = build_run_model(local.spec.model.config, local.seed).to(local.device)
+                self._model.eval()
+            sd, _ = decode_state(data)
+            tokens = dev.to_device(train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len,
+                                               local.seed), local.device)
+            return (self._loss(local.outer.outer, tokens),
+                    self._loss(sd["outer"].to(torch.float32).reshape(-1), tokens))
+
     def _loss(self, flat: torch.Tensor, tokens: torch.Tensor) -> float:
         params = list(self._model.parameters())
         with torch.no_grad():
@@ -88,3 +103,20 @@ def make_scorer(local, config: GateConfig | None = None) -> CandidateScorer | No
     if not hasattr(local, "ds"):
         return None
     return CandidateScorer(local, config)
+
+
+class WorseThanGenesis(ValueError):
+    """A head that scores no better than the genesis on windows we drew: not trained work."""
+
+
+def checked_load(scorer: CandidateScorer | None, local, data: bytes) -> None:
+    """`local.load_state_at(data)`, but a peer still at the genesis first scores the state
+    against its own (rule H1's sanity bar, issue 32's planted checkpoint): trained work
+    lowers the loss on windows nobody chose (ours, drawn here), a planted state of noise does
+    not. Raised, the head is rejected like one that does not load (`ckpt.download.adopt`) and
+    the next best is tried. Blocking."""
+    if scorer is not None and local.step == 0:
+        ours, theirs = scorer.state_losses(data, os.urandom(32))
+        if not theirs < ours:
+            raise WorseThanGenesis(f"the state scores {theirs:.4f} where the genesis scores {ours:.4f}")
+    local.load_state_at(data)
