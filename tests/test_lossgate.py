@@ -252,29 +252,12 @@ def test_bench_lossgate_prints_its_costs_as_ratios_of_a_phase():
     import sys
 
     out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "lossgate", "--rounds", "1", "--inner-steps", "2",
-                          "--suspects", "1", "--json"], capture_output=True, text=True, timeout=300)
+                          "--peers", "2", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-800:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["event"] == "bench_lossgate_summary" and summary["rounds"] == 1
-    assert summary["gate_over_phase"] > 0 and summary["attribution_over_phase"] > 0
-    assert summary["evidence_bytes_per_suspect"] == 4 * summary["params"]
-
-
-def test_one_anti_update_the_mean_would_hide_is_still_judged_alone_and_left_out():
-    """The issue's rule, per contribution: one Sybil's -2.5x among three honest updates leaves
-    a mean that still lowers the loss (the aggregate alone would pass it, and the Sybil would
-    earn standing by it); its evidence alone raises the loss, so no honest member signs, and
-    the three commit their own mean."""
-    hub, calls, ev = Hub(), [], EvidenceHub()
-    rounds = group(hub, 3, 1, standing=False, calls=calls)
-    with_evidence(rounds, ev)
-    ds = honest(3, 14) + [honest(1, 15)[0] * np.float32(-2.5)]
-    assert float(np.dot(np.mean(ds, axis=0), U)) > 0  # the mean alone would pass the gate
-    outs = run_rounds(rounds, ds, t=1)
-    for o in outs[:3]:
-        assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
-    for r in rounds[:3]:
-        assert r.ledger.sitting_out[rounds[3].me] == 1 and rounds[3].me not in r.ledger.standing.rounds
+    assert summary["event"] == "bench_lossgate_summary" and summary["rounds"] == 1 and summary["honest_pieces"] == 2
+    assert summary["gate_over_phase"] > 0 and summary["piece_over_phase"] > 0
+    assert summary["evidence_bytes_per_piece"] == 4 * summary["params"]
 
 
 def test_a_peer_at_the_genesis_rejects_a_planted_head_that_scores_worse(tmp_path):

@@ -1,14 +1,18 @@
-"""`p2ptrain bench lossgate`: what the loss gate (rules L1, L2) costs a peer, against its own work.
+"""`p2ptrain bench lossgate`: what the loss gate (rules L1, L2) costs and how often it errs.
 
-One process, one model (`--preset`), the run's own data. Per round it times, on this machine:
-  - phase: one inner phase (H AdamW steps), the work a peer does per outer step (baseline);
-  - gate: L1's score of a round's candidate (the loss of the base and of the stepped state
-    on `--batches` x the run's batch, on the scorer's own model), paid by a member in a
-    round holding someone it has no standing with;
-  - attribution: L2's score of `--suspects` members' evidence alone after a refusal (one
-    stepped state each), plus the evidence it fetches: 4 bytes a parameter per suspect.
-It prints each as a ratio of the phase (medians over `--rounds`), the evidence bytes, and
-whether the gate passed the honest candidate and refused the red team's anti-update (-2.5x).
+One process, the run's own data, `--peers` honest DiLoCo peers of one model (`--preset`) that
+train and apply their mean each round, and one more identity sending -2.5x its own update
+(the red team's anti-update). Per round, with the product's scorer (`p2ptrain.train.scorer`)
+on the round's batch, it records:
+  - phase: one peer's inner phase (H AdamW steps): the work a peer does per outer step, the
+    baseline every cost is divided by;
+  - gate: L1's score of the honest mean (the reference, momentum alone, and the stepped
+    state), paid by a member in a round holding someone it has no standing with; whether it
+    passed (a refusal of honest work is a false refusal);
+  - pieces: L2's score of each honest peer's work alone (false convictions) and of the
+    anti-update (caught or not), one forward pass each, plus the evidence each fetches:
+    4 bytes a parameter.
+The summary gives the medians as ratios of the phase and the counts over all rounds.
 """
 
 from __future__ import annotations
@@ -23,8 +27,8 @@ from pathlib import Path
 def add_arguments(p) -> None:
     p.add_argument("--preset", default="tiny", choices=("tiny", "small", "base"), help="model (default tiny)")
     p.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
+    p.add_argument("--peers", type=int, default=4, help="honest peers (default 4)")
     p.add_argument("--batches", type=int, default=2, help="gate batches (default 2, the product's)")
-    p.add_argument("--suspects", type=int, default=4, help="evidence scored after a refusal (default 4)")
     p.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
     p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
 
@@ -44,36 +48,46 @@ def run(args) -> int:
                 "--inner-steps", str(args.inner_steps)]) != 0:
             return 1
         spec = RunSpec.from_dict(mf.read(d / "run" / "run.toml")[0])
-        local = LocalModel(spec, load_run_data(spec), b"bench", (d / "run" / "genesis.p2ck").read_bytes())
-        scorer = CandidateScorer(local, lossgate.GateConfig(batches=args.batches))
+        ds, genesis = load_run_data(spec), (d / "run" / "genesis.p2ck").read_bytes()
+        peers = [LocalModel(spec, ds, bytes([i + 1]) * 8, genesis) for i in range(args.peers + 1)]
+        scorer = CandidateScorer(peers[0], lossgate.GateConfig(batches=args.batches))
         rows = []
         for r in range(args.rounds):
-            t0 = time.perf_counter()
-            local.inner()
-            phase = time.perf_counter() - t0
-            delta = local.pseudo_gradient()
+            phases, deltas = [], []
+            for p in peers:
+                t0 = time.perf_counter()
+                p.inner()
+                phases.append(time.perf_counter() - t0)
+                deltas.append(p.pseudo_gradient())
+            honest, anti = deltas[:-1], deltas[-1] * np.float32(-2.5)
+            mean = np.mean(honest, axis=0).astype(np.float32)
             seed = lossgate.round_seed("bench", f"{r}/0", {"m": r.to_bytes(4, "little")})
             t0 = time.perf_counter()
-            before, after = scorer(delta, seed)
+            ref, after = scorer(mean, seed)
             gate = time.perf_counter() - t0
             t0 = time.perf_counter()
-            for _ in range(args.suspects):
-                _, alone = scorer(delta * np.float32(-2.5), seed)
-            attribution = time.perf_counter() - t0
-            local.outer_step(delta)
-            rows.append({"event": "bench_lossgate_round", "round": r, "phase_s": round(phase, 4),
-                         "gate_s": round(gate, 4), "attribution_s": round(attribution, 4),
-                         "honest_passed": lossgate.verdict(before, after) is None,
-                         "anti_convicted": lossgate.judge_evidence(before, alone) == "loss-rose"})
-        med = {k: statistics.median(x[k] for x in rows) for k in ("phase_s", "gate_s", "attribution_s")}
-        summary = {"event": "bench_lossgate_summary", "preset": args.preset, "params": local.n_params,
-                   "inner_steps": args.inner_steps, "batches": args.batches, "suspects": args.suspects,
-                   **{k: round(v, 4) for k, v in med.items()},
+            alone = [scorer(x, seed)[1] for x in honest]
+            piece = (time.perf_counter() - t0) / len(honest)
+            _, anti_after = scorer(anti, seed)
+            for p in peers:
+                p.outer_step(mean)
+            rows.append({"event": "bench_lossgate_round", "round": r, "phase_s": round(statistics.median(phases), 4),
+                         "gate_s": round(gate, 4), "piece_s": round(piece, 4),
+                         "mean_passed": lossgate.verdict(ref, after) is None,
+                         "honest_pieces_failed": sum(lossgate.judge_evidence(ref, a) is not None for a in alone),
+                         "anti_caught": lossgate.judge_evidence(ref, anti_after) is not None,
+                         "mean_rel": round(after / ref - 1, 6), "anti_rel": round(anti_after / ref - 1, 6)})
+        med = {k: statistics.median(x[k] for x in rows) for k in ("phase_s", "gate_s", "piece_s")}
+        summary = {"event": "bench_lossgate_summary", "preset": args.preset, "params": peers[0].n_params,
+                   "inner_steps": args.inner_steps, "peers": args.peers, "batches": args.batches,
+                   "rounds": len(rows), **{k: round(v, 4) for k, v in med.items()},
                    "gate_over_phase": round(med["gate_s"] / med["phase_s"], 4),
-                   "attribution_over_phase": round(med["attribution_s"] / med["phase_s"], 4),
-                   "evidence_bytes_per_suspect": 4 * local.n_params,
-                   "honest_passed": sum(x["honest_passed"] for x in rows),
-                   "anti_convicted": sum(x["anti_convicted"] for x in rows), "rounds": len(rows)}
+                   "piece_over_phase": round(med["piece_s"] / med["phase_s"], 4),
+                   "evidence_bytes_per_piece": 4 * peers[0].n_params,
+                   "honest_means_refused": sum(not x["mean_passed"] for x in rows),
+                   "honest_pieces_failed": sum(x["honest_pieces_failed"] for x in rows),
+                   "honest_pieces": len(rows) * args.peers,
+                   "anti_caught": sum(x["anti_caught"] for x in rows)}
     for row in (*rows, summary):
         print(json.dumps(row) if args.json else " ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
     return 0
