@@ -292,3 +292,20 @@ def test_a_peer_at_the_genesis_rejects_a_planted_head_that_scores_worse(tmp_path
     assert newcomer.step == 0
     checked_load(scorer, newcomer, trained)
     assert newcomer.step == 1 and torch.equal(newcomer.outer.outer, trainer.outer.outer)
+
+
+def test_a_member_that_gates_alone_gets_the_others_evidence_and_they_commit_together():
+    """A peer restarted without its standing gates every round; members that trust everyone
+    would not gate, and served no evidence: it found none, refused every round, and the run
+    stalled (tests/test_checkpoint_join.py's SIGKILL restart). Its roster confirmation says
+    it gates, so every member serves its evidence."""
+    hub, calls, ev = Hub(), [], EvidenceHub()
+    rounds = group(hub, 3, 0, standing=True, calls=calls)
+    rounds[2].ledger.standing.rounds.clear()  # restarted: it trusts nobody, the others still trust it
+    with_evidence(rounds, ev)
+    ds = honest(3, 16)
+    outs = run_rounds(rounds, ds, t=5)
+    for o in outs:
+        assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+    assert {p for m, p in ev.fetched if m == rounds[2].me} == {rounds[0].me, rounds[1].me}
+    assert len(calls) == 3  # the restarted member alone scored: two pieces and the mean

@@ -43,7 +43,7 @@ class Agreement:
         that saw another roster, or cuts the tensor differently (another version), is left
         out (`p2ptrain.run.roster`); one with another base is merged with."""
         mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster),
-                               max(0, min(int(weight), rosters.MAX_WEIGHT)))
+                               max(0, min(int(weight), rosters.MAX_WEIGHT)), int(self.gates_round(roster)))
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
@@ -51,7 +51,15 @@ class Agreement:
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         if self.bases is None:  # no way to merge: another base cannot share a round with us
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}
-        return rosters.reconcile(mine, replies, known_silent)
+        verdict = rosters.reconcile(mine, replies, known_silent)
+        # L2: anyone gating makes everyone serve evidence (a member that gates alone, e.g.
+        # restarted without its standing, found none and refused every round)
+        self.evidence_wanted = bool(mine.gates or any(c.gates for c in verdict.confirms.values()))
+        return verdict
+
+    def gates_round(self, roster: list[str]) -> bool:
+        """Whether we gate a round with `roster` (rules L1, L2); the round decides."""
+        return False
 
     def _without_gone(self, plan: rosters.RosterPlan, roster: list[str]) -> list[str]:
         """Rule G2: the members found gone at this attempt (by the data plane or a merge's

@@ -48,9 +48,13 @@ class Confirm:
     weight: int = 1
     """The weight the sender's base claims in a merge: the members that trained the round
     that produced it (`p2ptrain.run.merge.weights` caps it)."""
+    gates: int = 0
+    """1: the sender has no standing with some member of the view, so it gates the round
+    (rule L1) and judges unvetted work alone (L2): every member then serves its evidence."""
 
     def encode(self) -> bytes:
-        return "/".join([self.rh, self.base, str(self.chunk), str(self.weight), ",".join(self.view)]).encode()
+        return "/".join([self.rh, self.base, str(self.chunk), str(self.weight), str(self.gates),
+                         ",".join(self.view)]).encode()
 
     def agrees(self, other: "Confirm") -> bool:
         """Same roster and frame cut: the two can run one round (their bases may differ)."""
@@ -70,13 +74,13 @@ def decode(raw: bytes | None, run_id: str, step: int, attempt: int) -> Confirm |
     if raw is None or len(raw) > MAX_BYTES:
         return None
     try:
-        rh, base, chunk, weight, view = raw.decode().split("/", 4)
+        rh, base, chunk, weight, gates, view = raw.decode().split("/", 5)
     except (UnicodeDecodeError, ValueError):
         return None
     c_chunk, c_weight = _small_int(chunk), _small_int(weight)
-    if c_chunk is None or c_weight is None or c_weight > MAX_WEIGHT or len(base) != 64:
+    if c_chunk is None or c_weight is None or c_weight > MAX_WEIGHT or len(base) != 64 or gates not in ("0", "1"):
         return None
-    c = Confirm(rh, base, c_chunk, tuple(v for v in view.split(",") if v), c_weight)
+    c = Confirm(rh, base, c_chunk, tuple(v for v in view.split(",") if v), c_weight, int(gates))
     if not c.view or len(c.view) > MAX_VIEW or len(set(c.view)) != len(c.view):
         return None
     if c.rh != election.roster_hash(run_id, step, attempt, list(c.view)):

@@ -67,6 +67,7 @@ class ContributionRound(Agreement):
         self.scorer, self.gate = scorer, gate or lossgate.GateConfig()
         """Rule L1 (`p2ptrain.run.lossgate`): `scorer(avg, seed) -> (before, after)`; None: no gate."""
         self._refused = False
+        self.evidence_wanted = False  # some member's confirmation said it gates (L2)
         self.evidence = evidence
         """Where our contribution is served for L2's attribution (`p2ptrain.run.evidence`)."""
         self._ev_src: np.ndarray | None = None
@@ -205,8 +206,7 @@ class ContributionRound(Agreement):
         held = None if robust else HeldChecker(self.config.exchange_timeout + 1.0)
         got: dict = {"base_state": out.merged[0] if out.merged is not None else None}
         trusted = self.ledger.standing.trusted()
-        gated = (not robust and self.scorer is not None and self.gate.enabled
-                 and lossgate.needs_gate(roster, self.me, trusted))
+        gated = self.gates_round(roster)
         pieces = evid.Pieces(self.evidence, self.scorer, self.me, trusted, delta.size, got,
                              self.config.exchange_timeout + self.config.abort_skew / 2) if gated else None
 
@@ -264,7 +264,7 @@ class ContributionRound(Agreement):
         norm = math.sqrt(math.fsum(x * x for x in norms))
         trusted = self.ledger.standing.trusted()
         trusts = tuple(i for i, p in enumerate(roster) if p in trusted and p != self.me)
-        if self.evidence is not None and self._ev_src is not None and lossgate.needs_gate(roster, self.me, trusted):
+        if self.evidence is not None and self._ev_src is not None and self.evidence_wanted:
             if self._ev_key is None:  # L2: what others may score alone if a gate refuses this round
                 self._ev_key = evid.digest(self._ev_src)
                 self.evidence.publish(self._ev_key, self._ev_src)
@@ -315,6 +315,10 @@ class ContributionRound(Agreement):
         out.weight = max(1, sum(1 for h in ok.values() if h.tokens > 0))
         out.scale = 1.0 if self.config.robust is not None else trained_scale((h.norm for h in ok.values()), len(lay))
         return True
+
+    def gates_round(self, roster: list[str]) -> bool:
+        return (self.config.robust is None and self.sparse is None and self.scorer is not None and self.gate.enabled
+                and lossgate.needs_gate(roster, self.me, self.ledger.standing.trusted()))
 
     def _after_refusal(self, t: int, roster: list[str]) -> list[str]:
         """The next roster after our gate refused (L2): ourselves, the members we have standing
