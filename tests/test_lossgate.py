@@ -254,8 +254,10 @@ def test_bench_lossgate_prints_its_costs_as_ratios_of_a_phase():
     out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "lossgate", "--rounds", "1", "--inner-steps", "2",
                           "--peers", "2", "--json"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-800:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["event"] == "bench_lossgate_summary" and summary["rounds"] == 1 and summary["honest_pieces"] == 2
+    lines = [json.loads(line) for line in out.stdout.strip().splitlines()]  # every line an event
+    summary = lines[-1]
+    assert [e["event"] for e in lines] == ["bench_lossgate_round", "bench_lossgate_summary"]
+    assert summary["rounds"] == 1 and summary["honest_pieces"] == 2
     assert summary["gate_over_phase"] > 0 and summary["piece_over_phase"] > 0
     assert summary["evidence_bytes_per_piece"] == 4 * summary["params"]
 

@@ -17,6 +17,8 @@ The summary gives the medians as ratios of the phase and the counts over all rou
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import statistics
 import tempfile
@@ -44,9 +46,10 @@ def run(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="p2ptrain-bench-lossgate-") as d:
         d = Path(d)
-        if cli(["init", "--out", str(d / "run"), "--key", str(d / "k"), "--preset", args.preset,
-                "--inner-steps", str(args.inner_steps)]) != 0:
-            return 1
+        with contextlib.redirect_stdout(io.StringIO()):  # init's own lines are not this bench's events
+            if cli(["init", "--out", str(d / "run"), "--key", str(d / "k"), "--preset", args.preset,
+                    "--inner-steps", str(args.inner_steps)]) != 0:
+                return 1
         spec = RunSpec.from_dict(mf.read(d / "run" / "run.toml")[0])
         ds, genesis = load_run_data(spec), (d / "run" / "genesis.p2ck").read_bytes()
         peers = [LocalModel(spec, ds, bytes([i + 1]) * 8, genesis) for i in range(args.peers + 1)]
