@@ -1,13 +1,13 @@
 """Evidence for the loss gate's attribution (rule L2, `p2ptrain.run.lossgate`).
 
-L1's aggregate says whether a round's mean lowers the loss, not whose work does. While its
-roster holds someone it has no standing with, each member signs in its header the BLAKE3 of
-its whole contribution (`Header.evidence`) and serves those bytes for the step through its
-blob server (`BlobEvidence`). A member that gates a round fetches, beside the data plane,
-the evidence of every member it has no standing with that trained (`fetch_all`), and before
-it signs checks each against the signed digest, size and norm and scores it alone on the
-round's batch (`judge_all`): the round is signed only if every such piece lowers the loss
-alone and the mean does too. A refusal names who failed, and the next attempt leaves them out.
+L1's aggregate says whether a round's mean lowers the loss, not whose work does. While any
+member gates (its roster confirmation says so), each member signs in its header the BLAKE3
+of its whole contribution (`Header.evidence`) and serves those bytes for the step through
+its blob server (`BlobEvidence`). A gating member fetches, beside the data plane, the
+evidence of every member it has no standing with that trained (`fetch_all`). When the mean
+fails, it checks each piece against the signed digest, size and norm and scores it alone on
+the round's batch (`judge_all`): the refusal names whose work failed, and the next attempt
+leaves them out. While the mean passes, pieces are not judged.
 
 Cost, per member that gates: one fp32 copy of each unvetted member's contribution (4 bytes a
 parameter) and one forward pass each, every round it gates.
