@@ -100,15 +100,6 @@ def judge_evidence(before: float, after: float) -> str | None:
     return "loss-rose"
 
 
-def is_refusal(reason: str) -> bool:
-    return reason.startswith("loss-rose")
-
-
-def without_unvetted(roster: list[str], me: str, trusted: frozenset[str] | set[str]) -> list[str]:
-    """The next attempt's roster after a refusal: us and the members we have standing with."""
-    return [p for p in roster if p == me or p in trusted]
-
-
 def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict, chunks: int, pieces=None):
     """The service's `gate(result)` for one ring attempt: the mean the outer step would apply
     (`Outcome.average`) is scored by `scorer(avg, seed, base_state) -> (before, after)` on
