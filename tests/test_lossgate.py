@@ -296,10 +296,6 @@ def test_a_peer_at_the_genesis_rejects_a_planted_head_that_scores_worse(tmp_path
     assert newcomer.step == 1 and torch.equal(newcomer.outer.outer, trainer.outer.outer)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "flaky in the memory tier since pieces are judged only when the mean fails (2 of 4 runs: "
-    "the first confirmation timed out and the trusting pair went on without the restarted member); "
-    "not yet diagnosed. The real-process SIGKILL restart (tests/test_checkpoint_join.py) passed"))
 def test_a_member_that_gates_alone_gets_the_others_evidence_and_they_commit_together():
     """A peer restarted without its standing gates every round; members that trust everyone
     would not gate, and served no evidence: it found none, refused every round, and the run
@@ -314,20 +310,64 @@ def test_a_member_that_gates_alone_gets_the_others_evidence_and_they_commit_toge
     for o in outs:
         assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
     assert {p for m, p in ev.fetched if m == rounds[2].me} == {rounds[0].me, rounds[1].me}
-    assert len(calls) == 1  # the restarted member alone scored the mean (it passed: no piece judged)
+    assert len(calls) == 3  # the restarted member alone scored: the mean and two pieces
 
 
-def test_an_anti_update_the_mean_hides_is_mixed_in_but_the_mean_still_descends():
-    """What the gate does not do (docs/PROTOCOL.md L2): pieces are judged only when the mean
-    fails. One Sybil's -2.5x among three honest updates leaves a mean that still lowers the
-    loss, so the round commits with it. Refusing on a failed piece while the mean passed
-    stalled an honest pair (one honest piece alone rose 0.35 % on its batch)."""
+def test_an_anti_update_the_mean_hides_is_judged_alone_and_left_out():
+    """L2 on every gated round: one Sybil's -2.5x among three honest updates leaves a mean that
+    still lowers the loss (measured on real processes: +45 % val loss after 3 steps when it
+    was mixed in). Each honest member judges the Sybil's work alone, it raises the loss on
+    the round's batch and on each further batch, so no honest member signs a round with it:
+    the honest three commit their own mean."""
     hub, calls, ev = Hub(), [], EvidenceHub()
     rounds = group(hub, 3, 1, standing=False, calls=calls)
     with_evidence(rounds, ev)
     ds = honest(3, 14) + [honest(1, 15)[0] * np.float32(-2.5)]
-    mean = np.mean(ds, axis=0)
-    assert float(np.dot(mean, U)) > 0
+    assert float(np.dot(np.mean(ds, axis=0), U)) > 0  # the mean alone would pass
     outs = run_rounds(rounds, ds, t=1)
     for o in outs[:3]:
-        assert len(o.members) == 4 and np.allclose(o.result, mean, atol=1e-6)
+        assert len(o.members) == 3 and rounds[3].me not in o.members
+        assert np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
+
+
+def _piece_scorer(rises_on: set[int]):
+    """Scores a piece as rising (+1 %) on the confirmation batches `rises_on` (0: the round's)."""
+    seeds = {lossgate.confirm_seed(b"s" * 32, k): k for k in range(4)}
+    calls = []
+
+    def scorer(vec, seed, base_state=None):
+        calls.append(seeds[seed])
+        return 1.0, 1.01 if seeds[seed] in rises_on else 0.99
+    return scorer, calls
+
+
+def test_a_piece_is_convicted_only_if_it_fails_on_the_rounds_batch_and_each_further_one():
+    from p2ptrain.run.contribution import Header
+
+    vec = np.ones(8, np.float32)
+    h = Header(run="r" * 64, step=1, attempt=0, roster="0" * 64, peer="a", chunk_norms=(), own_digests=(),
+               norm=float(np.linalg.norm(vec)), inner_steps=1, tokens=1, evidence=evid.digest(vec))
+    data = vec.tobytes()
+    for rises_on, convicted, scored in (({0, 1, 2}, True, [0, 1, 2]), ({0, 2}, False, [0, 1]),
+                                        ({1, 2}, False, [0]), (set(), False, [0])):
+        scorer, calls = _piece_scorer(rises_on)
+        kept, why = evid.judge_all(scorer, {"a": h}, {"a": data}, b"s" * 32, 8, confirm=2)
+        assert (why == {"a": "loss-rose"}) is convicted and (kept == {"a"}) is not convicted, rises_on
+        assert calls == scored, rises_on  # further batches only for a piece that keeps failing
+
+
+def test_a_merge_rounds_pieces_are_judged_only_when_its_mean_fails():
+    """In a merge round, pieces were trained from other lineages than the merged state: one
+    alone need not descend from it, so they only say whose work to leave out of a failed mean."""
+    asked = []
+    got = {"ok": {"a": type("H", (), {"norm": 1.0})()}, "raw": {"a": b"x"}, "base_state": b"merged"}
+
+    def pieces(seed):
+        asked.append(seed)
+        return {"a": "loss-rose"}
+    passing = lossgate.make_gate(lambda *a: (1.0, 0.9), lossgate.GateConfig(), "r" * 64, "1/0", got, 1, pieces)
+    assert passing(np.zeros(4, np.float32)) is None and asked == []
+    failing = lossgate.make_gate(lambda *a: (1.0, 1.1), lossgate.GateConfig(), "r" * 64, "1/0", got, 1, pieces)
+    assert "failed alone" in failing(np.zeros(4, np.float32)) and len(asked) == 1
+    got["base_state"] = None  # not a merge round: pieces are judged though the mean passes
+    assert "failed alone" in passing(np.zeros(4, np.float32)) and len(asked) == 2

@@ -120,25 +120,29 @@ def test_malicious_peer_is_excluded_and_changes_nothing(procs, tmp_path, run_dir
         # others learn the blame from its abort vote.
 
 
-def test_an_anti_update_within_every_norm_bound_is_gated_by_the_loss(procs, tmp_path, run_dir, keys):
-    """Rule L1 on real processes (issue 32 item 9): a peer sending -2.5x its own update under
-    a header true to it passes every norm bound. The honest peers (no standing with it) sign
-    a round with it only where the mean lowers the loss on the round's batch, and judge its
-    work alone when the mean fails (L2). One such peer among three honest ones leaves a mean
-    that descends, so it may be mixed in; the honest peers stay identical and end near where
-    the run without it ends (the bound the gate keeps is on the mean, not on each piece)."""
+def test_an_anti_update_within_every_norm_bound_is_judged_alone_and_left_out(procs, tmp_path, run_dir, keys):
+    """Rules L1/L2 on real processes (issue 32 item 9): a peer sending -2.5x its own update
+    under a header true to it passes every norm bound, and among three honest peers leaves a
+    mean that still descends (mixed in, it cost +45 % val loss after 3 steps, CI stop 38).
+    Each honest peer scores its evidence alone on the round's batch (and on further batches
+    where it fails there) before it signs; it raises the loss, so no honest peer signs a round
+    with it: the Sybil sits the step out, convicted, and the honest three commit without it.
+    The honest peers stay identical, and end where the run without it ends."""
     base = baseline(procs, run_dir, keys)
     with type(procs)(tmp_path / "attack") as group:
         boot, baddr = start_bootstrap(group)
         peers = start_trainers(group, baddr, run_dir, keys, 4, STEPS, adversary="anti")
-        honest = peers[:3]
+        honest, evil = peers[:3], peers[3]
+        evil_id = evil.wait_event(lambda e: e["event"] == "run_joined", 120)["peer"]
         steps = [[committed(p, s) for p in honest] for s in range(1, STEPS + 1)]
         for evs in steps:
             assert len({e["params_sha256"] for e in evs}) == 1, evs
-        # What L1 keeps: every round descends. Measured: val loss 4.08 after 3 steps where the
-        # run without the Sybil reached 3.44 (+19 %): the mean hides one anti-update (L2 open).
-        vals = [evs[0]["val_loss"] for evs in steps]
-        assert vals[-1] < vals[0], (vals, _baseline["events"][-1][0]["val_loss"], base)
+        assert evil_id not in steps[0][0]["members"], steps[0][0]
+        left_out = [e for p in honest for e in p.all_events if e["event"] == "member_sits_out"
+                    and e["remote"] == evil_id]
+        assert left_out and {e["reason"] for e in left_out} == {"loss-rose"}, left_out
+        want = _baseline["events"][-1][0]["val_loss"]
+        assert steps[-1][0]["val_loss"] <= want * 1.02, (steps[-1][0]["val_loss"], want, base)
 
 
 def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys):

@@ -4,13 +4,15 @@ L1's aggregate says whether a round's mean lowers the loss, not whose work does.
 member gates (its roster confirmation says so), each member signs in its header the BLAKE3
 of its whole contribution (`Header.evidence`) and serves those bytes for the step through
 its blob server (`BlobEvidence`). A gating member fetches, beside the data plane, the
-evidence of every member it has no standing with that trained (`fetch_all`). When the mean
-fails, it checks each piece against the signed digest, size and norm and scores it alone on
-the round's batch (`judge_all`): the refusal names whose work failed, and the next attempt
-leaves them out. While the mean passes, pieces are not judged.
+evidence of every member it has no standing with that trained (`fetch_all`). Before it
+signs, it checks each piece against the signed digest, size and norm and scores it alone on
+the round's batch, and a piece that fails there on `GateConfig.confirm` further batches
+(`judge_all`): the refusal names whose work failed, and the next attempt leaves them out.
+(In a merge round, only when the mean fails: `lossgate.make_gate`.)
 
 Cost, per member that gates: one fp32 copy of each unvetted member's contribution (4 bytes a
-parameter) and one forward pass each, every round it gates.
+parameter) and one forward pass each, every round it gates (1 + `confirm` for a piece that
+fails on the round's batch).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from blake3 import blake3
 from p2ptrain.ckpt.fetch import FetchError, request
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.run.contribution import Header
-from p2ptrain.run.lossgate import judge_evidence
+from p2ptrain.run.lossgate import confirm_seed, judge_evidence
 
 log = logging.getLogger("p2ptrain.run.evidence")
 
@@ -109,24 +111,30 @@ async def fetch_all(evidence: Evidence, ok: dict[str, Header], who: list[str], n
 
 
 def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
-              base_state: bytes | None = None) -> tuple[set[str], dict[str, str]]:
-    """(members kept, member -> why not) among `fetched`'s (blocking: one forward pass each):
-    kept unless its evidence alone raises the loss on the round's batch (beyond a margin) (`seed`); why not:
-    'no-evidence', 'evidence-mismatch', 'evidence-norm' or 'loss-rose' (the one conviction:
-    `lossgate.judge_evidence`)."""
+              base_state: bytes | None = None, confirm: int = 0) -> tuple[set[str], dict[str, str]]:
+    """(members kept, member -> why not) among `fetched`'s (blocking: forward passes). A piece
+    is kept unless its evidence alone raises the loss (beyond `lossgate.CONVICT_MARGIN`) on
+    the round's batch (`seed`) and on each of `confirm` further batches drawn from it (one
+    batch is noisy: an honest piece may rise on one). Why not: 'no-evidence',
+    'evidence-mismatch', 'evidence-norm' or 'loss-rose' (`lossgate.judge_evidence`)."""
     kept, why = set(), {}
     for peer in sorted(fetched):
         vec = check(fetched[peer], ok[peer], n)
         if isinstance(vec, str):
             why[peer] = vec
             continue
-        before, after = scorer(vec, seed, base_state)
-        reason = judge_evidence(before, after)
+        scores = []
+        for k in range(1 + confirm):
+            before, after = scorer(vec, confirm_seed(seed, k), base_state)
+            scores.append(f"{before:.4f} -> {after:.4f}")
+            reason = judge_evidence(before, after)
+            if reason is None:
+                break
         if reason is None:
             kept.add(peer)
         else:
             why[peer] = reason
-        log.info("evidence of %s alone: %.4f -> %.4f: %s", peer, before, after, reason or "kept")
+        log.info("evidence of %s alone: %s: %s", peer, ", ".join(scores), reason or "kept")
     return kept, why
 
 
@@ -140,9 +148,9 @@ class Pieces:
     neighbour's vote gather waits for our vote (the gate runs before we vote)."""
 
     def __init__(self, evidence: Evidence | None, scorer, me: str, trusted: frozenset[str], n: int, got: dict,
-                 wait: float) -> None:
+                 wait: float, confirm: int = 0) -> None:
         self.evidence, self.scorer, self.me, self.trusted, self.n = evidence, scorer, me, trusted, n
-        self.got, self.wait = got, wait
+        self.got, self.wait, self.confirm = got, wait, confirm
         self.done = threading.Event()
 
     async def fetch(self) -> None:
@@ -161,5 +169,5 @@ class Pieces:
             return {"?": "no-evidence"}
         got = self.got
         got["kept"], got["why"] = judge_all(self.scorer, got.get("ok") or {}, got.get("fetched") or {}, seed,
-                                            self.n, got.get("base_state"))
+                                            self.n, got.get("base_state"), self.confirm)
         return got["why"]

@@ -208,7 +208,8 @@ class ContributionRound(Agreement):
         trusted = self.ledger.standing.trusted()
         gated = self.gates_round(roster)
         pieces = evid.Pieces(self.evidence, self.scorer, self.me, trusted, delta.size, got,
-                             self.config.exchange_timeout + self.config.abort_skew / 2) if gated else None
+                             self.config.exchange_timeout + self.config.abort_skew / 2,
+                             self.gate.confirm) if gated else None
 
         async def headers() -> None:
             h0 = trio.current_time()
