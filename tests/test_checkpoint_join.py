@@ -138,3 +138,25 @@ def test_sigkill_during_checkpoint_write_resumes_from_last_complete(procs, run):
     seen(again, lambda e: e["event"] == "checkpoint_written" and e["step"] == first["step"], 60)
     steps = sorted(int(p.name[5:11]) for p in ckdir.glob("step-*.p2ck"))
     assert steps[-1] == first["step"], steps
+
+
+def test_a_newcomer_by_run_id_never_starts_from_a_planted_checkpoint(procs, run):
+    """Issue 32's red team `plant`: a planter advertises a state of noise as step 10**6. A
+    newcomer joining by run id (no genesis file) loaded the best-attested head unchecked:
+    3 of 4 honest peers started at step 10**6 and no step was ever committed. It now rebuilds
+    the genesis from the manifest (hash-checked) and adopts a head only through the catch-up,
+    which scores it against the genesis first (`scorer.checked_load`)."""
+    boot, baddr = start_bootstrap(procs)
+    planter = procs.start([str(run[0]), "--run", run[1], "--bootstrap", baddr, "--sybils", "2"], "planter",
+                          module="p2ptrain.bench.planter")
+    planter.wait_event(lambda e: e.get("event") == "planted", 90)
+    peers = [start(procs, baddr, run, 0, 2, min_peers=2, first=True), start(procs, baddr, run, 1, 2, min_peers=2)]
+    last = [committed(p, 2, 300) for p in peers]
+    assert last[0]["params_sha256"] == last[1]["params_sha256"], last
+    for p in peers:
+        joined = seen(p, lambda e: e["event"] == "run_joined", 1)
+        assert joined["step"] == 0, joined
+        assert not [e for e in p.all_events if e.get("step", 0) >= 10**6 and e["event"] != "checkpoint_rejected"
+                    and e["event"] != "checkpoint_fetched"]
+    rejected = [e for p in peers for e in p.all_events if e["event"] == "checkpoint_rejected"]
+    assert rejected and all(e["step"] == 10**6 for e in rejected), rejected
