@@ -9,9 +9,13 @@ on the round's batch, it records:
   - gate: L1's score of the honest mean (the reference, momentum alone, and the stepped
     state), paid by a member in a round holding someone it has no standing with; whether it
     passed (a refusal of honest work is a false refusal);
-  - pieces: L2's score of each honest peer's work alone (false convictions) and of the
-    anti-update (caught or not), one forward pass each, plus the evidence each fetches:
-    4 bytes a parameter.
+  - pieces: L2's score of each honest peer's work alone and of the anti-update, one forward
+    pass each, plus the evidence each fetches (4 bytes a parameter); a piece that fails on
+    the round's batch is scored on `--confirm` further batches and convicted only if it
+    fails on each (the product's rule): honest convictions are false ones, the anti-update's
+    are catches;
+  - hidden: whether the mean with the anti-update in it (one among `--peers` honest) still
+    passes L1 -- the case only L2's pieces catch.
 The summary gives the medians as ratios of the phase and the counts over all rounds.
 """
 
@@ -32,6 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--peers", type=int, default=4, help="honest peers (default 4)")
     p.add_argument("--batches", type=int, default=2, help="gate batches (default 2, the product's)")
     p.add_argument("--rounds", type=int, default=5, help="rounds (default 5)")
+    p.add_argument("--confirm", type=int, default=2, help="further batches for a failing piece (default 2, the product's)")
     p.add_argument("--json", action="store_true", help="JSON lines; the last is the summary")
 
 
@@ -53,7 +58,10 @@ def run(args) -> int:
         spec = RunSpec.from_dict(mf.read(d / "run" / "run.toml")[0])
         ds, genesis = load_run_data(spec), (d / "run" / "genesis.p2ck").read_bytes()
         peers = [LocalModel(spec, ds, bytes([i + 1]) * 8, genesis) for i in range(args.peers + 1)]
-        scorer = CandidateScorer(peers[0], lossgate.GateConfig(batches=args.batches))
+        scorer = CandidateScorer(peers[0], lossgate.GateConfig(batches=args.batches, confirm=args.confirm))
+
+        def judged(x, seed):
+            return lossgate.judge_piece(lambda sd: scorer(x, sd), seed, args.confirm)
         rows = []
         for r in range(args.rounds):
             phases, deltas = [], []
@@ -69,17 +77,22 @@ def run(args) -> int:
             ref, after = scorer(mean, seed)
             gate = time.perf_counter() - t0
             t0 = time.perf_counter()
-            alone = [scorer(x, seed)[1] for x in honest]
-            piece = (time.perf_counter() - t0) / len(honest)
-            _, anti_after = scorer(anti, seed)
+            alone = [judged(x, seed) for x in honest]
+            piece = (time.perf_counter() - t0) / sum(len(sc) for _, sc in alone)
+            anti_why, anti_scores = judged(anti, seed)
+            mixed = np.mean([*honest, anti], axis=0).astype(np.float32)
+            hidden = lossgate.verdict(*scorer(mixed, seed)) is None
             for p in peers:
                 p.outer_step(mean)
             rows.append({"event": "bench_lossgate_round", "round": r, "phase_s": round(statistics.median(phases), 4),
                          "gate_s": round(gate, 4), "piece_s": round(piece, 4),
                          "mean_passed": lossgate.verdict(ref, after) is None,
-                         "honest_pieces_failed": sum(lossgate.judge_evidence(ref, a) is not None for a in alone),
-                         "anti_caught": lossgate.judge_evidence(ref, anti_after) is not None,
-                         "mean_rel": round(after / ref - 1, 6), "anti_rel": round(anti_after / ref - 1, 6)})
+                         "honest_pieces_failed_once": sum(lossgate.judge_evidence(*sc[0]) is not None for _, sc in alone),
+                         "honest_pieces_convicted": sum(why is not None for why, _ in alone),
+                         "anti_caught": anti_why is not None, "anti_hidden_by_mean": hidden,
+                         "mean_rel": round(after / ref - 1, 6),
+                         "honest_rel_max": round(max(a / b - 1 for _, sc in alone for b, a in sc[:1]), 6),
+                         "anti_rel": round(anti_scores[0][1] / anti_scores[0][0] - 1, 6)})
         med = {k: statistics.median(x[k] for x in rows) for k in ("phase_s", "gate_s", "piece_s")}
         summary = {"event": "bench_lossgate_summary", "preset": args.preset, "params": peers[0].n_params,
                    "inner_steps": args.inner_steps, "peers": args.peers, "batches": args.batches,
@@ -88,9 +101,12 @@ def run(args) -> int:
                    "piece_over_phase": round(med["piece_s"] / med["phase_s"], 4),
                    "evidence_bytes_per_piece": 4 * peers[0].n_params,
                    "honest_means_refused": sum(not x["mean_passed"] for x in rows),
-                   "honest_pieces_failed": sum(x["honest_pieces_failed"] for x in rows),
+                   "confirm": args.confirm,
+                   "honest_pieces_failed_once": sum(x["honest_pieces_failed_once"] for x in rows),
+                   "honest_pieces_convicted": sum(x["honest_pieces_convicted"] for x in rows),
                    "honest_pieces": len(rows) * args.peers,
-                   "anti_caught": sum(x["anti_caught"] for x in rows)}
+                   "anti_caught": sum(x["anti_caught"] for x in rows),
+                   "anti_hidden_by_mean": sum(x["anti_hidden_by_mean"] for x in rows)}
     for row in (*rows, summary):
         print(json.dumps(row) if args.json else " ".join(f"{k}={v}" for k, v in row.items() if k != "event"))
     return 0

@@ -29,7 +29,7 @@ from blake3 import blake3
 from p2ptrain.ckpt.fetch import FetchError, request
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.run.contribution import Header
-from p2ptrain.run.lossgate import confirm_seed, judge_evidence
+from p2ptrain.run.lossgate import judge_piece
 
 log = logging.getLogger("p2ptrain.run.evidence")
 
@@ -123,18 +123,13 @@ def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], s
         if isinstance(vec, str):
             why[peer] = vec
             continue
-        scores = []
-        for k in range(1 + confirm):
-            before, after = scorer(vec, confirm_seed(seed, k), base_state)
-            scores.append(f"{before:.4f} -> {after:.4f}")
-            reason = judge_evidence(before, after)
-            if reason is None:
-                break
+        reason, scores = judge_piece(lambda sd: scorer(vec, sd, base_state), seed, confirm)
         if reason is None:
             kept.add(peer)
         else:
             why[peer] = reason
-        log.info("evidence of %s alone: %s: %s", peer, ", ".join(scores), reason or "kept")
+        log.info("evidence of %s alone: %s: %s", peer, ", ".join(f"{b:.4f} -> {a:.4f}" for b, a in scores),
+                 reason or "kept")
     return kept, why
 
 

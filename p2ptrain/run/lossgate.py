@@ -116,6 +116,20 @@ def judge_evidence(before: float, after: float) -> str | None:
     return "loss-rose"
 
 
+def judge_piece(score, seed: bytes, confirm: int) -> tuple[str | None, list[tuple[float, float]]]:
+    """L2's verdict on one member's work alone, and the scores it read: `score(seed) ->
+    (before, after)` on the round's batch, then on up to `confirm` further batches while it
+    keeps failing; convicted ('loss-rose') only if it failed on each."""
+    scores: list[tuple[float, float]] = []
+    reason = None
+    for k in range(1 + confirm):
+        scores.append(score(confirm_seed(seed, k)))
+        reason = judge_evidence(*scores[-1])
+        if reason is None:
+            break
+    return reason, scores
+
+
 def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict, chunks: int, pieces=None):
     """The service's `gate(result)` for one ring attempt: the mean the outer step would apply
     (`Outcome.average`) is scored by `scorer(avg, seed, base_state) -> (before, after)` on
