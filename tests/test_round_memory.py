@@ -132,7 +132,10 @@ class FakeService:
         # As the real service: no frame passes before the headers are verified, and a member
         # whose gate refuses the result signs nothing, so nobody commits.
         if gate is not None and hasattr(check, "wait"):
-            await self.hub.wait_for(lambda: not check.pending(), 10.0)
+            # On the checker's own event, in a worker thread, as the real data plane waits: a
+            # poll woken only by hub.poke() missed the settle (nothing pokes then) and slept
+            # out its 10 s, so the others gave up on our vote (2 of 11 runs).
+            await trio.to_thread.run_sync(check.wait, 10.0)
         refusal = await trio.to_thread.run_sync(gate, result) if gate is not None else None
         signed = self.hub.signed.setdefault(round_id, {})
         signed[self.me] = not refusal
