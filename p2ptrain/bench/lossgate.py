@@ -91,7 +91,7 @@ def run(args) -> int:
                          "honest_pieces_convicted": sum(why is not None for why, _ in alone),
                          "anti_caught": anti_why is not None, "anti_hidden_by_mean": hidden,
                          "mean_rel": round(after / ref - 1, 6),
-                         "honest_rel_max": round(max(a / b - 1 for _, sc in alone for b, a in sc[:1]), 6),
+                         "honest_rel_max": round(max(sc[0][1] / sc[0][0] - 1 for _, sc in alone), 6),
                          "anti_rel": round(anti_scores[0][1] / anti_scores[0][0] - 1, 6)})
         med = {k: statistics.median(x[k] for x in rows) for k in ("phase_s", "gate_s", "piece_s")}
         summary = {"event": "bench_lossgate_summary", "preset": args.preset, "params": peers[0].n_params,

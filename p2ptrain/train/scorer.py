@@ -37,7 +37,9 @@ class CandidateScorer:
         self.config = config or GateConfig()
         self._model = None
         self._lock = threading.Lock()
-        self._ref: tuple = (None, 0.0)  # ((seed, base), the reference loss)
+        # (seed, base) -> the reference loss. More than one: L2's confirmation batches come
+        # between pieces scored on the round's batch, and a single slot recomputed it for each.
+        self._refs: dict[tuple, float] = {}
         self.last_seconds = 0.0
         """What the last score cost (wall seconds): the gate's price per gated round."""
 
@@ -63,12 +65,14 @@ class CandidateScorer:
             tokens = dev.to_device(tokens, local.device)
             key = (seed, None if base_state is None else hashlib.sha256(base_state).digest())
             ref = candidate(base, momentum, local.outer.cfg, torch.zeros_like(base))
-            if self._ref[0] != key:
-                self._ref = (key, self._loss(ref, tokens))
+            if key not in self._refs:
+                if len(self._refs) >= 16:
+                    self._refs.pop(next(iter(self._refs)))
+                self._refs[key] = self._loss(ref, tokens)
             cand = candidate(base, momentum, local.outer.cfg, torch.from_numpy(np.asarray(avg, dtype=np.float32)))
             after = self._loss(ref.add_(cand.sub_(ref), alpha=self.config.step_fraction), tokens)
             self.last_seconds = time.perf_counter() - t0
-            return self._ref[1], after
+            return self._refs[key], after
 
     def state_losses(self, data: bytes, seed: bytes) -> tuple[float, float]:
         """(ours, theirs): the loss of our outer state and of the state in checkpoint `data`
