@@ -74,6 +74,42 @@ def test_the_invariants_catch_a_fork_and_a_lone_lineage():
     assert m.counts()["convergence"] == 1
 
 
+def test_a_fork_across_a_partition_counts_against_convergence_only_if_it_outlives_k_steps():
+    """Invariant 3 promises one state within K steps of the faults' end: two pairs that
+    committed different states across a one-way partition and merged one step after it are
+    within the promise (the simulator's seed 2737, counted a violation before), a fork
+    after they held one state is not, and one healed K + 1 steps late is not."""
+    from p2ptrain.sim.invariants import Monitor, WorldView
+
+    def fork_then_merge() -> Monitor:
+        m = Monitor(WorldView({"a", "b", "c", "d"}, lambda p: True, lambda x, y: True))
+        for p in "abcd":
+            m.on_event(0.0, p, "run_joined", {"step": 0})
+        for p, h, r in (("a", "x", "ab"), ("b", "x", "ab"), ("c", "y", "cd"), ("d", "y", "cd")):
+            m.on_event(1.0, p, "group_formed", {"step": 0, "members": list(r)})
+            m.on_event(2.0, p, "outer_step_committed", {"step": 1, "params_sha256": h, "members": list(r), "loss": 1.0})
+        for s in (2, 3, 4):
+            for p in "abcd":
+                m.on_event(3.0 + s, p, "outer_step_committed", {"step": s, "params_sha256": f"m{s}",
+                                                               "members": list("abcd"), "loss": 1.0})
+        return m
+
+    m = fork_then_merge()
+    m.finish(9.0, faults=True)  # judged from K below the newest, as before
+    assert m.counts()["convergence"] == 1
+    m = fork_then_merge()
+    m.finish(9.0, faults=True, agree_from=2, late=1)
+    assert m.violations == []
+    m = fork_then_merge()
+    m.finish(9.0, faults=True, agree_from=2, late=4)
+    assert m.counts()["convergence"] == 1
+    m = fork_then_merge()
+    m.on_event(10.0, "a", "outer_step_committed", {"step": 5, "params_sha256": "u", "members": ["a"], "loss": 1.0})
+    m.on_event(10.0, "c", "outer_step_committed", {"step": 5, "params_sha256": "v", "members": ["c"], "loss": 1.0})
+    m.finish(11.0, faults=True, agree_from=2, late=1)
+    assert m.counts()["convergence"] == 1
+
+
 TODAY = pytest.mark.xfail(strict=True, raises=AssertionError,
                           reason="issue 31: Sybils holding half of a group still stall it (rule Q1); see PROTOCOL.md")
 

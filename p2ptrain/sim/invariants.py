@@ -16,7 +16,10 @@ are the step a round trains (a commit event's `step` is the state it produced: t
      lineage and trains nothing at that step: it adopts what the peer commits);
   3. convergence: at the end (faults over), live honest peers hold states within K steps of
      each other and, while they are no more than one group (N <= G), agree on every step
-     from K below the newest that two of them hold; in a run of several groups (N > G)
+     from K below the newest that two of them hold, except steps before they first held one
+     state after the faults ended (`agree_from`: forks committed across a partition are M1's
+     to heal, and it must have healed them within K steps of the faults' end, else that is
+     a violation too); in a run of several groups (N > G)
      every two of them hold states that share an ancestor no more than K steps old (the
      merge rounds mix every lineage into every other: gossip averaging, docs/PROTOCOL.md
      M1; a fork that never merges again fails this);
@@ -155,11 +158,15 @@ class Monitor:
                 if n > INFLUENCE_BOUND * med * (1 + 1e-6):
                     self._flag("bounded_influence", now, f"{_s(m)} contributed {n / med:.1f}x the median norm")
 
-    def finish(self, now: float, faults: bool, horizon: float = 0.0, settled: bool = True) -> None:
+    def finish(self, now: float, faults: bool, horizon: float = 0.0, settled: bool = True,
+               agree_from: int = 0, late: int = 0) -> None:
         """End-of-run checks: partial commits, convergence, liveness (over the steps started
         at least `horizon` seconds before the end: later ones had no time to commit).
         `settled`: K steps' worth of time passed since the last fault ended (else convergence
-        is not checked: the invariant promises it within K steps, `self.unsettled`)."""
+        is not checked: the invariant promises it within K steps, `self.unsettled`).
+        `agree_from`: the step at which the live honest peers first held one state after the
+        faults ended (0 without faults: every step is judged); `late`: how many steps after
+        the faults' end that took (over K is a violation)."""
         self.horizon = now - horizon
         self.unsettled = not settled
         for t, got in self.commits.items():
@@ -175,8 +182,11 @@ class Monitor:
             if behind:
                 self._flag("convergence", now, f"{len(behind)} live honest peer(s) more than "
                            f"{self.converge_within} steps behind step {top}")
+            if late > self.converge_within:
+                self._flag("convergence", now, f"live honest peers first held one state {late} steps after the "
+                           f"faults ended (> {self.converge_within})")
             if self.exact(live):
-                for s in range(max(0, top - self.converge_within), top + 1):
+                for s in range(max(0, top - self.converge_within, agree_from), top + 1):
                     held = {self.history.get(p, {}).get(s) for p in live} - {None}
                     if len(held) > 1:
                         self._flag("convergence", now, f"step {s}: live honest peers hold {len(held)} different states")

@@ -247,7 +247,10 @@ class World:
         step = sc.inner_steps * sc.step_seconds * max(p.slow for p in sc.peers) + sc.join_window + sc.exchange
         settled = (self._steps_at_faults_end is not None and advanced >= K) or \
             trio.current_time() >= sc.faults_end + K * step
-        self.monitor.finish(trio.current_time(), sc.has_faults, horizon, settled)
+        # forks committed before the faults ended are judged by how soon they healed (K steps)
+        healed = self.converged_at if sc.has_faults and self.converged_at is not None else 0
+        late = self.converged_at - (self._steps_at_faults_end or 0) if healed else 0
+        self.monitor.finish(trio.current_time(), sc.has_faults, horizon, settled, healed, late)
 
     async def _partition(self, p: Partition) -> None:
         await trio.sleep_until(p.start)
