@@ -110,6 +110,31 @@ def test_a_fork_across_a_partition_counts_against_convergence_only_if_it_outlive
     assert m.counts()["convergence"] == 1
 
 
+def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
+    """Commit-or-abort's partial-commit check: a member that skipped the first try of a step
+    and is retrying it with its partner when the world ends (the partner committed) did not
+    skip what its roster committed (the simulator's seed 20330, counted before); one that
+    skipped the very group its partner committed from did."""
+    from p2ptrain.sim.invariants import Monitor, WorldView
+
+    def world(retried: bool) -> Monitor:
+        m = Monitor(WorldView({"a", "b", "c", "d"}, lambda p: True, lambda x, y: True))
+        for p in "abcd":
+            m.on_event(0.0, p, "run_joined", {"step": 0})
+        for p in "ab":
+            m.on_event(1.0, p, "group_formed", {"step": 0, "members": list("abcd")})
+            m.on_event(2.0, p, "outer_step_skipped", {"step": 0, "reason": "no round"})
+            if retried:
+                m.on_event(3.0, p, "group_formed", {"step": 0, "members": ["a", "b"]})
+        m.on_event(4.0, "a", "outer_step_committed", {"step": 1, "params_sha256": "x", "members": ["a", "b"],
+                                                       "loss": 1.0})
+        m.finish(5.0, faults=True, settled=False)
+        return m
+
+    assert world(retried=True).violations == []
+    assert world(retried=False).counts()["commit_or_abort"] == 1
+
+
 TODAY = pytest.mark.xfail(strict=True, raises=AssertionError,
                           reason="issue 31: Sybils holding half of a group still stall it (rule Q1); see PROTOCOL.md")
 

@@ -71,6 +71,8 @@ class Monitor:
         self.groups: dict[tuple[str, int], tuple[str, ...]] = {}
         self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
         self.skips: dict[int, set[str]] = {}
+        self.skipped_from: dict[tuple[str, int], list] = {}  # (peer, t) -> the group it had elected at each skip
+        self.committed_from: dict[tuple[str, int], tuple[str, ...] | None] = {}  # the group it had elected
         self.history: dict[str, dict[int, str]] = {}  # peer -> state step -> params hash
         self.parents: dict[str, tuple[str, ...]] = {}  # state -> the bases its round started from
         self.step_of: dict[str, int] = {}
@@ -99,6 +101,7 @@ class Monitor:
             self.trained.setdefault((peer, int(f["step"])), now)
         elif event == "outer_step_skipped":
             self.skips.setdefault(int(f["step"]), set()).add(peer)
+            self.skipped_from.setdefault((peer, int(f["step"])), []).append(self.groups.get((peer, int(f["step"]))))
         elif event in ("caught_up", "checkpoint_fetched"):  # a state adopted (at start: fetched)
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
             self.step_of.setdefault(f["params_sha256"], int(f["step"]))
@@ -120,6 +123,7 @@ class Monitor:
         mine = self.commits.setdefault(t, {})
         mine[peer] = (h, roster)
         group = self.groups.get((peer, t))
+        self.committed_from[(peer, t)] = group
         for q, (hq, rq) in mine.items():
             if q == peer or hq == h:
                 continue
@@ -171,7 +175,13 @@ class Monitor:
         self.unsettled = not settled
         for t, got in self.commits.items():
             for peer, (_, roster) in got.items():
+                group = self.committed_from.get((peer, t))
                 for q in (self.skips.get(t, set()) & set(roster)) - {peer}:
+                    # a skip of an earlier try (another elected group) is not a skip of this
+                    # roster: q may be retrying the step with it as the world ends (seed 20330)
+                    skipped = self.skipped_from.get((q, t), [])
+                    if group is not None and None not in skipped and group not in skipped:
+                        continue
                     if q in self.world.honest and self.world.alive(q) and q not in got:
                         self._flag("commit_or_abort", now, f"step {t}: {_s(q)} skipped the step its roster "
                                    f"committed", ("partial", t, q))
