@@ -79,7 +79,7 @@ class FakeService:
         self.hub, self.me = hub, me
 
     async def exchange(self, run_id, round_id, members, payload, timeout, unreachable_silent=False,
-                       answer_strangers=False):
+                       answer_strangers=False, absent=None):
         gone = {p for p in members if p in self.hub.dead or (self.me, p, round_id) in self.hub.cut}
         if answer_strangers:
             self.hub.answers[(round_id, self.me)] = (payload, set(members))
@@ -93,7 +93,16 @@ class FakeService:
         # sent before it crashed still counts
         silent = gone | self.hub.refused
         others = [p for p in members if p != self.me and not (unreachable_silent and p in silent)]
-        await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others), timeout)
+        deadline = trio.current_time() + timeout
+        while absent is not None and trio.current_time() < deadline:  # rule E13, asked each second
+            await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others),
+                                    min(1.0, deadline - trio.current_time()))
+            awaited = {p for p in others if (round_id, p, self.me) not in self.hub.box}
+            others = [p for p in others if p not in (await absent(awaited) if awaited else set())]
+            if all((round_id, p, self.me) in self.hub.box for p in others):
+                break
+        await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others),
+                                max(0.0, deadline - trio.current_time()))
         out = {p: self.hub.box.get((round_id, p, self.me)) for p in members if p != self.me}
         out[self.me] = payload
         return out
@@ -585,6 +594,31 @@ def test_a_crashed_member_is_not_waited_for_at_the_confirmation():
     for o in outs:
         assert dead not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
     assert max(took) < 5.0, took  # neither the join window nor the exchange timeout
+
+
+def test_a_member_past_the_step_is_not_waited_for_at_the_confirmation():
+    """Rule E13: a retry elected c from its ready record, but c caught up past the step (its
+    state record says so) and never comes. The retry's first confirmation waits up to
+    `early_ttl` (60 s) for late members (T5); before, a and b waited it out for c (the
+    simulator's seed 30005: a lone member waited 60 s for two that had moved on)."""
+    hub = Hub()
+    rounds = [member(hub, i + 1)[0] for i in range(3)]
+    gone = rounds.pop().me
+    asked = []
+
+    async def past(t, peers):
+        asked.append((t, frozenset(peers)))
+        return {gone} & set(peers)
+
+    for r in rounds:
+        r.past = past
+    ds = deltas(2)
+    group = election.ring_order(RUN, 1, [*(r.me for r in rounds), gone])
+    outs, took = _timed_rounds(rounds, ds, group, first_wait=60.0)
+    for o in outs:
+        assert gone not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
+    assert max(took) < 5.0, took  # the next probe second, not the 60 s wait
+    assert asked and all(t == 1 and peers == {gone} for t, peers in asked)
 
 
 def test_a_member_that_went_on_alone_rejects_nobody_for_missing_headers():

@@ -135,6 +135,16 @@ def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
     assert world(retried=False).counts()["commit_or_abort"] == 1
 
 
+def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():
+    """Rule H3: after a partition (3-73 s) the pair without the tie-break committed its step
+    0 as a pair at 75 s, four steps behind the other side, and (one of them 4x slow) went on
+    to train its step 1 for 40 s; the other side ran to step 5 meanwhile. Now it sees the
+    others two steps past it and adopts the head before training: one step for everyone at
+    the end (before: p1 and p3 at step 1, p0 and p2 at step 5; simulator seed 116)."""
+    rep = world.run(scenarios.random_world(116, 4, duration=100.0), 116)
+    assert len(set(rep.final_steps.values())) == 1 and rep.violations == [], (rep.final_steps, rep.violations)
+
+
 TODAY = pytest.mark.xfail(strict=True, raises=AssertionError,
                           reason="issue 31: Sybils holding half of a group still stall it (rule Q1); see PROTOCOL.md")
 

@@ -127,7 +127,8 @@ class Inbox:
 
     async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send,
                       unreachable_silent: bool = False, gone=None, probe: float = 1.0,
-                      answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None) -> dict[bytes, bytes]:
+                      answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None,
+                      absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
         With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
@@ -138,7 +139,10 @@ class Inbox:
         reached it). A stream that failed to open is not enough: "no valid connections" is
         often transient, and counting such a live member silent at once left it out of its
         group (seen in CI). `answer`: (our payload, `reply(strangers)`) to answer strangers
-        with (module doc); those that wrote before we started are answered here."""
+        with (module doc); those that wrote before we started are answered here.
+        `absent(awaited)`: those that will not come (rule E13: past the step), asked every
+        `probe` seconds once the first has passed; no longer awaited, but what they sent
+        still counts."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -161,6 +165,8 @@ class Inbox:
                 await answer[1](early_strangers)
             probing = unreachable_silent and gone is not None
             unreachable: set[bytes] = set()
+            away: set[bytes] = set()
+            ask = trio.current_time() + probe
 
             async def drop_gone(candidates: set[bytes]) -> None:
                 if probing and candidates:
@@ -168,11 +174,15 @@ class Inbox:
 
             with trio.move_on_after(timeout):
                 await drop_gone(undelivered)
-                while not (others - unreachable) <= w.box.keys():
+                while not (others - unreachable - away) <= w.box.keys():
                     w.event = trio.Event()
-                    with trio.move_on_after(probe if probing else math.inf):
+                    with trio.move_on_after(probe if probing or absent is not None else math.inf):
                         await w.event.wait()
                     await drop_gone(set(others - unreachable - w.box.keys()))
+                    awaited = set(others - unreachable - away - w.box.keys())
+                    if absent is not None and awaited and trio.current_time() >= ask:
+                        away.update(set(await absent(awaited)) & awaited)
+                        ask = trio.current_time() + probe
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]

@@ -339,20 +339,26 @@ class AllReduceService:
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False) -> dict[str, bytes | None]:
+                       answer_strangers: bool = False, absent=None) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
         arrive within `timeout`). Used for roster confirmation and contribution headers.
         `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
         `answer_strangers`: a non-member that sends us its payload for this exchange gets
-        ours, once (roster confirmation: `p2ptrain.reduce.exchange`)."""
+        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent(peers)`: those
+        of the awaited members that will not come (rule E13), asked every probe second."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
+        skip = None
+        if absent is not None:
+            async def skip(waiting: set[bytes]) -> set[bytes]:
+                out = await absent({peer_id_to_str(p) for p in waiting})
+                return {p for p in waiting if peer_id_to_str(p) in out}
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone, answer=answer)
+                                       gone=self._gone, answer=answer, absent=skip)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out

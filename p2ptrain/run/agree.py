@@ -46,8 +46,12 @@ class Agreement:
                                max(0, min(int(weight), rosters.MAX_WEIGHT)), int(self.gates_round(roster)))
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
+        # Rule E13: a member whose state moved past the step never comes (a retry's first
+        # confirmation otherwise waits up to `early_ttl` for it: simulator seeds 320, 30005)
+        past = self.past
+        absent = {} if past is None else {"absent": lambda peers: past(t, peers)}
         got = await self.svc.exchange(self.run_id, f"{t}/{attempt}/roster", roster, mine.encode(), timeout,
-                                      unreachable_silent=True, answer_strangers=True)
+                                      unreachable_silent=True, answer_strangers=True, **absent)
         replies = {p: rosters.decode(got.get(p), self.run_id, t, attempt) for p in roster}
         if self.bases is None:  # no way to merge: another base cannot share a round with us
             replies = {p: c if c is None or c.base == base else None for p, c in replies.items()}

@@ -161,6 +161,16 @@ async def cell_states(dht, run_id: str, step: int, level: int) -> dict[str, Stat
     return {peer_id_to_str(sub): st for sub, st in got}
 
 
+async def past_step(dht, run_id: str, step: int, level: int, peers: set[str]) -> set[str]:
+    """Those of `peers` whose state record in our cell of `step` is past it (rule E13): they
+    committed the step in another group or caught up past it, and never come to a round of it.
+    A state record is its writer's own claim: a liar only leaves itself out."""
+    if not peers:
+        return set()
+    sts = await cell_states(dht, run_id, step, level)
+    return {p for p in peers if p in sts and sts[p].step > step}
+
+
 async def read_ready(dht, run_id: str, step: int, window: float,
                      sightings: election.Sightings | None = None) -> list[election.Ready]:
     """The step's ready records in our cell (the finest level whose cell is not full:

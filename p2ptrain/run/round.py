@@ -49,7 +49,8 @@ class ContributionRound(Agreement):
     def __init__(self, run_id: str, identity, service: ReduceService, config: RoundConfig, ledger: Ledger,
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0, scorer=None,
-                 gate: lossgate.GateConfig | None = None, evidence: evid.Evidence | None = None) -> None:
+                 gate: lossgate.GateConfig | None = None, evidence: evid.Evidence | None = None,
+                 past=None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -66,6 +67,9 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self.scorer, self.gate = scorer, gate or lossgate.GateConfig()
         """Rule L1 (`p2ptrain.run.lossgate`): `scorer(avg, seed) -> (before, after)`; None: no gate."""
+        self.past = past
+        """Rule E13: `past(t, peers)` -> those of `peers` known past step t (their state records),
+        not waited for at a roster confirmation; None: every member is waited for."""
         self._refused = False
         self.evidence_wanted = False  # some member's confirmation said it gates (L2)
         self.evidence = evidence

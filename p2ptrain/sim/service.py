@@ -119,7 +119,8 @@ class SimReduceService:
         return self.net.refused(self.pid, peer_id_from_str(peer), rounds=True)
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes, timeout: float,
-                       unreachable_silent: bool = False, answer_strangers: bool = False) -> dict[str, bytes | None]:
+                       unreachable_silent: bool = False, answer_strangers: bool = False,
+                       absent=None) -> dict[str, bytes | None]:
         hub = self.hub
         pol = self.net.policy.get(self.pid)
         if pol is not None and pol.inflate and round_id.endswith("/roster"):
@@ -134,9 +135,15 @@ class SimReduceService:
                 hub.post(run_id, round_id, self.me, p, payload)
         others = [p for p in members if p != self.me]
         deadline = trio.current_time() + timeout
+        away: set[str] = set()  # rule E13, asked once a second as the real inbox does
+        ask = trio.current_time() + 1.0
         while trio.current_time() < deadline:
             waiting = [p for p in others if hub.arrived(run_id, round_id, self.me, p) is None
-                       and not (unreachable_silent and self._gone(p))]
+                       and not (unreachable_silent and self._gone(p)) and p not in away]
+            if waiting and absent is not None and trio.current_time() >= ask:
+                away |= set(await absent(set(waiting)))
+                ask = trio.current_time() + 1.0
+                waiting = [p for p in waiting if p not in away]
             if not waiting:
                 break
             await hub.wait(min(deadline, hub.next_arrival(run_id, round_id, self.me), trio.current_time() + 1.0))

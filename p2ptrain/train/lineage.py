@@ -95,6 +95,22 @@ class Lineage:
             await self.catch_up(head.step, patience=5.0)
         return head.step == self.local.step and self.local.step > 0
 
+    async def fell_behind(self, t: int) -> bool | None:
+        """Rule H3: before training step t, a peer that sees another (not rejected) two or
+        more steps past t adopts the head first (`sync_with_run`). Its lineage can no longer
+        meet the run's in a merge (M1 merges states of one step), so what it would train is
+        lost anyway, and waiting for its next skip cost a whole phase: after a partition the
+        side that fell behind (a 4x slow peer's pair) trained a 40 s step while the other
+        side ran 3 steps ahead (simulator seed 116). A state record is a claim: one nobody
+        serves costs the catch-up's patience (5 s), once a step. Returns None when we did not
+        move, else whether others already train our new step (we join it with zeros)."""
+        ahead = [st.step for sub, st in await RunRecords(self.dht, self.run_id).read_states()
+                 if st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}]
+        if not ahead:
+            return None
+        joining = await self.sync_with_run()
+        return joining if self.local.step > t else None
+
     async def _others_near(self, t: int, base: str | None = None) -> bool:
         """Rule H2: whether another peer of the run trains near step t: one with a ready
         record for t, or a state record within `NEAR` steps of ours, whose dial is not

@@ -48,11 +48,9 @@ log = logging.getLogger("p2ptrain.train.trainer")
 class TrainerConfig:
     max_outer_steps: int = 0
     """Leave cleanly after this many committed outer steps (0 = train until interrupted)."""
-    threads: int = 1
-    """torch threads for inner steps."""
+    threads: int = 1  # torch threads for inner steps
     min_peers: int = 1
-    """At the start of a run, wait until this many trainers are ready (so a run that many
-    people start together does not begin as one peer alone)."""
+    """At a run's start, wait until this many trainers are ready (a run many start together then never begins alone)."""
     start_timeout: float = 300.0
     """Seconds to wait for min_peers before starting anyway."""
     eval_batches: int = 8
@@ -96,7 +94,8 @@ class Trainer(Lineage):
             contributor, sparse, bases=self, group_size=spec.train.group_size,
             merge_timeout=spec.timeouts.exchange * 6,
             scorer=make_scorer(local, GateConfig(enabled=config.loss_gate)) if robust is None else None,
-            evidence=BlobEvidence(blobs) if robust is None and sparse is None else None)
+            evidence=BlobEvidence(blobs) if robust is None and sparse is None else None,
+            past=lambda t, peers: elect.past_step(self.dht, run_id, t, self.sightings.level(t), peers))
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
@@ -161,6 +160,8 @@ class Trainer(Lineage):
             joining = False
             self.events.emit("outer_step_started", step=t, joining=False, retry=True)
         else:
+            if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
+                joining, t = moved, self.local.step
             if joining and await self._round_underway(t):
                 await self._join_ahead()
                 t = self.local.step
@@ -381,8 +382,7 @@ class Trainer(Lineage):
                             params: str | None = None) -> None:
         """`params`: the committed params' hash when the caller has it (the outer step
         returns it: hashing them again was part of the burst at every commit)."""
-        # Training blocks only for the in-memory snapshot; the disk write runs in the
-        # writer's thread (p2ptrain.ckpt.checkpoint.AsyncWriter).
+        # Training blocks only for the snapshot; the disk write is the writer's (ckpt.checkpoint.AsyncWriter)
         t0 = time.perf_counter()
         data = await self._beside_phase(self.local.state_bytes)
         snapshot = time.perf_counter() - t0
