@@ -113,8 +113,8 @@ def test_a_fork_across_a_partition_counts_against_convergence_only_if_it_outlive
 def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
     """Commit-or-abort's partial-commit check: a member that skipped the first try of a step
     and is retrying it with its partner when the world ends (the partner committed) did not
-    skip what its roster committed (the simulator's seed 20330, counted before); one that
-    skipped the very group its partner committed from did."""
+    skip what its roster committed (the simulator's seed 20330, counted before), nor did a
+    restarted one; one that skipped the very group its partner committed from did."""
     from p2ptrain.sim.invariants import Monitor, WorldView
 
     def world(retried: bool) -> Monitor:
@@ -133,6 +133,18 @@ def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
 
     assert world(retried=True).violations == []
     assert world(retried=False).counts()["commit_or_abort"] == 1
+    # b contributed, crashed before the commit, restarted from disk and retried the same
+    # group: its restart's skip is not a skip of the roster it had left (seed 40875)
+    m = Monitor(WorldView({"a", "b"}, lambda p: True, lambda x, y: True))
+    for p in "ab":
+        m.on_event(0.0, p, "run_joined", {"step": 0})
+        m.on_event(1.0, p, "group_formed", {"step": 0, "members": ["a", "b"]})
+    m.on_event(2.0, "a", "outer_step_committed", {"step": 1, "params_sha256": "x", "members": ["a", "b"], "loss": 1.0})
+    m.on_event(3.0, "b", "run_joined", {"step": 0})
+    m.on_event(4.0, "b", "group_formed", {"step": 0, "members": ["a", "b"]})
+    m.on_event(5.0, "b", "outer_step_skipped", {"step": 0, "reason": "no round"})
+    m.finish(6.0, faults=True, settled=False)
+    assert m.violations == []
 
 
 def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():

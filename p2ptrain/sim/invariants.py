@@ -71,8 +71,10 @@ class Monitor:
         self.groups: dict[tuple[str, int], tuple[str, ...]] = {}
         self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
         self.skips: dict[int, set[str]] = {}
-        self.skipped_from: dict[tuple[str, int], list] = {}  # (peer, t) -> the group it had elected at each skip
-        self.committed_from: dict[tuple[str, int], tuple[str, ...] | None] = {}  # the group it had elected
+        self.skipped_from: dict[tuple[str, int], list] = {}  # (peer, t) -> (group it had elected, its start) a skip
+        self.committed_from: dict[tuple[str, int], tuple] = {}  # (peer, t) -> (group it had elected, when)
+        self.formed_at: dict[tuple[str, int], float] = {}
+        self.booted: dict[str, float] = {}  # peer -> when its current incarnation joined
         self.history: dict[str, dict[int, str]] = {}  # peer -> state step -> params hash
         self.parents: dict[str, tuple[str, ...]] = {}  # state -> the bases its round started from
         self.step_of: dict[str, int] = {}
@@ -94,14 +96,17 @@ class Monitor:
         honest = peer in self.world.honest
         if event == "run_joined":
             self.joined.add(peer)
+            self.booted[peer] = now
             self.latest[peer] = int(f.get("step", 0))
         elif event == "group_formed":
             self.groups[(peer, int(f["step"]))] = tuple(f["members"])
+            self.formed_at[(peer, int(f["step"]))] = now
         elif event == "outer_step_started" and honest and not f.get("joining"):
             self.trained.setdefault((peer, int(f["step"])), now)
         elif event == "outer_step_skipped":
             self.skips.setdefault(int(f["step"]), set()).add(peer)
-            self.skipped_from.setdefault((peer, int(f["step"])), []).append(self.groups.get((peer, int(f["step"]))))
+            self.skipped_from.setdefault((peer, int(f["step"])), []).append(
+                (self.groups.get((peer, int(f["step"]))), self.booted.get(peer, 0.0)))
         elif event in ("caught_up", "checkpoint_fetched"):  # a state adopted (at start: fetched)
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
             self.step_of.setdefault(f["params_sha256"], int(f["step"]))
@@ -123,7 +128,7 @@ class Monitor:
         mine = self.commits.setdefault(t, {})
         mine[peer] = (h, roster)
         group = self.groups.get((peer, t))
-        self.committed_from[(peer, t)] = group
+        self.committed_from[(peer, t)] = (group, self.formed_at.get((peer, t), now))
         for q, (hq, rq) in mine.items():
             if q == peer or hq == h:
                 continue
@@ -175,11 +180,13 @@ class Monitor:
         self.unsettled = not settled
         for t, got in self.commits.items():
             for peer, (_, roster) in got.items():
-                group = self.committed_from.get((peer, t))
+                group, formed = self.committed_from.get((peer, t), (None, 0.0))
                 for q in (self.skips.get(t, set()) & set(roster)) - {peer}:
                     # a skip of an earlier try (another elected group) is not a skip of this
-                    # roster: q may be retrying the step with it as the world ends (seed 20330)
-                    skipped = self.skipped_from.get((q, t), [])
+                    # roster: q may be retrying the step with it as the world ends (seed 20330);
+                    # nor is one by a later incarnation of q (it crashed after contributing, and
+                    # its restart retried the step from disk: seed 40875)
+                    skipped = [g for g, booted in self.skipped_from.get((q, t), []) if booted <= formed]
                     if group is not None and None not in skipped and group not in skipped:
                         continue
                     if q in self.world.honest and self.world.alive(q) and q not in got:
