@@ -124,3 +124,39 @@ def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+from p2ptrain.bench.adversary import PausingService  # noqa: E402
+
+
+def test_a_member_silent_just_under_the_frame_timeout_before_each_frame_fails_the_round_within_its_budget():
+    """The simulator's `trickle` on the real data plane: the last member of a ring of 3 is
+    silent 2.5 s before each of its frames (the frame timeout is 3 s), then sends it whole.
+    No frame is late, so nothing blames it; before the round's data budget, each ring step
+    waited its pause and the round took ~15 s (8 frames and votes), every round it was in.
+    Now the data plane closes at its budget (2 s + its bytes at 1 MB/s here): the round fails
+    for the honest members, nobody blamed (rule R4 finds whose absence lets rounds finish)."""
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await service_cluster(nursery, [AllReduceService] * 2 + [PausingService],
+                                                frame_timeout=3.0, setup_timeout=5.0, frame_allowance=1.0,
+                                                frame_min_rate_mbps=1.0, round_allowance=2.0)
+            svcs[-1].every = 2.5  # read as each session opens
+            members = [n.identity.peer_id_str for n in nodes]
+            vecs = [np.full(20_000, float(i + 1), np.float32) for i in range(3)]
+            t0 = trio.current_time()
+            took = {}
+
+            async def member(i):
+                try:
+                    return await svcs[i].allreduce(vecs[i], "run", "r0", members)
+                finally:
+                    took[i] = trio.current_time() - t0
+
+            out = (await each_member(3, member, timeout=60))[:-1]
+            assert all(isinstance(r, RoundFailed) and not r.blamed for r in out), out
+            assert max(took[0], took[1]) < 9.0, took  # setup + the ~2.1 s budget + the abort
+            assert any("overran its budget" in str(r) for r in out), [str(r) for r in out]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

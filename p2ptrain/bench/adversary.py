@@ -284,10 +284,12 @@ class TricklingService(AllReduceService):
     """Sends its bulk frames (data and votes) one byte every `every` s, and never votes to
     abort (its own send timeout would otherwise end the round for everyone)."""
 
+    io = TrickleIO
+
     def __init__(self, *args, every: float = 0.1, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        wrap = self.sessions._wrap
-        self.sessions._wrap = lambda io: TrickleIO(wrap(io), every)
+        wrap, self.every = self.sessions._wrap, every
+        self.sessions._wrap = lambda io: self.io(wrap(io), self.every)
         # it waits as long as its trickle takes: its own frame deadline would end its round
         self.config = dataclasses.replace(self.config, frame_timeout=max(self.config.frame_timeout, 600.0))
 
@@ -295,6 +297,24 @@ class TricklingService(AllReduceService):
             pass
 
         self.board.abort = no_abort
+
+
+class PausingIO(TrickleIO):
+    """A bulk IO that is silent for `every` seconds before each frame, then sends it whole:
+    the slowest trickle the frame rules let through (the simulator's `trickle`)."""
+
+    def sendall(self, parts) -> None:
+        import time
+
+        time.sleep(self.every)
+        self.io.sendall(parts)
+
+
+class PausingService(TricklingService):
+    """`TricklingService` whose frames each come whole after `every` s of silence, just under
+    the others' frame timeout: no frame is late, every round is (`AllReduceConfig.data_budget`)."""
+
+    io = PausingIO
 
 
 class HostileContributor(Contributor):

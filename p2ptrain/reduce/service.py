@@ -228,8 +228,10 @@ class AllReduceService:
         """`extras`: the ring's (own, check, out, on_own); the butterfly takes own and check."""
         cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
         world = len(rnd.ids)
+        budget, overran = config.data_budget(vec.nbytes, world), []
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._abort_on_vote, rnd, mesh.channels)
+            nursery.start_soon(self._close_after, budget, mesh.channels, overran)
             try:
                 if robust is None:
                     since = (trio.current_time(), time.perf_counter())
@@ -241,9 +243,21 @@ class AllReduceService:
                         config.frame_timeout, *extras[:2])
                     plane = _Plane(result, sent, digest, scores=scores, t_data=trio.current_time())
             except RingError as exc:
+                if overran and exc.blame is None:
+                    exc = RingError(f"the data plane overran its budget ({budget:.1f} s): {exc}")
                 plane = _Plane(error=exc, t_data=trio.current_time())
             nursery.cancel_scope.cancel()
         return plane
+
+    async def _close_after(self, seconds: float, channels: list, overran: list) -> None:
+        """The round's data plane budget (`AllReduceConfig.data_budget`): past it our channels
+        close and the round fails, nobody blamed (a member silent just under the frame
+        timeout before each frame is no single frame's fault)."""
+        await trio.sleep(seconds)
+        overran.append(True)
+        for ch in list(channels):
+            if ch is not None:
+                await trio.to_thread.run_sync(ch.close)
 
     def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple,
                         since: tuple[float, float]) -> _Plane:
@@ -352,13 +366,11 @@ class AllReduceService:
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
-        skip = None
-        if absent is not None:
-            async def skip(waiting: set[bytes]) -> set[bytes]:
-                out = await absent({peer_id_to_str(p) for p in waiting})
-                return {p for p in waiting if peer_id_to_str(p) in out}
+        async def skip(waiting: set[bytes]) -> set[bytes]:
+            out = await absent({peer_id_to_str(p) for p in waiting})
+            return {p for p in waiting if peer_id_to_str(p) in out}
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone, answer=answer, absent=skip)
+                                       gone=self._gone, answer=answer, absent=skip if absent is not None else None)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out

@@ -22,6 +22,13 @@ class AllReduceConfig:
     frame_allowance: float = 10.0
     """Seconds a begun frame may take beyond its size at `frame_min_rate_mbps` (`bulk.FrameBudget`)."""
     frame_min_rate_mbps: float = 0.125  # MB/s (1 Mbit/s): a begun frame arriving slower blames its sender
+    round_allowance: float = 15.0
+    """Seconds a round's data plane (frames and votes) may take beyond its bytes at
+    `frame_min_rate_mbps` (`data_budget`); past it the round fails, nobody blamed. The frame
+    rules bound one frame (its budget once begun, `frame_timeout` of silence before it), so a
+    member silent just under `frame_timeout` before each of its frames stretched a round to
+    2(W-1) frames x ~19 s (the simulator's `trickle`, issue 32); R4's leave-one-out then
+    finds whose absence lets rounds finish."""
     commit_timeout: float = 10.0
     """Seconds to collect every member's vote (robust rounds) or a commit certificate (a member
     missing votes) after our own data plane finished."""
@@ -42,10 +49,16 @@ class AllReduceConfig:
     def __post_init__(self) -> None:
         RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes)
         for name in ("setup_timeout", "frame_timeout", "commit_timeout", "gone_probe", "frame_allowance",
-                     "frame_min_rate_mbps"):
+                     "frame_min_rate_mbps", "round_allowance"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         if self.send_rate_mbps < 0:
             raise ValueError("send_rate_mbps must be >= 0")
         if not self.early_ttl > 0:
             raise ValueError("early_ttl must be > 0")
+
+    def data_budget(self, nbytes: int, world: int) -> float:
+        """Seconds the data plane of a round of `world` members may take for an `nbytes` fp32
+        vector: each member moves 2(W-1)/W of it (fp32 bytes: int8 needs a quarter), at
+        `frame_min_rate_mbps`, plus `round_allowance` (latency, setup skew, the votes)."""
+        return self.round_allowance + 2 * (world - 1) / max(1, world) * nbytes / (self.frame_min_rate_mbps * 1e6)

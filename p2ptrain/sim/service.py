@@ -227,10 +227,16 @@ class SimReduceService:
         nbytes = next(iter(r.vecs.values())).nbytes // max(1, len(ids))
         hop = max((self.net.transfer(a, b, nbytes) for a, b in ring_links), default=0.0)
         slow, blamed, failed = self._trickled(r)
+        took = 2 * (len(ids) - 1) * hop + slow
+        budget = self.config.data_budget(next(iter(r.vecs.values())).nbytes, len(ids))
+        if slow:  # (seconds it added, failed) of a round with a trickling member
+            self.hub.trickled.append((min(slow, budget), failed or took > budget))
         if failed:
             r.blamed = blamed
             return False, now + slow
-        return True, now + 2 * (len(ids) - 1) * hop + slow
+        if took > budget:  # as the real data plane: closed at its budget, nobody blamed
+            return False, now + budget
+        return True, now + took
 
     def _trickled(self, r: _Round) -> tuple[float, dict[str, str], bool]:
         """Members trickling their frames (`Policy.trickle`): what the real per-frame rules
@@ -245,9 +251,7 @@ class SimReduceService:
                 trickles[m] = attacks.slowest(self.config, attacks.frames(self.config, nbytes, len(r.members))[1])
         if not trickles:
             return 0.0, {}, False
-        out = attacks.trickled_round(trickles, self.config, nbytes, len(r.members))
-        self.hub.trickled.append((out[0], out[2]))
-        return out
+        return attacks.trickled_round(trickles, self.config, nbytes, len(r.members))
 
     def _decide(self, r: _Round, key: tuple, committed: bool, at: float) -> None:
         result = None
