@@ -228,15 +228,15 @@ class AllReduceService:
         """`extras`: the ring's (own, check, out, on_own); the butterfly takes own and check."""
         cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
         world = len(rnd.ids)
-        budget, overran = config.data_budget(vec.nbytes, world), []
+        budget, overran, gating = config.data_budget(vec.nbytes, world), [], [0.0, None]
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._abort_on_vote, rnd, mesh.channels)
-            nursery.start_soon(self._close_after, budget, mesh.channels, overran)
+            nursery.start_soon(self._close_after, budget, mesh.channels, overran, gating)
             try:
                 if robust is None:
                     since = (trio.current_time(), time.perf_counter())
                     plane = await trio.to_thread.run_sync(self._ring_and_votes, vec, rnd, mesh, cfg,
-                                                          config.frame_timeout, extras, since)
+                                                          config.frame_timeout, extras, since, gating)
                 else:
                     result, sent, digest, scores = await trio.to_thread.run_sync(
                         butterfly.allreduce, vec, rnd.rank, world, mesh.sends, mesh.recvs, cfg, robust,
@@ -249,18 +249,26 @@ class AllReduceService:
             nursery.cancel_scope.cancel()
         return plane
 
-    async def _close_after(self, seconds: float, channels: list, overran: list) -> None:
+    async def _close_after(self, seconds: float, channels: list, overran: list, gating: list) -> None:
         """The round's data plane budget (`AllReduceConfig.data_budget`): past it our channels
         close and the round fails, nobody blamed (a member silent just under the frame
-        timeout before each frame is no single frame's fault)."""
-        await trio.sleep(seconds)
+        timeout before each frame is no single frame's fault). Our own loss gate's scoring
+        (`gating`: [seconds spent, perf_counter of a scoring under way]) is not the others'
+        doing and does not count."""
+        start = trio.current_time()
+        while True:
+            await trio.sleep_until(start + seconds + gating[0])
+            under_way = time.perf_counter() - gating[1] if gating[1] is not None else 0.0
+            if trio.current_time() >= start + seconds + gating[0] + under_way:
+                break
+            await trio.sleep(under_way)
         overran.append(True)
         for ch in list(channels):
             if ch is not None:
                 await trio.to_thread.run_sync(ch.close)
 
     def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple,
-                        since: tuple[float, float]) -> _Plane:
+                        since: tuple[float, float], gating: list | None = None) -> _Plane:
         """The data plane, then the signed votes on the same channels (worker thread).
         `since`: (trio's clock, perf_counter) when it was called: the data plane's end in
         trio's clock without a hop to the event loop, which held every member's vote back
@@ -272,7 +280,10 @@ class AllReduceService:
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
+        gating = gating if gating is not None else [0.0, None]
+        gating[1] = time.perf_counter()  # our gate's scoring is outside the round's budget
         refusal = gate(result) if gate is not None else None
+        gating[0], gating[1] = gating[0] + time.perf_counter() - gating[1], None
         if refusal:  # we sign nothing: no certificate can exist; our neighbours stop waiting now
             for ch in (send_ch, recv_ch):
                 if ch is not None:
