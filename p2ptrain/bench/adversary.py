@@ -102,7 +102,7 @@ class WithholdingService(AllReduceService):
 
     withheld = 0
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> _Plane:
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
         own, check, out, on_own = extras[:4]
@@ -178,10 +178,10 @@ class DroppingService(AllReduceService):
         self._last: dict | None = None
         self.quiet = False
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> _Plane:
         world = len(rnd.ids)
         if world == 1:
-            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras, since)
+            return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras, since, gating)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
         result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout,
                                                       *extras[:3], self._arenas, extras[3])
