@@ -89,6 +89,19 @@ def test_a_round_of_one_returns_its_own_vector():
 from p2ptrain.bench.adversary import TricklingService  # noqa: E402  (the red-team bench's slowloris part)
 
 
+async def _timed_round(svcs, vecs, members, timeout: float):
+    """Every member's round "r0" at once: (results in member order, seconds each took)."""
+    t0, took = trio.current_time(), {}
+
+    async def member(i):
+        try:
+            return await svcs[i].allreduce(vecs[i], "run", "r0", members)
+        finally:
+            took[i] = trio.current_time() - t0
+
+    return await each_member(len(svcs), member, timeout=timeout), took
+
+
 @pytest.mark.parametrize("world, direct", [(2, True), (3, True), (2, False)],
                          ids=["pair", "ring-of-3", "pair-libp2p-fallback"])
 def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_is_blamed(world, direct):
@@ -107,16 +120,8 @@ def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_
             members = [n.identity.peer_id_str for n in nodes]
             sybil = members[-1]
             vecs = [np.full(20_000, float(i + 1), np.float32) for i in range(world)]
-            t0 = trio.current_time()
-            took = {}
-
-            async def member(i):
-                try:
-                    return await svcs[i].allreduce(vecs[i], "run", "r0", members)
-                finally:
-                    took[i] = trio.current_time() - t0
-
-            out = (await each_member(world, member, timeout=30))[:-1]
+            out, took = await _timed_round(svcs, vecs, members, 30)
+            out = out[:-1]
             assert all(isinstance(r, RoundFailed) for r in out), out
             took = max(took[i] for i in range(world - 1))
             assert all(sybil in r.blamed and "slow frame" in r.blamed[sybil] for r in out), [r.blamed for r in out]
@@ -144,16 +149,8 @@ def test_a_member_silent_just_under_the_frame_timeout_before_each_frame_fails_th
             svcs[-1].every = 2.5  # read as each session opens
             members = [n.identity.peer_id_str for n in nodes]
             vecs = [np.full(20_000, float(i + 1), np.float32) for i in range(3)]
-            t0 = trio.current_time()
-            took = {}
-
-            async def member(i):
-                try:
-                    return await svcs[i].allreduce(vecs[i], "run", "r0", members)
-                finally:
-                    took[i] = trio.current_time() - t0
-
-            out = (await each_member(3, member, timeout=60))[:-1]
+            out, took = await _timed_round(svcs, vecs, members, 60)
+            out = out[:-1]
             assert all(isinstance(r, RoundFailed) and not r.blamed for r in out), out
             assert max(took[0], took[1]) < 9.0, took  # setup + the ~2.1 s budget + the abort
             assert any("overran its budget" in str(r) for r in out), [str(r) for r in out]
