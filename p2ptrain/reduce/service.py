@@ -250,11 +250,8 @@ class AllReduceService:
         return plane
 
     async def _close_after(self, seconds: float, channels: list, overran: list, gating: list) -> None:
-        """The round's data plane budget (`AllReduceConfig.data_budget`): past it our channels
-        close and the round fails, nobody blamed (a member silent just under the frame
-        timeout before each frame is no single frame's fault). Our own loss gate's scoring
-        (`gating`: [seconds spent, perf_counter of a scoring under way]) is not the others'
-        doing and does not count."""
+        """Past the round's data budget (`AllReduceConfig.data_budget`) our channels close, nobody
+        blamed; our own gate's scoring (`gating`: [seconds, perf_counter of one under way]) is not counted."""
         start = trio.current_time()
         while True:
             await trio.sleep_until(start + seconds + gating[0])
@@ -263,9 +260,7 @@ class AllReduceService:
                 break
             await trio.sleep(under_way)
         overran.append(True)
-        for ch in list(channels):
-            if ch is not None:
-                await trio.to_thread.run_sync(ch.close)
+        await _close(channels)
 
     def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple,
                         since: tuple[float, float], gating: list | None = None) -> _Plane:
@@ -280,7 +275,7 @@ class AllReduceService:
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
-        gating = gating if gating is not None else [0.0, None]
+        gating = gating or [0.0, None]
         gating[1] = time.perf_counter()  # our gate's scoring is outside the round's budget
         refusal = gate(result) if gate is not None else None
         gating[0], gating[1] = gating[0] + time.perf_counter() - gating[1], None
@@ -357,9 +352,7 @@ class AllReduceService:
         """An abort vote from a member closes our channels, so our data plane fails now
         rather than after frame_timeout (after we signed, `_decide` still asks for a certificate)."""
         await self.board.wait_abort(rnd)
-        for ch in list(channels):
-            if ch is not None:
-                await trio.to_thread.run_sync(ch.close)
+        await _close(channels)
 
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
@@ -369,19 +362,16 @@ class AllReduceService:
         arrive within `timeout`). Used for roster confirmation and contribution headers.
         `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
         `answer_strangers`: a non-member that sends us its payload for this exchange gets
-        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent(peers)`: those
-        of the awaited members that will not come (rule E13), asked every probe second."""
+        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent`: `Inbox.collect`'s."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
         tag = session_tag(run_id, round_id)
         msg = _pack({"tag": tag, "kind": "data", "data": payload})
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
-        async def skip(waiting: set[bytes]) -> set[bytes]:
-            out = await absent({peer_id_to_str(p) for p in waiting})
-            return {p for p in waiting if peer_id_to_str(p) in out}
+        skip = None if absent is None else (lambda waiting: _absent_ids(absent, waiting))
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone, answer=answer, absent=skip if absent is not None else None)
+                                       gone=self._gone, answer=answer, absent=skip)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out
@@ -397,3 +387,14 @@ class AllReduceService:
     async def _send_all(self, ids: list[bytes], msg: bytes) -> set[bytes]:
         return await reach.send_all(self.host, self.identity.peer_id, ids, msg, VOTE_PROTOCOL,
                                     self.ctl if self.config.control_streams else None)
+
+
+async def _absent_ids(absent, waiting: set[bytes]) -> set[bytes]:  # E13's peer-id strings, as bytes
+    out = await absent({peer_id_to_str(p) for p in waiting})
+    return {p for p in waiting if peer_id_to_str(p) in out}
+
+
+async def _close(channels: list) -> None:
+    for ch in list(channels):
+        if ch is not None:
+            await trio.to_thread.run_sync(ch.close)

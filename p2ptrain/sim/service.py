@@ -224,11 +224,11 @@ class SimReduceService:
         ring_links = list(zip(ids, ids[1:] + ids[:1]))
         if len(ids) > 1 and not all(self.net.reachable(a, b, rounds=True) for a, b in ring_links):
             return (False, now) if timed_out else None
-        nbytes = next(iter(r.vecs.values())).nbytes // max(1, len(ids))
-        hop = max((self.net.transfer(a, b, nbytes) for a, b in ring_links), default=0.0)
+        full = next(iter(r.vecs.values())).nbytes
+        hop = max((self.net.transfer(a, b, full // max(1, len(ids))) for a, b in ring_links), default=0.0)
         slow, blamed, failed = self._trickled(r)
         took = 2 * (len(ids) - 1) * hop + slow
-        budget = self.config.data_budget(next(iter(r.vecs.values())).nbytes, len(ids))
+        budget = self.config.data_budget(full, len(ids))
         if slow:  # (seconds it added, failed) of a round with a trickling member
             self.hub.trickled.append((min(slow, budget), failed or took > budget))
         if failed:
