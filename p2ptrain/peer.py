@@ -62,6 +62,10 @@ class Parts:
     local: object = None
     """(spec, ds, peer_id, state, threads, device, precision) -> the model side; None: a
     single-process LocalModel (a torchrun node passes p2ptrain.train.leader's, issue 19)"""
+    state_scorer: object = None
+    """(local) -> what scores a state before it is adopted (`state_losses(data, seed)`: rules
+    H1 and H3, `p2ptrain.train.scorer.checked_load`); None: the loss gate's scorer, where the
+    model side has one (`p2ptrain.train.scorer.make_scorer`)"""
 
 
 def service_config(spec: RunSpec) -> AllReduceConfig:
@@ -101,7 +105,8 @@ async def run_peer(node, spec: RunSpec, run_id: str, local, events, config, *, w
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(svc.run)
-            trainer = Trainer(node, svc, blobs, writer, spec, run_id, local, events, config, parts.contributor())
+            trainer = Trainer(node, svc, blobs, writer, spec, run_id, local, events, config, parts.contributor(),
+                              state_scorer=parts.state_scorer(local) if parts.state_scorer else None)
             task_status.started(trainer)
             await trainer.run()
             nursery.cancel_scope.cancel()

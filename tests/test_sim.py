@@ -15,11 +15,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from p2ptrain.sim import model as vmodel
 from p2ptrain.sim import scenarios, world
 from p2ptrain.sim.world import PeerPlan, Scenario
+from p2ptrain.train.scorer import WorseThanGenesis, checked_load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -155,6 +157,36 @@ def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():
     the end (before: p1 and p3 at step 1, p0 and p2 at step 5; simulator seed 116)."""
     rep = world.run(scenarios.random_world(116, 4, duration=100.0), 116)
     assert len(set(rep.final_steps.values())) == 1 and rep.violations == [], (rep.final_steps, rep.violations)
+
+
+@pytest.mark.parametrize("scored", [True, False])
+def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monkeypatch, scored):
+    """Rule H3's second half: after a 113 s partition the pair behind (one member 4x slow)
+    had committed together, so the head it ranks first is its own. It now adopts the others'
+    state, two steps ahead, because that state scores better than its own on its own data;
+    before, it trained a 41 s phase, skipped and met the others 4 steps after the partition
+    (simulator seed 40287). Without a scorer it may not (a planted state looks the same),
+    and the old violation comes back: the test shows both."""
+    if not scored:
+        monkeypatch.setattr(vmodel, "StateScorer", lambda local: None)
+    rep = world.run(scenarios.random_world(40287, 4, duration=200.0), 40287)
+    late = [v for v in rep.violations if v.invariant == "convergence"]
+    assert (late == [] and rep.violations == []) if scored else late, rep.violations
+
+
+def test_the_simulated_scorer_passes_over_a_state_no_better_than_ours():
+    """What keeps H3's far-ahead adoption from being the planted-checkpoint door: a state
+    that does not score better than ours on our own data is not loaded."""
+    g = vmodel.genesis(16, 3)
+    m = vmodel.VectorModel(g, dim=16, H=4, seed=3, peer=0, target_seed=3, outer_lr=0.7, outer_momentum=0.9)
+    planted = vmodel.encode(np.random.default_rng(9).standard_normal(16).astype(np.float32) * 3,
+                            np.zeros(16, np.float32), 7)
+    with pytest.raises(WorseThanGenesis):
+        checked_load(vmodel.StateScorer(m), m, planted, always=True)
+    assert m.step == 0
+    trained = vmodel.encode(m.target + m.bias, np.zeros(16, np.float32), 7)
+    checked_load(vmodel.StateScorer(m), m, trained, always=True)
+    assert m.step == 7
 
 
 TODAY = pytest.mark.xfail(strict=True, raises=AssertionError,

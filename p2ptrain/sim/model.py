@@ -127,3 +127,26 @@ class VectorModel:
         self.evaluated = max_batches
         v = self.loss(self.outer.params if committed else self.local)
         return v if math.isfinite(v) else math.nan
+
+
+class StateScorer:
+    """The stand-in's `state_losses` (rules H1 and H3, `p2ptrain.train.scorer.checked_load`):
+    our committed params and a fetched state's, scored on our own data (the target plus our
+    bias) with a fresh noise draw each time, as the real scorer draws fresh windows. The
+    draws come from the world's seed, not the caller's random `seed`, so a world replays."""
+
+    def __init__(self, model: VectorModel, noise: float = 0.05) -> None:
+        self.model, self.noise, self.draws = model, noise, 0
+
+    def state_losses(self, data: bytes, seed: bytes) -> tuple[float, float]:
+        m = self.model
+        arrays, _ = checkpoint.decode(data)
+        theirs = arrays.get("outer")
+        if theirs is None or theirs.shape != (m.n_params,):
+            raise checkpoint.CheckpointError("state does not fit this model")
+        rng = np.random.default_rng([m.seed, m.peer, 0x5C0E, self.draws])
+        self.draws += 1
+        goal = m.target + m.bias + (rng.standard_normal(m.n_params) * self.noise).astype(np.float32)
+        return (float(np.mean((m.outer.params - goal).astype(np.float64) ** 2)),
+                float(np.mean((np.asarray(theirs, np.float32) - goal).astype(np.float64) ** 2)))
+

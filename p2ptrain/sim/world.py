@@ -306,7 +306,8 @@ class World:
                                            outer_momentum=sc.outer_momentum, step_seconds=sc.step_seconds,
                                            slow=plan.slow)
                 parts = peer.Parts(service=functools.partial(self._service, self.names[i]),
-                                   writer=lambda workdir, run_id, ev, key=ident.peer_id: SimWriter(self.disk, key))
+                                   writer=lambda workdir, run_id, ev, key=ident.peer_id: SimWriter(self.disk, key),
+                                   state_scorer=vmodel.StateScorer)
                 self.models[i] = local
                 if plan.attack == "expiry":
                     nursery.start_soon(self._early_ready, dht, local)

@@ -102,13 +102,23 @@ class Lineage:
         lost anyway, and waiting for its next skip cost a whole phase: after a partition the
         side that fell behind (a 4x slow peer's pair) trained a 40 s step while the other
         side ran 3 steps ahead (simulator seed 116). A state record is a claim: one nobody
-        serves costs the catch-up's patience (5 s), once a step. Returns None when we did not
-        move, else whether others already train our new step (we join it with zeros)."""
+        serves costs the catch-up's patience (5 s), once a step.
+
+        The head ranks trusted attesters first, so a pair that committed together behind a
+        partition finds its own state there (seed 40287: it trained on, skipped, and met the
+        others 4 steps after the partition). It then adopts the best-attested state two or
+        more steps ahead whoever attests it, but only one that scores better than ours on
+        windows we draw (`checked_load(always=True)`): a planted state does not, and without a
+        scorer it does not move. Returns None when we did not move, else whether others
+        already train our new step (we join it with zeros)."""
         ahead = [st.step for sub, st in await RunRecords(self.dht, self.run_id).read_states()
                  if st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}]
         if not ahead:
             return None
         joining = await self.sync_with_run()
+        if self.local.step <= t and self.state_scorer is not None:
+            await self.catch_up(t + 2, patience=5.0, scored=True)
+            joining = True  # the state we adopted is the others' newest: they train its step
         return joining if self.local.step > t else None
 
     async def _others_near(self, t: int, base: str | None = None) -> bool:
@@ -181,15 +191,19 @@ class Lineage:
                 return True
         return False
 
-    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None) -> None:
+    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None,
+                       scored: bool = False) -> None:
         """Adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
         is rejected, not fatal: p2ptrain.ckpt.download.adopt; so is one that scores no better
-        than the genesis we still hold: `scorer.checked_load`)."""
-        load = functools.partial(checked_load, getattr(self.round, "scorer", None), self.local)
+        than the genesis we still hold: `scorer.checked_load`). `scored` (H3): ranked without
+        trust, and only a state that scores better than ours is loaded (one that does not is
+        passed over for this catch-up only: it is not bad, just no better than ours)."""
+        load = functools.partial(checked_load, self.state_scorer, self.local, always=scored)
         got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
                           load, timeout=timeout, patience=patience,
-                          rejected=self.ledger.rejected_ckpts, trusted=self.ledger.standing.trusted())
+                          rejected=set(self.ledger.rejected_ckpts) if scored else self.ledger.rejected_ckpts,
+                          trusted=frozenset() if scored else self.ledger.standing.trusted())
         if got is not None:
             self.weight = 1
             sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)

@@ -110,17 +110,19 @@ def make_scorer(local, config: GateConfig | None = None) -> CandidateScorer | No
 
 
 class WorseThanGenesis(ValueError):
-    """A head that scores no better than the genesis on windows we drew: not trained work."""
+    """A head that scores no better than the state we hold (the genesis; for H3, our own
+    lineage) on windows we drew: not trained work, or no better than ours."""
 
 
-def checked_load(scorer: CandidateScorer | None, local, data: bytes) -> None:
+def checked_load(scorer: CandidateScorer | None, local, data: bytes, always: bool = False) -> None:
     """`local.load_state_at(data)`, but a peer still at the genesis first scores the state
     against its own (rule H1's sanity bar, issue 32's planted checkpoint): trained work
     lowers the loss on windows nobody chose (ours, drawn here), a planted state of noise does
-    not. Raised, the head is rejected like one that does not load (`ckpt.download.adopt`) and
-    the next best is tried. Blocking."""
-    if scorer is not None and local.step == 0:
+    not. `always`: at any step (rule H3's far-ahead state, which nobody we trust attests).
+    Raised, the head is rejected like one that does not load (`ckpt.download.adopt`) and
+    the next best is tried. Blocking. `scorer`: anything with `state_losses(data, seed)`."""
+    if scorer is not None and (always or local.step == 0):
         ours, theirs = scorer.state_losses(data, os.urandom(32))
         if not theirs < ours:
-            raise WorseThanGenesis(f"the state scores {theirs:.4f} where the genesis scores {ours:.4f}")
+            raise WorseThanGenesis(f"the state scores {theirs:.4f} where ours scores {ours:.4f}")
     local.load_state_at(data)

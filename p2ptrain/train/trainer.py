@@ -8,9 +8,8 @@ Per outer step t:
      until a round commits on every member.
   4. Nesterov outer step on the committed average, published as a `state` record
      and served to newcomers; checkpoint written atomically.
-A peer that misses a deadline skips the step and adopts the run's head; one whose round
-would commit alone does so only while nobody trains near its step (`p2ptrain.train.lineage`,
-rules H1 and H2 of docs/PROTOCOL.md).
+A peer that misses a deadline skips the step and adopts the run's head; one alone commits only
+while nobody trains near its step (`p2ptrain.train.lineage`, rules H1-H3 of docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -79,12 +78,15 @@ def _lap(tm: dict, part: str, since: float, minus: float = 0.0) -> float:
 
 class Trainer(Lineage):
     def __init__(self, node, svc: ReduceService, blobs: BlobServer, writer: checkpoint.AsyncWriter, spec: RunSpec,
-                 run_id: str, local, events, config: TrainerConfig, contributor: Contributor | None = None) -> None:
+                 run_id: str, local, events, config: TrainerConfig, contributor: Contributor | None = None,
+                 state_scorer=None) -> None:
         self.node, self.dht, self.spec, self.run_id = node, node.dht, spec, run_id
         self.local, self.events, self.config, self.writer = local, events, config, writer
         self.me = node.identity.peer_id_str
         self.ledger = Ledger(self.me, events)
         robust = RobustConfig() if spec.train.aggregation == "robust" else None
+        scorer = make_scorer(local, GateConfig(enabled=config.loss_gate))
+        self.state_scorer = state_scorer or scorer  # rules H1 and H3 (`checked_load`)
         # sparse runs (issue 18): compressed all-gather instead of the ring; per-peer error feedback
         sparse = (SparseReducer(spec.train.sparse_config(), local.n_params)
                   if spec.train.allreduce == "sparse" else None)
@@ -93,18 +95,16 @@ class Trainer(Lineage):
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
             contributor, sparse, bases=self, group_size=spec.train.group_size,
             merge_timeout=spec.timeouts.exchange * 6,
-            scorer=make_scorer(local, GateConfig(enabled=config.loss_gate)) if robust is None else None,
+            scorer=scorer if robust is None else None,
             evidence=BlobEvidence(blobs) if robust is None and sparse is None else None,
             past=lambda t, peers: elect.past_step(self.dht, run_id, t, self.sightings.level(t), peers))
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
         self.weight = 0 if local.step == 0 else 1
-        """Our state's weight in merge rounds (`p2ptrain.run.merge`): the members that trained
-        the round that produced it; 1 for a state we adopted or resumed, 0 for the genesis."""
+        # our state's weight in merge rounds (run.merge): its round's trainers; adopted 1, genesis 0
         self.last_roster: set[str] = set()
-        # steps we announced ahead (join-ahead) -> (that ready_at, announce it again as joining:
-        # an early ready_at must not start the clock)
+        # join-ahead steps -> (that ready_at, announce again as joining: an early one starts no clock)
         self._ahead: dict[int, tuple[float, bool]] = {}
         self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
