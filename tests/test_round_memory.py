@@ -45,6 +45,7 @@ class Hub:
         self.suspects: dict[str, dict[str, int]] = {}  # round id -> blamers nobody corroborated
         self.calls: list[tuple[str, str, tuple]] = []
         self.withholder: str | None = None  # every round it is in aborts, nobody blamed
+        self.withhold_seconds = 0.0  # how long such a round runs before it aborts (the others' timeouts)
         self.slow_abort: dict[tuple[str, str], float] = {}  # (round id, member) -> seconds to abort
         self.dead: set[str] = set()  # crashed members: no stream to them opens
         self.cut: set[tuple[str, str, str]] = set()  # (from, to, round id): no stream opens
@@ -130,6 +131,7 @@ class FakeService:
             self.hub.dead.add(self.hub.crash[round_id])
             raise RoundFailed("member is gone (no connection, no dial)", {}, gone=(self.hub.crash[round_id],))
         if self.hub.withholder in members:
+            await trio.sleep(self.hub.withhold_seconds)
             raise RoundFailed("no certificate: a vote never came", {})
         got = self.hub.vecs.setdefault(round_id, {})
         got[self.me] = np.array(vec, np.float32)
@@ -486,6 +488,37 @@ def test_a_member_that_withholds_its_vote_is_left_out_then_rejected():
     assert {c[1] for c in hub.calls if c[1].startswith("4/")} == {"4/0"}
     assert all(ids[2] in rounds[i][0].ledger.ignored for i in honest if rounds[i][0].ledger.strikes.get(ids[2], 0) >= 2)
     assert not any(ids[j] in rounds[i][0].ledger.ignored for i in honest for j in honest)
+
+
+@pytest.mark.parametrize("span", [45.0, 0.0])
+def test_a_member_left_out_of_a_long_attempt_waits_for_it_at_the_next(span):
+    """R4's probe leaves an honest member out first while a withholder holds every attempt
+    for 30 s (its partners' data-plane timeouts). The member left out waits at the next
+    confirmation for as long as the attempt it sat out may run (`attempt_span`), so the
+    three honest members meet again and commit together once the withholder is left out.
+    Before (span 0): it waited 20 s (exchange + abort skew), skipped, and the others went
+    on without it (simulator seed 30047: then they waited for it in turn, and skipped)."""
+    t, ids = None, None
+    for step in range(1, 60):  # a step whose probe leaves out an honest member first
+        hub = Hub()
+        rounds = [member(hub, i + 1)[0] for i in range(4)]
+        ids = [r.me for r in rounds]
+        order = sorted(ids, key=lambda p: election.order_key(RUN, step, f"out/{p}"))
+        if order[0] != ids[2]:
+            t = step
+            break
+    hub.withholder, hub.withhold_seconds = ids[2], 30.0
+    for r in rounds:
+        r.config = dataclasses.replace(CFG, abort_skew=15.0, attempt_span=span)
+    ds = deltas(4)
+    outs = run_rounds(rounds, ds, t=t)
+    done = [i for i in (0, 1, 3) if outs[i].result is not None]
+    if span:
+        assert done == [0, 1, 3] and outs[2].result is None, done
+        assert len({outs[i].result.tobytes() for i in done}) == 1
+        assert np.allclose(outs[0].result, np.mean([ds[i] for i in done], axis=0), atol=1e-6)
+    else:
+        assert len(done) < 3, done
 
 
 def test_one_unexplained_abort_is_retried_with_everyone_and_strikes_nobody():

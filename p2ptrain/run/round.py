@@ -40,7 +40,7 @@ from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDiges
 from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.roundparts import (Contributor, Outcome, ReduceService, RoundConfig,  # noqa: F401 - re-exported
-                                     prepare)
+                                     attempt_span, prepare)
 
 log = logging.getLogger("p2ptrain.run.round")
 
@@ -108,10 +108,10 @@ class ContributionRound(Agreement):
         self.silent_seen = plan.silent  # live: the trainer probes these when elected again
         if self.sparse is not None:  # compress once per step; error feedback moves only on commit
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
-        attempt = (first := tag * election.ATTEMPTS_PER_TRY) - 1
+        attempt, sat_out = (first := tag * election.ATTEMPTS_PER_TRY) - 1, False
         while (attempt := attempt + 1) - first < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
-            if probe.left == self.me:  # we sit this attempt out and wait at the next one
-                roster = probe.failed(roster)
+            if probe.left == self.me:  # we sit this attempt out and wait at the next one, as long as it may run
+                roster, sat_out = probe.failed(roster), True
                 if roster is None:
                     return out
                 continue
@@ -133,7 +133,8 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            wait = self._confirm_wait(attempt - first, first_wait)
+            wait = self._confirm_wait(attempt - first, first_wait) + (self.config.attempt_span if sat_out else 0.0)
+            sat_out = False
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)

@@ -78,6 +78,16 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
+def attempt_span(svc, before_data: float, nbytes: int, world: int) -> float:
+    """The longest an attempt can run once its roster is confirmed: `before_data` (a merge's
+    state fetches and the headers), the service's bulk setup, its data plane (closed at the
+    round's data budget, or failed by a frame's timeout, whichever the service reaches
+    first; both counted, as the simulator's withholder runs to the frame timeout) and its
+    commit vote. `svc`: an `AllReduceConfig`; `nbytes`: the float32 vector's size."""
+    return (before_data + svc.setup_timeout + max(svc.frame_timeout, svc.data_budget(nbytes, world))
+            + svc.commit_timeout)
+
+
 @dataclass(frozen=True)
 class RoundConfig:
     mode: str
@@ -95,11 +105,18 @@ class RoundConfig:
     with a roster another did not confirm waits that long for its header). Confirmations
     after the first wait this much longer than `exchange_timeout`; before, the member that
     left first gave up on the other and both skipped the step (issue 17)."""
+    attempt_span: float = 0.0
+    """The longest an attempt runs once its roster is confirmed (`attempt_span`). A member
+    that R4's probe leaves out of an attempt waits this much longer at the next
+    confirmation: the others come back only when the attempt they ran without it failed,
+    and one held by a withholder ran 31 s where the member left out waited 20 s, skipped,
+    and the others then waited for it in vain (simulator seed 30047)."""
 
     def __post_init__(self) -> None:
         ring.RingConfig(self.ring_mode, sub_chunk_bytes=self.sub_chunk_bytes)  # validates both
-        if not (self.exchange_timeout > 0 and self.max_attempts >= 1 and self.abort_skew >= 0):
-            raise ValueError("exchange_timeout must be > 0, max_attempts >= 1 and abort_skew >= 0")
+        if not (self.exchange_timeout > 0 and self.max_attempts >= 1 and self.abort_skew >= 0
+                and self.attempt_span >= 0):
+            raise ValueError("exchange_timeout must be > 0, max_attempts >= 1, abort_skew and attempt_span >= 0")
 
     @property
     def ring_mode(self) -> str:

@@ -32,7 +32,7 @@ from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.evidence import BlobEvidence
 from p2ptrain.run.lossgate import GateConfig
-from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig
+from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig, attempt_span
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
@@ -92,7 +92,8 @@ class Trainer(Lineage):
                   if spec.train.allreduce == "sparse" else None)
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
-            abort_skew=svc.config.commit_timeout + spec.timeouts.exchange), self.ledger,
+            abort_skew=svc.config.commit_timeout + spec.timeouts.exchange, attempt_span=attempt_span(
+                svc.config, spec.timeouts.exchange * 7, 4 * local.n_params, spec.train.group_size)), self.ledger,
             contributor, sparse, bases=self, group_size=spec.train.group_size,
             merge_timeout=spec.timeouts.exchange * 6,
             scorer=scorer if robust is None else None,
@@ -101,8 +102,7 @@ class Trainer(Lineage):
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
         self.committed = 0
-        self.weight = 0 if local.step == 0 else 1
-        # our state's weight in merge rounds (run.merge): its round's trainers; adopted 1, genesis 0
+        self.weight = 0 if local.step == 0 else 1  # in merges (run.merge): its round's trainers; adopted 1
         self.last_roster: set[str] = set()
         # join-ahead steps -> (that ready_at, announce again as joining: an early one starts no clock)
         self._ahead: dict[int, tuple[float, bool]] = {}
