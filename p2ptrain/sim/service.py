@@ -184,9 +184,14 @@ class SimReduceService:
             for j, p in enumerate(ring.own_payloads(vec, rank, world, self.ring_cfg)):
                 on_own(j, memoryview(p))
             on_own(-1, None)
+        # As the real service: a member that never comes fails the bulk setup, one that sends
+        # nothing fails the data plane at a frame's timeout or at the round's data budget,
+        # whichever comes first (before: setup + frame timeout, twice the budget's 15 s).
+        span = min(self.config.setup_timeout + self.config.frame_timeout,
+                   self.config.data_budget(vec.nbytes, world))
         pol = self.net.policy.get(self.pid)
         if pol is not None and pol.withhold:  # never sends a frame: the others time out
-            await trio.sleep(self.config.setup_timeout + self.config.frame_timeout)
+            await trio.sleep(span)
             raise RoundFailed("withholding", {})
         key = (run_id, round_id, tuple(members))
         r = self.hub.rounds.get(key)
@@ -195,7 +200,7 @@ class SimReduceService:
         r.vecs[self.me] = np.array(vec, np.float32)
         r.checks[self.me] = check
         self.hub.poke()
-        deadline = r.started + self.config.setup_timeout + self.config.frame_timeout
+        deadline = r.started + span
         while r.outcome is None:
             now = trio.current_time()
             verdict = self._verdict(r, now >= deadline)
