@@ -40,7 +40,7 @@ from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDiges
 from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.roundparts import (Contributor, Outcome, ReduceService, RoundConfig,  # noqa: F401 - re-exported
-                                     attempt_span, prepare)
+                                     prepare)
 
 log = logging.getLogger("p2ptrain.run.round")
 
@@ -133,8 +133,7 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            wait = self._confirm_wait(attempt - first, first_wait) + (self.config.attempt_span if sat_out else 0.0)
-            sat_out = False
+            wait, sat_out = self._confirm_wait(attempt - first, first_wait, sat_out), False
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
@@ -176,10 +175,12 @@ class ContributionRound(Agreement):
                 probe.left = None
         return out
 
-    def _confirm_wait(self, nth: int, first_wait: float | None) -> float:
-        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`)."""
+    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False) -> float:
+        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`, and
+        after an attempt we sat out, as long as it may run: R4a)."""
         first = self.config.exchange_timeout if first_wait is None else first_wait
-        return first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
+        wait = first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
+        return wait + (self.config.attempt_span if sat_out else 0.0)
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

@@ -32,7 +32,8 @@ from p2ptrain.run import elect, election
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.evidence import BlobEvidence
 from p2ptrain.run.lossgate import GateConfig
-from p2ptrain.run.round import ContributionRound, Contributor, ReduceService, RoundConfig, attempt_span
+from p2ptrain.run.round import ContributionRound, Contributor, ReduceService
+from p2ptrain.run.roundparts import RoundConfig, attempt_span
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
@@ -100,8 +101,7 @@ class Trainer(Lineage):
             evidence=BlobEvidence(blobs) if robust is None and sparse is None else None,
             past=lambda t, peers: elect.past_step(self.dht, run_id, t, self.sightings.level(t), peers))
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
-        self.sightings = election.Sightings()  # when we first saw each ready record (clamps claims)
-        self.committed = 0
+        self.sightings, self.committed = election.Sightings(), 0  # Sightings: first sight of each ready record
         self.weight = 0 if local.step == 0 else 1  # in merges (run.merge): its round's trainers; adopted 1
         self.last_roster: set[str] = set()
         # join-ahead steps -> (that ready_at, announce again as joining: an early one starts no clock)
