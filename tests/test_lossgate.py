@@ -294,6 +294,14 @@ def test_a_peer_at_the_genesis_rejects_a_planted_head_that_scores_worse(tmp_path
     assert newcomer.step == 0
     checked_load(scorer, newcomer, trained)
     assert newcomer.step == 1 and torch.equal(newcomer.outer.outer, trainer.outer.outer)
+    # Rule H3b: past the genesis a far-ahead state is scored only when asked (`always`): the
+    # planted one is refused against our trained state too, and nothing changes.
+    checked_load(scorer, newcomer, genesis)  # past step 0 and not asked: loads as before
+    assert newcomer.step == 0
+    checked_load(scorer, newcomer, trained)
+    with pytest.raises(WorseThanGenesis):
+        checked_load(scorer, newcomer, planted, always=True)
+    assert newcomer.step == 1 and torch.equal(newcomer.outer.outer, trainer.outer.outer)
 
 
 def test_a_member_that_gates_alone_gets_the_others_evidence_and_they_commit_together():

@@ -197,12 +197,16 @@ class Lineage:
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
         is rejected, not fatal: p2ptrain.ckpt.download.adopt; so is one that scores no better
         than the genesis we still hold: `scorer.checked_load`). `scored` (H3): ranked without
-        trust, and only a state that scores better than ours is loaded (one that does not is
-        passed over for this catch-up only: it is not bad, just no better than ours)."""
+        trust, and only a state that scores better than ours is loaded; one that does not is
+        passed over by H3b from then on (not fetched again each step), but not rejected: the
+        trusted head may still lead to it."""
         load = functools.partial(checked_load, self.state_scorer, self.local, always=scored)
+        rejected = self.ledger.rejected_ckpts
+        if scored:
+            rejected = self.__dict__.setdefault("_passed_over", set())
+            rejected |= self.ledger.rejected_ckpts
         got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
-                          load, timeout=timeout, patience=patience,
-                          rejected=set(self.ledger.rejected_ckpts) if scored else self.ledger.rejected_ckpts,
+                          load, timeout=timeout, patience=patience, rejected=rejected,
                           trusted=frozenset() if scored else self.ledger.standing.trusted())
         if got is not None:
             self.weight = 1
