@@ -109,7 +109,8 @@ class Lineage:
         others 4 steps after the partition). It then adopts the best-attested state two or
         more steps ahead whoever attests it, but only one that scores better than ours on
         windows we draw (`checked_load(always=True)`): a planted state does not, and without a
-        scorer it does not move. Returns None when we did not move, else whether others
+        scorer it does not move. It looks once (no patience): a far-ahead state record that no
+        provider record backs (a liar's) then costs one read, not the catch-up's 5 s. Returns None when we did not move, else whether others
         already train our new step (we join it with zeros)."""
         ahead = [st.step for sub, st in await RunRecords(self.dht, self.run_id).read_states()
                  if st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}]
@@ -117,7 +118,7 @@ class Lineage:
             return None
         joining = await self.sync_with_run()
         if self.local.step <= t and self.state_scorer is not None:
-            await self.catch_up(t + 2, patience=5.0, scored=True)
+            await self.catch_up(t + 2, patience=0.0, scored=True)  # one look: a claim costs no wait
             joining = True  # the state we adopted is the others' newest: they train its step
         return joining if self.local.step > t else None
 
