@@ -110,8 +110,10 @@ class Lineage:
         more steps ahead whoever attests it, but only one that scores better than ours on
         windows we draw (`checked_load(always=True)`): a planted state does not, and without a
         scorer it does not move. It looks once (no patience): a far-ahead state record that no
-        provider record backs (a liar's) then costs one read, not the catch-up's 5 s. Returns None when we did not move, else whether others
-        already train our new step (we join it with zeros)."""
+        provider record backs (a liar's) then costs one read, not the catch-up's 5 s.
+
+        Returns None when we did not move, else whether others already train our new step
+        (we join it with zeros)."""
         ahead = [st.step for sub, st in await RunRecords(self.dht, self.run_id).read_states()
                  if st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}]
         if not ahead:
