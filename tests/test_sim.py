@@ -147,6 +147,22 @@ def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
     m.on_event(5.0, "b", "outer_step_skipped", {"step": 0, "reason": "no round"})
     m.finish(6.0, faults=True, settled=False)
     assert m.violations == []
+    # b skipped the first try; the retry dealt the very same group, b was in its data plane
+    # and crashed before the commit (seed 33338): its old skip is not a skip of this roster.
+    # One after the committing try's group formed still is.
+    for late, flagged in ((False, 0), (True, 1)):
+        m = Monitor(WorldView({"a", "b"}, lambda p: True, lambda x, y: True))
+        for p in "ab":
+            m.on_event(0.0, p, "run_joined", {"step": 0})
+            m.on_event(1.0, p, "group_formed", {"step": 0, "members": ["a", "b"]})
+        m.on_event(2.0, "b", "outer_step_skipped", {"step": 0, "reason": "no round"})
+        m.on_event(3.0, "a", "group_formed", {"step": 0, "members": ["a", "b"]})
+        if late:
+            m.on_event(3.5, "b", "outer_step_skipped", {"step": 0, "reason": "no round"})
+        m.on_event(4.0, "a", "outer_step_committed", {"step": 1, "params_sha256": "x", "members": ["a", "b"],
+                                                       "loss": 1.0})
+        m.finish(5.0, faults=True, settled=False)
+        assert m.counts()["commit_or_abort"] == flagged, (late, m.violations)
 
 
 def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():

@@ -71,7 +71,7 @@ class Monitor:
         self.groups: dict[tuple[str, int], tuple[str, ...]] = {}
         self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
         self.skips: dict[int, set[str]] = {}
-        self.skipped_from: dict[tuple[str, int], list] = {}  # (peer, t) -> (group it had elected, its start) a skip
+        self.skipped_from: dict[tuple[str, int], list] = {}  # (peer, t) -> (group it had elected, its start, when) a skip
         self.committed_from: dict[tuple[str, int], tuple] = {}  # (peer, t) -> (group it had elected, when)
         self.formed_at: dict[tuple[str, int], float] = {}
         self.booted: dict[str, float] = {}  # peer -> when its current incarnation joined
@@ -106,7 +106,7 @@ class Monitor:
         elif event == "outer_step_skipped":
             self.skips.setdefault(int(f["step"]), set()).add(peer)
             self.skipped_from.setdefault((peer, int(f["step"])), []).append(
-                (self.groups.get((peer, int(f["step"]))), self.booted.get(peer, 0.0)))
+                (self.groups.get((peer, int(f["step"]))), self.booted.get(peer, 0.0), now))
         elif event in ("caught_up", "checkpoint_fetched"):  # a state adopted (at start: fetched)
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
             self.step_of.setdefault(f["params_sha256"], int(f["step"]))
@@ -185,8 +185,12 @@ class Monitor:
                     # a skip of an earlier try (another elected group) is not a skip of this
                     # roster: q may be retrying the step with it as the world ends (seed 20330);
                     # nor is one by a later incarnation of q (it crashed after contributing, and
-                    # its restart retried the step from disk: seed 40875)
-                    skipped = [g for g, booted in self.skipped_from.get((q, t), []) if booted <= formed]
+                    # its restart retried the step from disk: seed 40875), nor one that ended
+                    # before the committing try's group formed (an earlier try that dealt the
+                    # same group: a member of the roster was in its data plane after that;
+                    # seed 33338)
+                    skipped = [g for g, booted, at in self.skipped_from.get((q, t), [])
+                               if booted <= formed <= at]
                     if group is not None and None not in skipped and group not in skipped:
                         continue
                     if q in self.world.honest and self.world.alive(q) and q not in got:
