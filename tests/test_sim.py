@@ -289,6 +289,24 @@ def test_a_sweep_names_its_violating_seeds_and_each_replays_to_the_same_verdict(
         assert again.final_steps == r["final_steps"]
 
 
+def test_bench_sim_no_faults_sweeps_only_fault_free_worlds():
+    """`--no-faults --seeds N`: N fault-free worlds (the flag was read for a replay only, and a
+    sweep ran faulty worlds under it)."""
+    import argparse
+
+    from p2ptrain.bench import sim as bench_sim
+
+    def args(**kw):
+        base = dict(seed=None, scenario="random", peers=4, seeds=8, first_seed=100, no_faults=False, rtt=0.1,
+                    duration=None, trace=False, sybils=0, control=False)
+        return argparse.Namespace(**{**base, **kw})
+
+    calm = bench_sim.jobs_for(args(no_faults=True))
+    assert len(calm) == 8 and not any(job[3] for job in calm) and [job[1] for job in calm] == list(range(100, 108))
+    mixed = bench_sim.jobs_for(args())
+    assert sum(job[3] for job in mixed) == 8 and sum(not job[3] for job in mixed) == 2
+
+
 def test_bench_sim_replays_a_seed_from_the_command_line():
     cmd = [sys.executable, "-m", "p2ptrain", "bench", "sim", "--peers", "3", "--seed", "5", "--duration", "60",
            "--trace", "--json"]

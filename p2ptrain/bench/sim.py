@@ -69,24 +69,30 @@ def _one(job: tuple) -> dict:
     return out
 
 
+def jobs_for(args) -> list[tuple]:
+    """The worlds a command line asks for: one seed (a replay), a named scenario's seeds (and
+    their controls), or random worlds -- with faults plus a quarter as many without, or with
+    `--no-faults` the fault-free worlds only (before, a sweep ignored the flag)."""
+    faults = not args.no_faults
+    if args.seed is not None:
+        return [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace, args.sybils)]
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    if args.scenario != "random":
+        jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0) for s in seeds]
+        return jobs + ([(f"control:{args.scenario}", *job[1:]) for job in jobs] if args.control else [])
+    if not faults:
+        return [("random", s, args.peers, False, args.rtt, args.duration, False, 0) for s in seeds]
+    calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
+    return ([("random", s, args.peers, True, args.rtt, args.duration, False, args.sybils) for s in seeds]
+            + [("random", s, args.peers, False, args.rtt, args.duration, False, 0) for s in calm])
+
+
 def run(args) -> int:
     if os.environ.get("PYTHONHASHSEED") != "0":  # exact replays need one set order
         env = dict(os.environ, PYTHONHASHSEED="0")
         os.execve(sys.executable, [sys.executable, "-m", "p2ptrain", *sys.argv[1:]], env)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
-    faults = not args.no_faults
-    if args.seed is not None:
-        jobs = [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace, args.sybils)]
-    elif args.scenario != "random":
-        jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0)
-                for s in range(args.first_seed, args.first_seed + args.seeds)]
-        if args.control:
-            jobs += [(f"control:{args.scenario}", *job[1:]) for job in jobs]
-    else:
-        seeds = range(args.first_seed, args.first_seed + args.seeds)
-        calm = range(10_000 + args.first_seed, 10_000 + args.first_seed + max(1, args.seeds // 4))
-        jobs = ([("random", s, args.peers, True, args.rtt, args.duration, False, args.sybils) for s in seeds]
-                + [("random", s, args.peers, False, args.rtt, args.duration, False, 0) for s in calm])
+    jobs = jobs_for(args)
     t0 = time.perf_counter()
     results = []
     if len(jobs) == 1 or args.workers <= 1:
