@@ -414,3 +414,18 @@ def test_a_record_flood_hides_no_honest_ready_record_from_a_reader_that_is_no_re
     assert f["flood_reads"] >= 5 and f["flood_honest_records"] >= 4 * f["flood_reads"] // 2, f
     assert f["flood_hidden"] == 0, f
     assert rep.violations == [], rep.violations
+
+
+def test_the_dht_load_diagnostic_charges_every_rpc_to_an_operation():
+    """`p2ptrain.bench.simload` (BENCHMARKS, issue 30's goal): operations by record kind, and
+    each RPC charged to the operation that sent it; the wrappers are gone afterwards."""
+    from p2ptrain.bench import simload
+    from p2ptrain.dht import node as dhtnode
+
+    before = dhtnode.DHTNode.get
+    out = simload.measure(3, 5, 30.0)
+    assert dhtnode.DHTNode.get is before
+    assert out["ops"] > 0 and out["rpcs"] == sum(out["rpcs_by_op"].values())
+    assert any(k.startswith("store ready/N") for k in out["ops_by_key"]), out["ops_by_key"]
+    assert any(k.startswith("get ready/N") and k.endswith("(get)") for k in out["rpcs_by_op"])
+    assert simload.key_class("/p2ptrain/" + "ab" * 16 + "/state/12/1.3") == "state/N/N.N"
