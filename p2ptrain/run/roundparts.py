@@ -81,9 +81,9 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
 def attempt_span(svc, before_data: float, nbytes: int, world: int) -> float:
     """The longest an attempt can run once its roster is confirmed: `before_data` (a merge's
     state fetches and the headers), the service's bulk setup, its data plane (closed at the
-    round's data budget, or failed by a frame's timeout, whichever the service reaches
-    first; both counted, as the simulator's withholder runs to the frame timeout) and its
-    commit vote. `svc`: an `AllReduceConfig`; `nbytes`: the float32 vector's size."""
+    round's data budget, or failed earlier by a frame's timeout: the larger of the two is a
+    safe bound for either) and its commit vote. `svc`: an `AllReduceConfig`; `nbytes`: the
+    float32 vector's size."""
     return (before_data + svc.setup_timeout + max(svc.frame_timeout, svc.data_budget(nbytes, world))
             + svc.commit_timeout)
 
