@@ -11,15 +11,20 @@ from p2ptrain.reduce.exchange import Inbox, InboxConfig
 ME, A, B = b"me", b"a", b"b"
 
 
-def _collect(undelivered=(), gone_after=None, silent=True, timeout=20.0, b_answers_at=None):
+def _collect(undelivered=(), gone_after=None, silent=True, timeout=20.0, b_answers_at=None, cut=None, a_at=None):
     """A answers at once; B at `b_answers_at` seconds, or never. `gone` finds B gone from its
     `gone_after`-th call on. Returns ((result, fake seconds taken), the probes made)."""
     inbox = Inbox(known=lambda p: True)
     calls = []
 
     async def send():
-        inbox.put(A, b"tag", b"from a")
+        if a_at is None:
+            inbox.put(A, b"tag", b"from a")
         return set(undelivered)
+
+    async def late_a():
+        await trio.sleep(a_at)
+        inbox.put(A, b"tag", b"from a")
 
     async def gone(peers):
         calls.append(set(peers))
@@ -34,7 +39,9 @@ def _collect(undelivered=(), gone_after=None, silent=True, timeout=20.0, b_answe
         async with trio.open_nursery() as nursery:
             if b_answers_at is not None:
                 nursery.start_soon(late_b)
-            got = await inbox.collect(b"tag", [ME, A, B], ME, timeout, send, silent, gone=gone)
+            if a_at is not None:
+                nursery.start_soon(late_a)
+            got = await inbox.collect(b"tag", [ME, A, B], ME, timeout, send, silent, gone=gone, cut=cut)
         return got, trio.current_time() - t0
 
     return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), calls
@@ -61,6 +68,21 @@ def test_a_member_that_died_after_our_message_is_dropped_at_the_next_probe():
 def test_without_unreachable_silent_the_exchange_waits_out_its_timeout():
     (got, took), calls = _collect(undelivered={B}, gone_after=1, silent=False)
     assert got == {A: b"from a"} and took >= 20.0 and calls == []
+
+
+def test_a_cut_exchange_waits_at_most_cut_seconds_after_the_first_answer():
+    """Rule R4a: a member left out of an attempt waits the attempt's whole span at the next
+    confirmation, for the others still in it; once one answers, that attempt is over, and a
+    silent member is waited for `cut` seconds more, not the span. Before, a real red-team
+    run's member waited 139 s for a withholder the others had given up on long before."""
+    (got, took), _ = _collect(timeout=300.0, cut=20.0, a_at=50.0)
+    assert got == {A: b"from a"} and took == 70.0, took
+    (got, took), _ = _collect(timeout=300.0, cut=20.0, a_at=50.0, b_answers_at=60.0)
+    assert got == {A: b"from a", B: b"from b"} and took == 60.0, took  # nothing is cut short
+    (got, took), _ = _collect(timeout=300.0, cut=20.0)  # answered before we started: 20 s from the start
+    assert got == {A: b"from a"} and took == 20.0, took
+    (got, took), _ = _collect(timeout=300.0)
+    assert took == 300.0, took
 
 
 def test_an_exchange_that_answers_strangers_answers_each_once_before_during_and_after():

@@ -80,7 +80,7 @@ class FakeService:
         self.hub, self.me = hub, me
 
     async def exchange(self, run_id, round_id, members, payload, timeout, unreachable_silent=False,
-                       answer_strangers=False, absent=None):
+                       answer_strangers=False, absent=None, cut=None):
         gone = {p for p in members if p in self.hub.dead or (self.me, p, round_id) in self.hub.cut}
         if answer_strangers:
             self.hub.answers[(round_id, self.me)] = (payload, set(members))
@@ -95,6 +95,9 @@ class FakeService:
         silent = gone | self.hub.refused
         others = [p for p in members if p != self.me and not (unreachable_silent and p in silent)]
         deadline = trio.current_time() + timeout
+        if cut is not None:  # R4a, as the real inbox: once anyone answered, `cut` seconds more at most
+            await self.hub.wait_for(lambda: any((round_id, p, self.me) in self.hub.box for p in others), timeout)
+            deadline = min(deadline, trio.current_time() + cut)
         while absent is not None and trio.current_time() < deadline:  # rule E13, asked each second
             await self.hub.wait_for(lambda: all((round_id, p, self.me) in self.hub.box for p in others),
                                     min(1.0, deadline - trio.current_time()))

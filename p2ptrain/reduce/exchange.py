@@ -128,7 +128,8 @@ class Inbox:
     async def collect(self, tag: bytes, ids: list[bytes], me: bytes, timeout: float, send,
                       unreachable_silent: bool = False, gone=None, probe: float = 1.0,
                       answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None,
-                      absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None) -> dict[bytes, bytes]:
+                      absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None,
+                      cut: float | None = None) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
         With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
@@ -142,7 +143,8 @@ class Inbox:
         with (module doc); those that wrote before we started are answered here.
         `absent(awaited)`: those that will not come (rule E13: past the step), asked every
         `probe` seconds once the first has passed; no longer awaited, but what they sent
-        still counts."""
+        still counts. `cut`: once any member's payload has arrived, wait at most `cut` seconds
+        more (rule R4a: a member's reply shows the attempt we sat out is over)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -172,9 +174,11 @@ class Inbox:
                 if probing and candidates:
                     unreachable.update(set(await gone(candidates)) & candidates)
 
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(timeout) as scope:
                 await drop_gone(undelivered)
                 while not (others - unreachable - away) <= w.box.keys():
+                    if cut is not None and w.box:
+                        scope.deadline, cut = min(scope.deadline, trio.current_time() + cut), None
                     w.event = trio.Event()
                     with trio.move_on_after(probe if probing or absent is not None else math.inf):
                         await w.event.wait()

@@ -133,8 +133,8 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            wait, sat_out = self._confirm_wait(attempt - first, first_wait, sat_out), False
-            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent))
+            (wait, short), sat_out = self._confirm_wait(attempt - first, first_wait, sat_out), False
+            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent), short)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
@@ -175,12 +175,13 @@ class ContributionRound(Agreement):
                 probe.left = None
         return out
 
-    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False) -> float:
-        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`, and
-        after an attempt we sat out, as long as it may run: R4a)."""
+    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False) -> tuple[float, float | None]:
+        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`; after
+        an attempt we sat out, also as long as it may run: R4a), and R4a's cut (`_confirm`'s
+        `short`: the usual wait, once anyone answered), None when we sat nothing out."""
         first = self.config.exchange_timeout if first_wait is None else first_wait
         wait = first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
-        return wait + (self.config.attempt_span if sat_out else 0.0)
+        return (wait + self.config.attempt_span, wait) if sat_out else (wait, None)
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:
