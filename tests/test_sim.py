@@ -289,6 +289,25 @@ def test_a_sweep_names_its_violating_seeds_and_each_replays_to_the_same_verdict(
         assert again.final_steps == r["final_steps"]
 
 
+def test_bench_sim_sums_liveness_after_the_faults_ended():
+    """Worlds with faults (no adversaries, no slow peers) report the honest steps started
+    once they held one state again, and how many committed; the sweep pools them and names
+    the worst world (a stall after the faults shows there, not as a fault-free violation)."""
+    from p2ptrain.bench.sim import summarize
+    from p2ptrain.sim.invariants import NAMES
+
+    def rep(seed, after):
+        return {"seed": seed, "peers": 4, "counts": dict.fromkeys(NAMES, 0), "faults": True, "commit_fraction": 1.0,
+                "steps_to_converge": 0, "events": 1, "sim_seconds": 1.0, "after_faults": after}
+
+    summary = summarize([rep(1, [9, 10]), rep(2, [1, 2]), rep(3, [0, 0]), rep(4, None)], 1.0)
+    assert summary["commit_fraction_after_faults"] == round(10 / 12, 4)
+    assert summary["commit_fraction_after_faults_min"] == 0.5 and summary["worlds_after_faults"] == 2
+    w = world.World(scenarios.random_world(70005, 4, duration=200.0), 70005)
+    committed, started = world.simulate(w).after_faults
+    assert started >= 5 and committed == started  # after its partition ended, every step committed
+
+
 def test_bench_sim_no_faults_sweeps_only_fault_free_worlds():
     """`--no-faults --seeds N`: N fault-free worlds (the flag was read for a replay only, and a
     sweep ran faulty worlds under it)."""

@@ -155,6 +155,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "steps_to_converge_max": (None if any(c is None for c in conv) else max(conv, default=0)),
         "worlds_never_converged": sum(c is None for c in conv),
         "worlds_unsettled": sum(1 for r in results if r["faults"] and not r.get("settled", True)),
+        **_after_faults(results),
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
         "attack_figures": attack_figures(results),
@@ -162,6 +163,18 @@ def summarize(results: list[dict], wall: float) -> dict:
         "wall_seconds": round(wall, 1),
         **(_versus(results, control) if control else {}),
     }
+
+
+def _after_faults(results: list[dict]) -> dict:
+    """Liveness once faults ended (`sim.world.Report.after_faults`): honest steps started
+    after the live honest peers first held one state again, over the worlds that had faults
+    and no adversaries; the pooled fraction committed, and the worst world's."""
+    got = [tuple(r["after_faults"]) for r in results if r.get("after_faults") and r["after_faults"][1]]
+    if not got:
+        return {}
+    return {"commit_fraction_after_faults": round(sum(c for c, _ in got) / sum(n for _, n in got), 4),
+            "commit_fraction_after_faults_min": round(min(c / n for c, n in got), 4),
+            "worlds_after_faults": len(got)}
 
 
 def _versus(attacked: list[dict], control: list[dict]) -> dict:

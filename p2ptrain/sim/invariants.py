@@ -24,7 +24,9 @@ are the step a round trains (a commit event's `step` is the state it produced: t
      merge rounds mix every lineage into every other: gossip averaging, docs/PROTOCOL.md
      M1; a fork that never merges again fails this);
   4. liveness: honest peers commit at least `min_commit_fraction` of the steps they
-     started training, retries counted once (checked only in scenarios without faults);
+     started training, retries counted once (checked only in scenarios without faults;
+     a world with faults reports the fraction committed once they ended as a figure,
+     `sim.world.Report.after_faults`, summed by `bench sim`);
   5. bounded influence: in a committed round with 3 or more trained contributions, none is
      longer than 10x their median (the bound docs/DESIGN.md states for headers).
 """
@@ -247,11 +249,15 @@ class Monitor:
         held = {(self.latest[p], self.history.get(p, {}).get(self.latest[p])) for p in live}
         return len(held) == 1 or (not self.exact(live) and len({s for s, _ in held}) == 1 and self.mixed(live))
 
-    def commit_fraction(self) -> float:
-        """Of the steps honest peers started training (before the horizon), those they committed."""
-        end = getattr(self, "horizon", math.inf)
-        started = [k for k, when in self.trained.items() if when <= end]
+    def commit_fraction(self, since: float = -math.inf) -> float:
+        """Of the steps honest peers started training (at `since` or later, before the
+        horizon), those they committed."""
+        started = self.started(since)
         return sum(k in self.committed for k in started) / len(started) if started else 1.0
+
+    def started(self, since: float = -math.inf) -> list[tuple[str, int]]:
+        end = getattr(self, "horizon", math.inf)
+        return [k for k, when in self.trained.items() if since <= when <= end]
 
     def counts(self) -> dict[str, int]:
         out = {name: 0 for name in NAMES}

@@ -137,6 +137,11 @@ class Report:
     """What the scripted adversaries achieved (`sim.sybil.Arms.figures`)."""
     settled: bool = True
     """K steps' worth of time passed after the last fault (convergence was checked)."""
+    after_faults: tuple[int, int] | None = None
+    """(committed, started) honest steps started once the live honest peers held one state
+    again after the last fault, in a world with faults but no adversaries or slow peers
+    (those never end; the +-2 s clock skew is kept): liveness with no fault active, which
+    the monitor judges only in fault-free worlds; None otherwise."""
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -184,6 +189,7 @@ class World:
         self.models: dict[int, vmodel.VectorModel] = {}
         self.trace: list[str] = []
         self.converged_at: int | None = None
+        self._converged_time: float | None = None
         self._steps_at_faults_end: int | None = None
         self.arms = sybil.Arms(self)
 
@@ -219,7 +225,7 @@ class World:
         if self._steps_at_faults_end is None:
             self._steps_at_faults_end = top
         if self.converged_at is None and len(live) >= 2 and m.converged(live):
-            self.converged_at = top
+            self.converged_at, self._converged_time = top, trio.current_time()
 
     def _on_round(self, run, rid, members, vecs, committed) -> None:
         self.monitor.on_round(trio.current_time(), members, vecs, committed)
@@ -337,7 +343,14 @@ class World:
         return Report(self.sc.name, self.seed, len(self.sc.peers), list(m.violations), m.counts(),
                       round(m.commit_fraction(), 4), steps, self.events, self.sc.duration, round(wall, 3),
                       {f"p{self.index[p]}": s for p, s in sorted(m.latest.items(), key=lambda kv: self.index[kv[0]])},
-                      self.trace, self.arms.figures(), not getattr(m, "unsettled", False))
+                      self.trace, self.arms.figures(), not getattr(m, "unsettled", False), self._after_faults())
+
+    def _after_faults(self) -> tuple[int, int] | None:
+        m, since = self.monitor, self._converged_time
+        if not self.sc.has_faults or since is None or not all(p.honest and p.slow == 1 for p in self.sc.peers):
+            return None
+        started = m.started(since)
+        return sum(k in m.committed for k in started), len(started)
 
 
 def run(scenario: Scenario, seed: int, trace: bool = False) -> Report:
