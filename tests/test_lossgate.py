@@ -379,3 +379,24 @@ def test_a_merge_rounds_pieces_are_judged_only_when_its_mean_fails():
     assert "failed alone" in failing(np.zeros(4, np.float32)) and len(asked) == 1
     got["base_state"] = None  # not a merge round: pieces are judged though the mean passes
     assert "failed alone" in passing(np.zeros(4, np.float32)) and len(asked) == 2
+
+
+def test_a_round_where_nobody_trained_passes_the_gate_unscored():
+    """Joiners' zeros (norm 0, held to it by the data plane) mix no work in: the step is
+    momentum alone, equal to `before`, and the gate refused it as a tie. Red team `replay`: a
+    Sybil started first and trained alone, the honest peers all joined its step ahead with
+    zeros, and every round of theirs was refused: 0 of 8 honest steps in 247 s. Work beside
+    a zero is still scored."""
+    scored = []
+
+    def scorer(*a):
+        scored.append(a)
+        return 1.0, 1.0
+    H = type("H", (), {})
+    zero, work = H(), H()
+    zero.norm, work.norm = 0.0, 1.0
+    got = {"ok": {"a": zero, "b": zero}, "raw": {"a": b"x", "b": b"y"}}
+    gate = lossgate.make_gate(scorer, lossgate.GateConfig(), "r" * 64, "1/0", got, 2)
+    assert gate(np.zeros(4, np.float32)) is None and scored == []
+    got["ok"]["b"] = work
+    assert gate(np.ones(4, np.float32)).startswith("loss-rose") and len(scored) == 1

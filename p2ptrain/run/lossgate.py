@@ -27,7 +27,8 @@ next attempt leaves out the members whose work failed alone (L2), or, when only 
 failed, every member we have no standing with.
 
 Invariant served: no committed round mixed in unvetted work that did not lower the loss, alone
-and in the mean, on a batch drawn after that work was signed.
+and in the mean, on a batch drawn after that work was signed. A round in which no verified
+header carries work (every norm 0: joiners only) mixes nothing in and passes unscored.
 """
 
 from __future__ import annotations
@@ -142,6 +143,13 @@ def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict,
         ok, raw = got.get("ok"), got.get("raw")
         if not ok or not raw or any(p not in raw for p in ok):
             return "loss-rose: no verified headers to seed the batch"
+        if not any(h.norm > 0 for h in ok.values()):
+            # Nobody trained (joiners' zeros, held to a norm of 0 by the data plane): the step is
+            # momentum alone, `before` itself, and no work is mixed in, so there is nothing to
+            # vet. Refusing it (after == before) stalled a run whose honest peers had all joined
+            # ahead of a lone Sybil's lineage: red team `replay`, 0 of 8 steps in 247 s.
+            log.info("round %s: loss gate: no member trained, nothing to vet", round_id)
+            return None
         seed = round_seed(run_id, round_id, {p: raw[p] for p in ok})
         scale = trained_scale((h.norm for h in ok.values()), chunks)
         avg = result if scale == 1.0 else result * np.float32(scale)
