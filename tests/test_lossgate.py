@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from p2ptrain.run import evidence as evid, lossgate
-from test_round_memory import BASE, Hub, N, member, run_rounds
+from test_round_memory import Hub, N, member, run_rounds
 
 U = np.zeros(N, np.float32)
 U[: N // 2] = 1.0 / np.sqrt(N // 2)  # the direction of descent of the fake loss
