@@ -83,6 +83,7 @@ class Monitor:
         self.latest: dict[str, int] = {}
         self.lone: dict[str, int] = {}
         self.trained: dict[tuple[str, int], float] = {}  # (peer, step) -> when it started training it
+        self.retried: dict[tuple[str, int], float] = {}  # (peer, step) -> when it last started it (a retry)
         self.committed: set[tuple[str, int]] = set()
         self.rounds = 0
         self._seen: set[tuple] = set()
@@ -105,6 +106,7 @@ class Monitor:
             self.formed_at[(peer, int(f["step"]))] = now
         elif event == "outer_step_started" and honest and not f.get("joining"):
             self.trained.setdefault((peer, int(f["step"])), now)
+            self.retried[(peer, int(f["step"]))] = now
         elif event == "outer_step_skipped":
             self.skips.setdefault(int(f["step"]), set()).add(peer)
             self.skipped_from.setdefault((peer, int(f["step"])), []).append(
@@ -255,9 +257,11 @@ class Monitor:
         started = self.started(since)
         return sum(k in self.committed for k in started) / len(started) if started else 1.0
 
-    def started(self, since: float = -math.inf) -> list[tuple[str, int]]:
+    def started(self, since: float = -math.inf, last: bool = False) -> list[tuple[str, int]]:
+        """The (peer, step)s honest peers started training at `since` or later, before the
+        horizon; with `last`, a step also counts when a retry of it started then."""
         end = getattr(self, "horizon", math.inf)
-        return [k for k, when in self.trained.items() if since <= when <= end]
+        return [k for k, when in (self.retried if last else self.trained).items() if since <= when <= end]
 
     def counts(self) -> dict[str, int]:
         out = {name: 0 for name in NAMES}

@@ -347,9 +347,14 @@ class World:
 
     def _after_faults(self) -> tuple[int, int] | None:
         m, since = self.monitor, self._converged_time
+        if since is None and self._steps_at_faults_end is None:
+            # nothing committed or caught up after the faults ended: the states at the end are
+            # those at the faults' end (a run that stalled then: simulator seed 90178)
+            live = [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
+            since = self.sc.faults_end if len(live) >= 2 and m.converged(live) else None
         if not self.sc.has_faults or since is None or not all(p.honest and p.slow == 1 for p in self.sc.peers):
             return None
-        started = m.started(since)
+        started = m.started(since, last=True)  # a step retried after that counts: it is still owed
         return sum(k in m.committed for k in started), len(started)
 
 
