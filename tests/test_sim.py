@@ -308,6 +308,17 @@ def test_bench_sim_sums_liveness_after_the_faults_ended():
     assert started >= 5 and committed == started  # after its partition ended, every step committed
 
 
+def test_a_trained_record_from_before_a_restart_does_not_hold_the_survivor():
+    """Rule H2 with E11: the partner that trained step 1 crashed, came back as a follower and,
+    with two joiners, joined the step the survivor's commit would open. Its trained ready
+    record of step 1, from before the crash, still counted as a lineage of its own at the
+    step: the survivor skipped "alone while others train near", and everyone waited 120 s for
+    its commit (seed 90178: committed 0.5, and nothing after the faults ended)."""
+    rep = world.run(scenarios.random_world(90178, 4, duration=200.0), 90178)
+    committed, started = rep.after_faults
+    assert not rep.violations and rep.commit_fraction >= 0.9 and started >= 5 and committed == started, rep
+
+
 def test_bench_sim_no_faults_sweeps_only_fault_free_worlds():
     """`--no-faults --seeds N`: N fault-free worlds (the flag was read for a replay only, and a
     sweep ran faulty worlds under it)."""
