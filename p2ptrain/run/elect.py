@@ -256,7 +256,7 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             # A retry elected a peer from the record it posted before its crash, while it
             # caught up after its restart, and waited out the retry's first confirmation for
             # it (the simulator, 4 peers, seed 157).
-            recs = [r for r in recs if not (r.boot and boots.get(r.peer, r.boot) != r.boot)]
+            recs = election.current_incarnation(recs, boots)
         waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}

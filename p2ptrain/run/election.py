@@ -139,6 +139,13 @@ def deadline(records: list[Ready], window: float, missing: int = 0, now: float |
     return trained[len(trained) // 2] + window
 
 
+def current_incarnation(records: list[Ready], boots: dict[str, str]) -> list[Ready]:
+    """Rule E11: `records` less those an earlier incarnation of their writer left behind (its
+    state record, `boots`: peer -> boot, names another boot). Such a writer never comes to
+    that round, and its trained record is no lineage at the step."""
+    return [r for r in records if not (r.boot and boots.get(r.peer, r.boot) != r.boot)]
+
+
 def order_key(run_id: str, step: int, peer: str) -> bytes:
     return hashlib.sha256(f"{run_id}\0{step}\0{peer}".encode()).digest()
 

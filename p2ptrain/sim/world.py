@@ -220,12 +220,17 @@ class World:
 
     def _check_converged(self) -> None:
         m = self.monitor
-        live = [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
+        live = self._live()
         top = max((m.latest[p] for p in live), default=0)
         if self._steps_at_faults_end is None:
             self._steps_at_faults_end = top
         if self.converged_at is None and len(live) >= 2 and m.converged(live):
             self.converged_at, self._converged_time = top, trio.current_time()
+
+    def _live(self) -> list[str]:
+        """The live honest peers that joined and hold a state."""
+        m = self.monitor
+        return [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
 
     def _on_round(self, run, rid, members, vecs, committed) -> None:
         self.monitor.on_round(trio.current_time(), members, vecs, committed)
@@ -248,7 +253,7 @@ class World:
         # Convergence is promised K steps after the faults end: judged once the run advanced K
         # steps since, or had time for K of its slowest steps (a run that stalls is judged too)
         m, K = self.monitor, self.monitor.converge_within
-        live = [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
+        live = self._live()
         advanced = max((m.latest[p] for p in live), default=0) - (self._steps_at_faults_end or 0)
         step = sc.inner_steps * sc.step_seconds * max(p.slow for p in sc.peers) + sc.join_window + sc.exchange
         settled = (self._steps_at_faults_end is not None and advanced >= K) or \
@@ -350,7 +355,7 @@ class World:
         if since is None and self._steps_at_faults_end is None:
             # nothing committed or caught up after the faults ended: the states at the end are
             # those at the faults' end (a run that stalled then: simulator seed 90178)
-            live = [p for p in m.joined if p in m.world.honest and self._alive(p) and p in m.latest]
+            live = self._live()
             since = self.sc.faults_end if len(live) >= 2 and m.converged(live) else None
         if not self.sc.has_faults or since is None or not all(p.honest and p.slow == 1 for p in self.sc.peers):
             return None

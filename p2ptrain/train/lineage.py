@@ -21,7 +21,7 @@ from p2ptrain.ckpt.download import adopt, download, find
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords
-from p2ptrain.run import elect, states
+from p2ptrain.run import elect, election, states
 from p2ptrain.train.scorer import checked_load
 
 log = logging.getLogger("p2ptrain.train.trainer")
@@ -153,7 +153,7 @@ class Lineage:
         machine)."""
         give_up = trio.current_time() + self.spec.timeouts.retry_wait
         while await self._others_near(t, base):
-            recs = await self._current_ready(t)
+            recs, _ = await self._current_ready(t)
             if any(not r.joining and r.peer != self.me and r.peer not in self.ledger.ignored for r in recs):
                 return False
             head = await self.head()
@@ -166,10 +166,10 @@ class Lineage:
         """Other peers (not rejected) with a ready record for step t (trained, or joining too
         with `joining`) or a state record within `reach` steps of t: their addresses. With
         `follow` (a params hash at step t), less the followers of that state (`_others_near`)."""
-        recs = await self._current_ready(t)
+        recs, sts = await self._current_ready(t)
         near = {r.peer: list(r.addrs) for r in recs if joining or not r.joining}
         trained = {r.peer for r in recs if not r.joining}
-        for peer, st in (await self._states()).items():
+        for peer, st in sts.items():
             if follow is not None and st.step == t and st.params == follow and peer not in trained:
                 near.pop(peer, None)
             elif abs(st.step - t) <= reach and peer not in near:
@@ -179,15 +179,16 @@ class Lineage:
     async def _states(self) -> dict:
         return {peer_id_to_str(sub): st for sub, st in await RunRecords(self.dht, self.run_id).read_states()}
 
-    async def _current_ready(self, t: int) -> list:
+    async def _current_ready(self, t: int) -> tuple[list, dict]:
         """Step t's ready records, less those a restarted writer posted in an earlier
-        incarnation (rule E11: its state record names another boot). A peer that trained t,
+        incarnation (rule E11: its state record names another boot), and the run's state
+        records read for that. A peer that trained t,
         crashed and came back as our follower left a trained record behind; H2 took it for a
         lineage of its own at t, so we skipped, while it and the run's joiners waited for our
         commit: 120 s with no commit after the faults ended (simulator seed 90178)."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
         sts = await self._states()
-        return [r for r in recs if not (r.boot and getattr(sts.get(r.peer), "boot", "") not in ("", r.boot))]
+        return election.current_incarnation(recs, {p: st.boot for p, st in sts.items() if st.boot}), sts
 
     async def someone_trains(self, t: int) -> bool:
         """Is there anyone to join at step t with zeros: another dialable peer whose state is
