@@ -29,6 +29,23 @@ def _die_with_parent() -> None:
         pass
 
 
+_servers: list = []  # p2ptrain.forkserver.ForkServer, taken in turn (use_fork_servers)
+_turn = [0]
+
+
+def use_fork_servers(servers: list) -> None:
+    """Start children from these fork servers (in turn) where they can; [] for plain exec."""
+    _servers[:] = servers
+
+
+def _next_server(env: dict, prefix: list[str] | None):
+    live = [s for s in _servers if s.can_run(env, prefix)]
+    if not live:
+        return None
+    _turn[0] += 1
+    return live[_turn[0] % len(live)]
+
+
 class NodeProcess:
     """A `p2ptrain ...` child whose stdout JSON events are collected by a reader thread."""
 
@@ -45,11 +62,16 @@ class NodeProcess:
         self.lines: list[str] = []
         child_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self._stderr = open(self.stderr_path, "wb")
-        self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, cwd=str(log_dir), env=child_env, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
-        )
+        stdin_spec = subprocess.PIPE if stdin else subprocess.DEVNULL
+        server = _next_server(child_env, prefix)
+        if server is not None:  # the same child, without the interpreter's imports (p2ptrain.forkserver)
+            self.proc = server.spawn(module, args, str(log_dir), child_env, stdin_spec, subprocess.PIPE, self._stderr)
+        else:
+            self.proc = subprocess.Popen(
+                [*(prefix or []), sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=self._stderr,
+                stdin=stdin_spec, cwd=str(log_dir), env=child_env, start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            )
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

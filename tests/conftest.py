@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import sys
 from pathlib import Path
 
 import trio
@@ -64,6 +65,28 @@ import pytest  # noqa: E402
 from p2ptrain.procs import ProcessGroup  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers(tmp_path_factory):
+    """Node children start from two preloaded fork servers (p2ptrain.forkserver): a node's
+    imports cost ~3 s of CPU, and ~200 of them were a third of the suite's. Two, taken in
+    turn, so a test's peers still run with different hash seeds. P2PTRAIN_TEST_EXEC=1 execs
+    every child instead; one that needs its own import-time environment or a netns prefix is
+    exec'd anyway."""
+    from p2ptrain.procs import use_fork_servers
+
+    if os.environ.get("P2PTRAIN_TEST_EXEC") == "1" or not sys.platform.startswith("linux"):
+        yield []
+        return
+    from p2ptrain.forkserver import ForkServer
+
+    servers = [ForkServer(tmp_path_factory.mktemp("forkserver")) for _ in range(2)]
+    use_fork_servers(servers)
+    yield servers
+    use_fork_servers([])
+    for s in servers:
+        s.close()
 
 
 @pytest.fixture
