@@ -187,6 +187,7 @@ def _child(req: dict, fds: list[int]) -> None:
             if fd > 2:
                 os.close(fd)
         os.chdir(req["cwd"])
+        sys.path[0] = os.getcwd()  # what `python -m` puts first: a user's module beside it imports
         os.environ.clear()
         os.environ.update(req["env"])
         for p in reversed([p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]):

@@ -59,6 +59,10 @@ def test_a_forked_child_is_its_own_process_with_its_own_inputs_and_exit_status(s
             assert k.proc.wait(30) == -9
             r, _ = probe(g, "raise", name="r")
             assert r.proc.wait(30) == 1 and "RuntimeError: boom" in r.stderr_text()
+            # `python -m` imports a module from the working directory (a user's script beside it)
+            (tmp_path / "g" / "besideme.py").write_text("print('beside', flush=True)\n")
+            m = g.start([], "m", module="besideme")
+            assert m.proc.wait(30) == 0 and m.lines == ["beside"], m.stderr_tail()
             # an import-time variable needs a fresh interpreter: exec'd, as before
             x, _ = probe(g, "exit", "0", env={"P2PTRAIN_KERNELS": "numpy"}, name="x")
             assert isinstance(x.proc, subprocess.Popen) and x.proc.wait(60) == 0
