@@ -335,6 +335,16 @@ def test_a_trained_record_from_before_a_restart_does_not_hold_the_survivor():
     assert not rep.violations and rep.commit_fraction >= 0.9 and started >= 5 and committed == started, rep
 
 
+def test_retries_of_a_step_meet_at_the_first_one():
+    """Rule T8: the four members of a group skipped step 0 at 50, 54, 104 (a restart) and
+    128 s (held in its round by a one-way partition), and each retried 60 s after its own
+    skip; every retry elected all four and waited for members still sitting out their own
+    wait, so nothing was ever committed (seed 100182: committed 0.0 in 200 s). A member now
+    joins the retry a member of its failed roster has started."""
+    rep = world.run(scenarios.random_world(100182, 4, duration=200.0), 100182)
+    assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
+
+
 def test_bench_sim_no_faults_sweeps_only_fault_free_worlds():
     """`--no-faults --seeds N`: N fault-free worlds (the flag was read for a replay only, and a
     sweep ran faulty worlds under it)."""

@@ -224,7 +224,11 @@ class Lineage:
         got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
                           load, timeout=timeout, patience=patience, rejected=rejected,
                           trusted=frozenset() if scored else self.ledger.standing.trusted())
-        if got is not None:
+        if got is None:
+            return
+        # A state now loaded is announced whole, even when the wait it ended is cancelled
+        # (T8: a member of our roster retried the step meanwhile).
+        with trio.CancelScope(shield=True):
             self.weight = 1
             sha = await trio.to_thread.run_sync(self.local.outer.params_sha256)
             self.events.emit("caught_up", step=self.local.step, params_sha256=sha)
@@ -234,6 +238,33 @@ class Lineage:
             self.last_roster = set()
             await self.publish_state(params=sha)
 
+
+    async def wait_for_retry(self, t: int) -> None:
+        """After a skip of step t: adopt a newer state within `retry_wait` (long enough for
+        the step's other groups to commit and publish; a retry has its own round ids, T7, so
+        nothing of this try can be taken for it). Rule T8: the wait ends early when a member
+        of the roster we failed with posts a ready record for t at our next try or later: it
+        is retrying now, and we join it rather than come `retry_wait` after our own skip
+        (retries that never meet: simulator seed 100182, PROTOCOL.md)."""
+        failed_with = set(self.sightings.closed.get(t, {})) - {self.me}
+        next_try = self._tries.get(t, 0)
+        async with trio.open_nursery() as nursery:
+            async def wait_for_state():
+                await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
+                nursery.cancel_scope.cancel()
+
+            async def join_retry():  # polled once a second: one read of our cell of step t
+                while True:
+                    await trio.sleep(1.0)
+                    recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window)
+                    if any(r.peer in failed_with and r.tries >= next_try for r in recs):
+                        self.events.emit("retry_joined", step=t, try_number=next_try)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            nursery.start_soon(wait_for_state)
+            if failed_with:
+                nursery.start_soon(join_retry)
 
     async def own(self) -> bytes:
         return await trio.to_thread.run_sync(self.local.state_bytes)

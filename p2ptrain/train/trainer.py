@@ -353,9 +353,7 @@ class Trainer(Lineage):
     async def _skip(self, t: int, reason: str) -> bool:
         self.events.emit("outer_step_skipped", step=t, reason=reason)
         await self._wait_reported()  # a catch-up replaces the state the last report reads
-        # Long enough for the step's other groups to commit and publish (`TimeoutsSpec.retry_wait`);
-        # a retry has its own round ids (T7), so nothing of this try can be taken for it.
-        await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
+        await self.wait_for_retry(t)
         return True
 
     async def _drop_refused(self, group: list[str], retry: bool) -> list[str]:
