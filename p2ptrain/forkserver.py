@@ -43,6 +43,21 @@ def _import_env(env: dict) -> dict:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONPATH"}
 
 
+def _read_line(conn: socket.socket, buf: bytes, timeout: float | None) -> tuple[bytes, bool]:
+    """Read from `conn` into `buf` until it holds a whole line or `timeout` passes: (buf,
+    closed). `closed`: the server closed the connection first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not select.select([conn], [], [], left)[0]:
+            break
+        chunk = conn.recv(64)
+        if not chunk:
+            return buf, True
+        buf += chunk
+    return buf, False
+
+
 class ForkedPopen:
     """The client's handle on a forked child: the part of `subprocess.Popen` nodes use."""
 
@@ -54,16 +69,12 @@ class ForkedPopen:
     def _read_status(self, timeout: float | None) -> None:
         if self.returncode is not None:
             return
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([self._conn], [], [], left)[0]:
-                return
-            chunk = self._conn.recv(64)
-            if not chunk:  # the server died: the child went with it (PR_SET_PDEATHSIG)
-                self.returncode = -signal.SIGTERM
-                return
-            self._buf += chunk
+        self._buf, closed = _read_line(self._conn, self._buf, timeout)
+        if closed:  # the server died: the child went with it (PR_SET_PDEATHSIG)
+            self.returncode = -signal.SIGTERM
+            return
+        if b"\n" not in self._buf:
+            return
         self.returncode = int(self._buf.split(b"\n", 1)[0])
         self._conn.close()
 
@@ -134,14 +145,9 @@ class ForkServer:
             conn.connect(self.path)
             req = json.dumps({"module": module, "args": list(args), "cwd": cwd, "env": env}).encode()
             socket.send_fds(conn, [len(req).to_bytes(4, "big") + req], theirs)
-            buf = b""
-            while b"\n" not in buf:
-                if not select.select([conn], [], [], 30)[0]:
-                    raise RuntimeError("fork server did not answer in 30 s")
-                chunk = conn.recv(64)
-                if not chunk:
-                    raise RuntimeError("fork server closed the connection")
-                buf += chunk
+            buf, closed = _read_line(conn, b"", 30)
+            if closed or b"\n" not in buf:
+                raise RuntimeError("fork server " + ("closed the connection" if closed else "did not answer in 30 s"))
         except BaseException:
             conn.close()
             for f in ours:

@@ -238,7 +238,6 @@ class Lineage:
             self.last_roster = set()
             await self.publish_state(params=sha)
 
-
     async def wait_for_retry(self, t: int) -> None:
         """After a skip of step t: adopt a newer state within `retry_wait` (long enough for
         the step's other groups to commit and publish; a retry has its own round ids, T7, so
