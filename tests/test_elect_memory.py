@@ -13,6 +13,7 @@ import trio
 
 from conftest import trio_test
 from dht.record import make_record
+from p2ptrain.clock import wall_time
 from p2ptrain.identity import Identity
 from p2ptrain.records import RunRecords, codecs as records, keys
 from p2ptrain.run import election, elect, states
@@ -282,6 +283,44 @@ async def test_an_expected_peer_that_announced_the_next_step_does_not_hold_this_
         closed = trio.current_time() - t0
     assert closed < 5.0, closed
     assert sorted(group) == sorted([me(a), me(b)])
+
+
+@trio_test()
+async def test_an_early_closer_waits_for_a_member_that_closes_later():
+    """Rule E14. a and b are at step 7 and expect c (their last candidates); c sat out step 6
+    (its state is at 6) and announces step 8 as a joiner at 8 s (E7), so a closes then. n, a
+    newcomer at 7, expects only the peers at 7 and closes at once on the same group. n's
+    first confirmation must still be waiting when a's arrives: the exchange timeout from its
+    close (5 s, before E14) was not (CI stop 42: the pair's step took 41 s, not 4)."""
+    a, b, c, n, *_ = await swarm(6)
+    for node in (a, b, n):
+        await elect.publish_state(node, RUN, records.State(7, "p" * 64, "c" * 64), CFG.window)
+    await elect.publish_state(c, RUN, records.State(6, "q" * 64, "c" * 64), CFG.window)
+    closes, waits = {}, {}
+
+    async def member(node, expected: set[str]) -> None:
+        seen = election.Sightings()
+        group = await elect.elect(node, RUN, 7, me(node), CFG, set(), expected, sightings=seen)
+        closes[me(node)] = trio.current_time()
+        waits[me(node)] = election.confirm_wait(seen.deadlines[7], wall_time(), CFG.margin + CFG.poll_max, 5.0, 60.0)
+        assert sorted(group) == sorted([me(a), me(b), me(n)])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ready_later, a, 7, 0.0)
+        nursery.start_soon(ready_later, b, 7, 0.0)
+        nursery.start_soon(ready_later, n, 7, 0.0, True)
+        nursery.start_soon(ready_later, c, 8, 8.0, True)
+        await trio.sleep(0.1)
+        nursery.start_soon(member, a, {me(b), me(c)})
+        nursery.start_soon(member, n, set())
+    assert closes[me(n)] + 5.0 < closes[me(a)], closes  # the exchange timeout alone misses a
+    assert closes[me(n)] + waits[me(n)] > closes[me(a)] + 1.0, (closes, waits)
+    # a closed early too (E7), so it waits as long; a reader that closed at the deadline
+    # waits the exchange timeout plus the sighting skew, and one past it the timeout alone
+    d = 1000.0
+    assert election.confirm_wait(d, d + CFG.margin, CFG.margin + CFG.poll_max, 5.0, 60.0) == 5.0 + CFG.poll_max
+    assert election.confirm_wait(d, d + 10.0, CFG.margin + CFG.poll_max, 5.0, 60.0) == 5.0
+    assert election.confirm_wait(d, d - 200.0, CFG.margin + CFG.poll_max, 5.0, 60.0) == 60.0
 
 
 @trio_test()

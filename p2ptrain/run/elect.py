@@ -302,6 +302,7 @@ async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignor
     cands = election.candidates(recs, config.window, ignored, at=d)
     if sightings is not None:
         sightings.closed[step] = {r.peer: r.tries for r in cands}
+        sightings.deadlines[step] = d
     if learn_addrs is not None:
         for r in cands:
             learn_addrs(r.peer, list(r.addrs))

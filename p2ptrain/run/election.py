@@ -86,6 +86,9 @@ class Sightings:
         self.closed: dict[int, dict[str, int]] = {}
         """step -> the candidates this reader's election of that step closed with, each with
         the try it posted (rule E2: the peers expected at the next step; T7: the round tag)."""
+        self.deadlines: dict[int, float] = {}
+        """step -> the deadline (wall time) this reader's election of that step closed on:
+        where the others close at the latest (rule E14)."""
         self.full: set[tuple[int, int]] = set()
         """(step, level) of our cells seen full: a step's records only accumulate, so a full
         cell stays full, and a reader of a child cell that holds few records yet need not
@@ -120,6 +123,8 @@ class Sightings:
             del self.levels[st]
         for st in [st for st in self.closed if st < step - 2]:
             del self.closed[st]
+        for st in [st for st in self.deadlines if st < step - 2]:
+            del self.deadlines[st]
         self.full = {k for k in self.full if k[0] >= step - 2}
         return {p: self.first[(step, p)] for p in peers}
 
@@ -137,6 +142,19 @@ def deadline(records: list[Ready], window: float, missing: int = 0, now: float |
     if missing > 0 and now is not None:
         trained = sorted([*trained, *[min(now, trained[0] + 2 * window)] * missing])
     return trained[len(trained) // 2] + window
+
+
+def confirm_wait(deadline: float | None, now: float, skew: float, exchange: float, cap: float) -> float:
+    """Rule E14: how long a first try's first roster confirmation waits for the group, when
+    our election closed at wall time `now` on `deadline` (None: unknown). A reader closes
+    early once every peer *it* expects posted (E2), but expected sets differ (each reader
+    expects its own last candidates), so another member of the group may still wait for a
+    peer we never expected, up to the deadline, seen `skew` later (D1's sighting skew plus
+    the election's margin). We wait until then, then the exchange timeout, within `cap`
+    (what a node keeps of a round it has not started); members found gone or past the step
+    still end the wait early."""
+    late = 0.0 if deadline is None else deadline + skew - now
+    return exchange if late <= 0 else max(exchange, min(cap, late + exchange))
 
 
 def current_incarnation(records: list[Ready], boots: dict[str, str]) -> list[Ready]:
