@@ -84,23 +84,27 @@ class ContributionRound(Agreement):
         """Members found silent or gone at some attempt of the last `run` (G2)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0) -> Outcome:
+                  joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0,
+                  first_cut: float | None = None) -> Outcome:
         """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
         self._ev_src, self._ev_key, self._refusal = None, None, None
         self._convicted = set()
         try:
-            return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag)
+            return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag,
+                                   first_cut)
         finally:
             if self._ev_key is not None and self.evidence is not None:
                 self.evidence.withdraw(self._ev_key)
 
     async def _run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                   joining: bool, first_wait: float | None, weight: int, tag: int) -> Outcome:
+                   joining: bool, first_wait: float | None, weight: int, tag: int,
+                   first_cut: float | None) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (a group elected while its phases still trained
         meets when the slowest phase ends, not within the exchange timeout); later attempts
-        wait the exchange timeout. `tag`: the round tag (T7), which numbers our attempts from
+        wait the exchange timeout. `first_cut`: once any member confirmed, the first
+        confirmation waits at most this much more (rule E14). `tag`: the round tag (T7), which numbers our attempts from
         tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's."""
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)
@@ -133,7 +137,7 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            (wait, short), sat_out = self._confirm_wait(attempt - first, first_wait, sat_out), False
+            (wait, short), sat_out = self._confirm_wait(attempt - first, first_wait, sat_out, first_cut), False
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent), short)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
@@ -175,13 +179,17 @@ class ContributionRound(Agreement):
                 probe.left = None
         return out
 
-    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False) -> tuple[float, float | None]:
+    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False,
+                      first_cut: float | None = None) -> tuple[float, float | None]:
         """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`; after
-        an attempt we sat out, also as long as it may run: R4a), and R4a's cut (`_confirm`'s
-        `short`: the usual wait, once anyone answered), None when we sat nothing out."""
+        an attempt we sat out, also as long as it may run: R4a), and its cut (`_confirm`'s
+        `short`: once anyone answered, wait at most this much more): R4a's usual wait, or
+        E14's `first_cut` at the first confirmation; None for no cut."""
         first = self.config.exchange_timeout if first_wait is None else first_wait
         wait = first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
-        return (wait + self.config.attempt_span, wait) if sat_out else (wait, None)
+        if sat_out:
+            return wait + self.config.attempt_span, wait
+        return wait, first_cut if nth == 0 else None
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

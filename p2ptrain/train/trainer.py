@@ -262,8 +262,9 @@ class Trainer(Lineage):
             self._expect[t + 1].update(group)
         base = await trio.to_thread.run_sync(self.local.outer.params_sha256)  # pre-step params
         lap = _lap(tm, "base_hash", lap)
-        out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining,
-                                   self._first_wait(t, elected is not None, retry), weight=self.weight, tag=tag)
+        wait, cut = self._first_wait(t, elected is not None, retry)
+        out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining, wait,
+                                   weight=self.weight, tag=tag, first_cut=cut)
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
@@ -309,21 +310,20 @@ class Trainer(Lineage):
             await self._report(t, tm, report, self._reported)
         return False
 
-    def _first_wait(self, t: int, ahead: bool, retry: bool) -> float | None:
-        """How long the round's first roster confirmation waits for members. Elected ahead,
-        the members meet when their phases end: as long as the election would have (its join
-        window). A retry (T5): members come back to a step nobody committed as far apart as
-        one stayed in the failed round longer than another (later attempts wait exchange +
-        abort skew each), within what a node keeps of a round it has not started (`early_ttl`).
-        Waiting only the exchange timeout, the early one left just before the other came, and
-        both skipped again, `retry_wait` apart. A first try: until the others closed (E14)."""
+    def _first_wait(self, t: int, ahead: bool, retry: bool) -> tuple[float | None, float | None]:
+        """How long the round's first roster confirmation waits for members, and its cut (once
+        anyone confirmed, at most this much more). Elected ahead: the election's window (the
+        members meet when their phases end). A retry (T5): members come back to a step nobody
+        committed as far apart as one stayed in the failed round longer than another, within
+        `early_ttl`; waiting the exchange timeout, the early one left just before the other
+        came, and both skipped again. A first try: until the others closed (E14)."""
         cfg, ttl = self.round.config, self.spec.timeouts.early_ttl
         if retry:
-            return min(ttl, max(self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)))
+            return min(ttl, max(self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew))), None
         if ahead:
-            return self.elect_cfg.window
-        return election.confirm_wait(self.sightings.deadlines.get(t), wall_time(),
-                                     self.elect_cfg.margin + self.elect_cfg.poll_max, cfg.exchange_timeout, ttl)
+            return self.elect_cfg.window, None
+        return election.confirm_wait(self.sightings.deadlines.get(t), wall_time(), self.elect_cfg.margin
+                                     + self.elect_cfg.poll_max, cfg.exchange_timeout, ttl), cfg.exchange_timeout
 
     async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
         """Evaluate the committed params, publish the state record, report the step."""
