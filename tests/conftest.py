@@ -171,7 +171,7 @@ def report(request):
     """`report(*args)`: print like print(), and repeat the line in the run's final summary,
     so what a test measured (relay bytes, step-time ratios, screenshot paths) is in the CI
     log even though pytest captures the output of passing tests. The line travels in the
-    test's report (`user_properties`), so it reaches the summary from an xdist worker too."""
+    test's report (`user_properties`), so it would reach the summary from an xdist worker too."""
 
     def say(*args) -> None:
         line = " ".join(str(a) for a in args).strip()
@@ -191,14 +191,6 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("measured")
         for line in _MEASURED:
             terminalreporter.write_line(line)
-
-
-def pytest_collection_modifyitems(items):
-    """The suite runs in two xdist workers (`--dist loadgroup`): the network-namespace labs
-    share the host's nftables and namespace names, so they run in one worker, one at a time."""
-    for item in items:
-        if item.get_closest_marker("netns") is not None:
-            item.add_marker(pytest.mark.xdist_group("netns"))
 
 
 def init_run(d: Path, *extra: str, inner_steps: int = 4, join_window: float = 5.0, group_size: int = 4,

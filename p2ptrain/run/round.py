@@ -97,14 +97,12 @@ class ContributionRound(Agreement):
                 self.evidence.withdraw(self._ev_key)
 
     async def _run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                   joining: bool, first_wait: float | None, weight: int, tag: int,
-                   first_cut: float | None) -> Outcome:
+                   joining: bool, first_wait: float | None, weight: int, tag: int, first_cut: float | None) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
-        confirmation waits for members (a group elected while its phases still trained
-        meets when the slowest phase ends, not within the exchange timeout); later attempts
-        wait the exchange timeout. `first_cut`: once any member confirmed, the first
-        confirmation waits at most this much more (rule E14). `tag`: the round tag (T7), which numbers our attempts from
+        confirmation waits for members (later attempts wait the exchange timeout), and
+        `first_cut`, at most this much more once any member confirmed (the trainer's
+        `_first_wait`: rules T5, E14). `tag`: the round tag (T7), which numbers our attempts from
         tag x `election.ATTEMPTS_PER_TRY`: no message of another try can pass for this one's."""
         out = Outcome(None, list(group))
         roster, elected = list(group), list(group)

@@ -317,13 +317,12 @@ class Trainer(Lineage):
         committed as far apart as one stayed in the failed round longer than another, within
         `early_ttl`; waiting the exchange timeout, the early one left just before the other
         came, and both skipped again. A first try: until the others closed (E14)."""
-        cfg, ttl = self.round.config, self.spec.timeouts.early_ttl
-        if retry:
-            return min(ttl, max(self.elect_cfg.window, (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew))), None
-        if ahead:
-            return self.elect_cfg.window, None
-        return election.confirm_wait(self.sightings.deadlines.get(t), wall_time(), self.elect_cfg.margin
-                                     + self.elect_cfg.poll_max, cfg.exchange_timeout, ttl), cfg.exchange_timeout
+        cfg, ttl, ec = self.round.config, self.spec.timeouts.early_ttl, self.elect_cfg
+        if retry or ahead:
+            spread = (cfg.max_attempts - 1) * (cfg.exchange_timeout + cfg.abort_skew)
+            return (min(ttl, max(ec.window, spread)) if retry else ec.window), None
+        return election.confirm_wait(self.sightings.deadlines.get(t), wall_time(), ec.margin + ec.poll_max,
+                                     cfg.exchange_timeout, ttl), cfg.exchange_timeout
 
     async def _report(self, t: int, tm: dict, report: dict, done: trio.Event) -> None:
         """Evaluate the committed params, publish the state record, report the step."""
