@@ -157,3 +157,45 @@ def test_a_member_silent_just_under_the_frame_timeout_before_each_frame_fails_th
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_an_abort_vote_stops_a_members_loss_gate_at_its_next_forward_pass():
+    """Rule L2's refusal aborts the attempt for everyone, but a member still scoring (its own
+    gate: evidence fetches and forward passes, ~10 s on 2 loaded cores) learned it only when
+    it finished, and held the next step's election that long (tests/test_checkpoint_join.py's
+    newcomer run). The service's gate checkpoint raises once an abort vote arrived: the slow
+    gates here would score 20 s; they stop within a pass of the refusal."""
+    import time as _time
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 3, frame_timeout=3.0, setup_timeout=5.0)
+            members = [n.identity.peer_id_str for n in nodes]
+            passes: list[int] = []
+
+            def refuse(result, checkpoint):
+                return "loss-rose: 2.0 -> 2.5"
+
+            def slow(result, checkpoint):
+                for _ in range(100):
+                    checkpoint()
+                    passes.append(1)
+                    _time.sleep(0.2)
+                return None
+
+            gates, t0, took = [refuse, slow, slow], trio.current_time(), {}
+
+            async def member(i):
+                try:
+                    return await svcs[i].allreduce(np.full(20_000, float(i + 1), np.float32), "run", "g0",
+                                                   members, gate=gates[i])
+                finally:
+                    took[i] = trio.current_time() - t0
+
+            out = await each_member(3, member, timeout=40)
+            assert all(isinstance(r, RoundFailed) for r in out), out
+            assert "we refused the result" in str(out[0])
+            assert max(took.values()) < 6.0 and len(passes) < 40, (took, len(passes))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
