@@ -370,7 +370,7 @@ def test_a_merge_rounds_pieces_are_judged_only_when_its_mean_fails():
     asked = []
     got = {"ok": {"a": type("H", (), {"norm": 1.0})()}, "raw": {"a": b"x"}, "base_state": b"merged"}
 
-    def pieces(seed, checkpoint=None):
+    def pieces(seed):
         asked.append(seed)
         return {"a": "loss-rose"}
     passing = lossgate.make_gate(lambda *a: (1.0, 0.9), lossgate.GateConfig(), "r" * 64, "1/0", got, 1, pieces)

@@ -39,7 +39,6 @@ from p2ptrain.reduce.commit import CommitBoard, CommitConfig, Round
 from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
 from p2ptrain.reduce.exchange import Inbox, InboxConfig
-from p2ptrain.reduce.gating import GateRun
 from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
 from p2ptrain.reduce.outcome import RoundFailed, RoundResult, setup_failure
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
@@ -148,8 +147,8 @@ class AllReduceService:
 
         `own`, `check`, `out` (a result buffer: reusing one saves page faults) and `on_own`
         go to the data plane (`p2ptrain.reduce.ring.allreduce`); `on_own(-1, None)` at the end.
-        `gate(result, checkpoint)` (ring rounds, worker thread): a reason not to sign the result,
-        or None (`p2ptrain.run.lossgate`; `p2ptrain.reduce.gating`); a refusal aborts the round.
+        `gate(result)` (ring rounds, worker thread): a reason not to sign the result, or None
+        (`p2ptrain.run.lossgate`); a refusal aborts the round before we vote.
         With `robust` (a `RobustConfig`), the butterfly data plane combines the members' copies
         with that rule instead (`p2ptrain.reduce.butterfly.allreduce`; `own`, `check` as it defines)."""
         ids = [peer_id_from_str(m) for m in members]
@@ -229,9 +228,9 @@ class AllReduceService:
         """`extras`: the ring's (own, check, out, on_own); the butterfly takes own and check."""
         cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
         world = len(rnd.ids)
-        budget, overran, gating = config.data_budget(vec.nbytes, world), [], GateRun()
+        budget, overran, gating = config.data_budget(vec.nbytes, world), [], [0.0, None]
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._abort_on_vote, rnd, mesh.channels, gating)
+            nursery.start_soon(self._abort_on_vote, rnd, mesh.channels)
             nursery.start_soon(self._close_after, budget, mesh.channels, overran, gating)
             try:
                 if robust is None:
@@ -250,21 +249,21 @@ class AllReduceService:
             nursery.cancel_scope.cancel()
         return plane
 
-    async def _close_after(self, seconds: float, channels: list, overran: list, gating: GateRun) -> None:
+    async def _close_after(self, seconds: float, channels: list, overran: list, gating: list) -> None:
         """Past the round's data budget (`AllReduceConfig.data_budget`) our channels close, nobody
-        blamed; our own gate's scoring (`gating`) is not counted."""
+        blamed; our own gate's scoring (`gating`: [seconds, perf_counter of one under way]) is not counted."""
         start = trio.current_time()
         while True:
-            await trio.sleep_until(start + seconds + gating.spent)
-            under_way = gating.under_way()
-            if trio.current_time() >= start + seconds + gating.spent + under_way:
+            await trio.sleep_until(start + seconds + gating[0])
+            under_way = time.perf_counter() - gating[1] if gating[1] is not None else 0.0
+            if trio.current_time() >= start + seconds + gating[0] + under_way:
                 break
             await trio.sleep(under_way)
         overran.append(True)
         await _close(channels)
 
     def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple,
-                        since: tuple[float, float], gating: GateRun | None = None) -> _Plane:
+                        since: tuple[float, float], gating: list | None = None) -> _Plane:
         """The data plane, then the signed votes on the same channels (worker thread).
         `since`: (trio's clock, perf_counter) when it was called: the data plane's end in
         trio's clock without a hop to the event loop, which held every member's vote back
@@ -276,7 +275,10 @@ class AllReduceService:
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
         plane = _Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
-        refusal = (gating or GateRun()).run(gate, result) if gate is not None else None
+        gating = gating or [0.0, None]
+        gating[1] = time.perf_counter()  # our gate's scoring is outside the round's budget
+        refusal = gate(result) if gate is not None else None
+        gating[0], gating[1] = gating[0] + time.perf_counter() - gating[1], None
         if refusal:  # we sign nothing: no certificate can exist; our neighbours stop waiting now
             for ch in (send_ch, recv_ch):
                 if ch is not None:
@@ -346,12 +348,10 @@ class AllReduceService:
                 scope.cancel()
                 return
 
-    async def _abort_on_vote(self, rnd: Round, channels: list, gating: GateRun) -> None:
+    async def _abort_on_vote(self, rnd: Round, channels: list) -> None:
         """An abort vote from a member closes our channels, so our data plane fails now
-        rather than after frame_timeout (after we signed, `_decide` still asks for a
-        certificate), and stops our loss gate at its next forward pass."""
+        rather than after frame_timeout (after we signed, `_decide` still asks for a certificate)."""
         await self.board.wait_abort(rnd)
-        gating.aborted.set()
         await _close(channels)
 
     # -- exchanges and sending ---------------------------------------------------------

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from typing import Protocol
 
 import numpy as np
@@ -30,7 +29,7 @@ from blake3 import blake3
 from p2ptrain.ckpt.fetch import FetchError, request
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.run.contribution import Header
-from p2ptrain.run.lossgate import go_on, judge_piece
+from p2ptrain.run.lossgate import judge_piece
 
 log = logging.getLogger("p2ptrain.run.evidence")
 
@@ -112,20 +111,19 @@ async def fetch_all(evidence: Evidence, ok: dict[str, Header], who: list[str], n
 
 
 def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
-              base_state: bytes | None = None, confirm: int = 0, checkpoint=go_on) -> tuple[set[str], dict[str, str]]:
+              base_state: bytes | None = None, confirm: int = 0) -> tuple[set[str], dict[str, str]]:
     """(members kept, member -> why not) among `fetched`'s (blocking: forward passes). A piece
     is kept unless its evidence alone raises the loss (beyond `lossgate.CONVICT_MARGIN`) on
     the round's batch (`seed`) and on each of `confirm` further batches drawn from it (one
     batch is noisy: an honest piece may rise on one). Why not: 'no-evidence',
-    'evidence-mismatch', 'evidence-norm' or 'loss-rose' (`lossgate.judge_evidence`).
-    `checkpoint()` before each forward pass: it raises once the round was aborted."""
+    'evidence-mismatch', 'evidence-norm' or 'loss-rose' (`lossgate.judge_evidence`)."""
     kept, why = set(), {}
     for peer in sorted(fetched):
         vec = check(fetched[peer], ok[peer], n)
         if isinstance(vec, str):
             why[peer] = vec
             continue
-        reason, scores = judge_piece(lambda sd: scorer(vec, sd, base_state), seed, confirm, checkpoint)
+        reason, scores = judge_piece(lambda sd: scorer(vec, sd, base_state), seed, confirm)
         if reason is None:
             kept.add(peer)
         else:
@@ -159,16 +157,12 @@ class Pieces:
         finally:
             self.done.set()
 
-    def __call__(self, seed: bytes, checkpoint=go_on) -> dict[str, str]:
+    def __call__(self, seed: bytes) -> dict[str, str]:
         if self.evidence is None:
             return {}
-        until = time.monotonic() + self.wait + 2.0
-        while not self.done.wait(min(0.2, max(0.0, until - time.monotonic()))):
-            checkpoint()  # the round was aborted while the evidence came: stop waiting for it
-            if time.monotonic() >= until:  # fails closed: nothing judged, nothing signed
-                return {"?": "no-evidence"}
+        if not self.done.wait(self.wait + 2.0):  # fails closed: nothing judged, nothing signed
+            return {"?": "no-evidence"}
         got = self.got
-        kept, why = judge_all(self.scorer, got.get("ok") or {}, got.get("fetched") or {}, seed,
-                              self.n, got.get("base_state"), self.confirm, checkpoint)
-        got["kept"], got["why"] = kept, why
-        return why
+        got["kept"], got["why"] = judge_all(self.scorer, got.get("ok") or {}, got.get("fetched") or {}, seed,
+                                            self.n, got.get("base_state"), self.confirm)
+        return got["why"]

@@ -117,19 +117,13 @@ def judge_evidence(before: float, after: float) -> str | None:
     return "loss-rose"
 
 
-def go_on() -> None:
-    """The default checkpoint (`make_gate`): nothing stops the scoring."""
-
-
-def judge_piece(score, seed: bytes, confirm: int, checkpoint=go_on) -> tuple[str | None, list[tuple[float, float]]]:
+def judge_piece(score, seed: bytes, confirm: int) -> tuple[str | None, list[tuple[float, float]]]:
     """L2's verdict on one member's work alone, and the scores it read: `score(seed) ->
     (before, after)` on the round's batch, then on up to `confirm` further batches while it
-    keeps failing; convicted ('loss-rose') only if it failed on each. `checkpoint()` is
-    called before each batch (it raises to stop: the round was aborted)."""
+    keeps failing; convicted ('loss-rose') only if it failed on each."""
     scores: list[tuple[float, float]] = []
     reason = None
     for k in range(1 + confirm):
-        checkpoint()
         scores.append(score(confirm_seed(seed, k)))
         reason = judge_evidence(*scores[-1])
         if reason is None:
@@ -144,9 +138,8 @@ def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict,
     merge round's merged state where there is one (`got['base_state']`). `pieces(seed) ->
     {member: why}` (L2: each unvetted member's evidence judged alone, `p2ptrain.run.evidence`)
     says whose work to leave out: asked on every gated round, but in a merge round only when
-    the mean fails. Fails closed: without verified headers nothing is signed. `checkpoint()`
-    (the service's) is called between forward passes and raises once the attempt was aborted."""
-    def gate(result: np.ndarray, checkpoint=go_on) -> str | None:
+    the mean fails. Fails closed: without verified headers nothing is signed."""
+    def gate(result: np.ndarray) -> str | None:
         ok, raw = got.get("ok"), got.get("raw")
         if not ok or not raw or any(p not in raw for p in ok):
             return "loss-rose: no verified headers to seed the batch"
@@ -160,13 +153,12 @@ def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict,
         seed = round_seed(run_id, round_id, {p: raw[p] for p in ok})
         scale = trained_scale((h.norm for h in ok.values()), chunks)
         avg = result if scale == 1.0 else result * np.float32(scale)
-        checkpoint()
         before, after = scorer(avg, seed, got.get("base_state"))
         reason = verdict(before, after, config.margin)
         log.info("round %s: loss gate %.4f -> %.4f: %s", round_id, before, after, reason or "passed")
         if reason is None and got.get("base_state") is not None:
             return None  # a merge round's pieces need not descend alone from the merged state
-        why = pieces(seed, checkpoint) if pieces is not None else {}
+        why = pieces(seed) if pieces is not None else {}
         if why:
             log.info("round %s: %d members' work failed alone: %s", round_id, len(why), sorted(set(why.values())))
             return f"loss-rose: {len(why)} members' work failed alone ({', '.join(sorted(set(why.values())))})"
