@@ -113,9 +113,8 @@ class Trainer(Lineage):
         self._tries: dict[int, int] = {}  # step -> the try we post for it (T7: its round tag)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase
-        # and round (issue 17: they took longer than the round itself), where the model can
-        # score the committed params on a copy; the next outer step or catch-up, which change
-        # the state they read, waits for them (`_reported`).
+        # and round (issue 17: they took longer than the round itself), on a copy of the
+        # params; the next outer step or catch-up, which change what they read, waits for them.
         self._bg: trio.Nursery | None = None
         self._reported: trio.Event | None = None
         self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
@@ -190,11 +189,13 @@ class Trainer(Lineage):
         learning rate at first (its steps are sign-like), several times a warmed-up peer's
         pseudo-gradient: a newcomer's first contribution failed the veteran's probation bound
         (C1a, 3x its anchor), the pair left each other out, and both skipped. Alone, we
-        contribute it: there is nobody to disagree with, and nobody to commit zeros with."""
+        contribute it. Others: the members we just committed with, or anyone whose records
+        say so (right after our first commit as a joiner, the veteran's records for the next
+        step were not out yet; we trained, and every retry of that delta failed its bound)."""
         if self._warmed:
             return False
         self._warmed = True  # decided at our first trained phase, whatever its step
-        return t > 0 and await self.someone_trains(t)
+        return t > 0 and (bool(self.last_roster - {self.me}) or await self.someone_trains(t))
 
     async def announce(self, t: int, joining: bool, retry: bool = False) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds
