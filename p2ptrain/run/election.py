@@ -119,12 +119,9 @@ class Sightings:
             self.first.setdefault((step, p), now)
         for key in [k for k in self.first if k[0] < step - 2]:  # old steps: forget
             del self.first[key]
-        for st in [st for st in self.levels if st < step - 2]:
-            del self.levels[st]
-        for st in [st for st in self.closed if st < step - 2]:
-            del self.closed[st]
-        for st in [st for st in self.deadlines if st < step - 2]:
-            del self.deadlines[st]
+        for per_step in (self.levels, self.closed, self.deadlines):
+            for st in [st for st in per_step if st < step - 2]:
+                del per_step[st]
         self.full = {k for k in self.full if k[0] >= step - 2}
         return {p: self.first[(step, p)] for p in peers}
 
