@@ -190,7 +190,7 @@ def test_at_a_runs_start_each_members_evidence_is_scored_alone_and_the_honest_co
     for r in rounds[:3]:  # each honest member fetched the four others' evidence, then the two honest again
         mine = [p for m, p in ev.fetched if m == r.me]
         assert set(mine) == {x.me for x in rounds if x is not r} and len(mine) == 6
-        assert set(p for p, s in r.ledger.sitting_out.items() if s == 1) == {x.me for x in rounds[3:]}
+        assert set(p for p, s in r.ledger.sitting_out.items() if s[0] == 1) == {x.me for x in rounds[3:]}
     assert not ev.served  # withdrawn when each member's run ended
 
 
@@ -203,7 +203,7 @@ def test_a_sybil_that_serves_no_evidence_is_left_out_and_honest_evidence_is_kept
     for o in outs[:3]:
         assert len(o.members) == 3 and np.allclose(o.result, np.mean(ds[:3], axis=0), atol=1e-6)
     for r in rounds[:3]:
-        assert r.ledger.sitting_out[rounds[4].me] == 1 and r.ledger.sitting_out[rounds[3].me] == 1
+        assert r.ledger.sitting_out[rounds[4].me][0] == 1 and r.ledger.sitting_out[rounds[3].me][0] == 1
 
 
 def test_evidence_is_checked_against_the_signed_digest_size_and_norm():

@@ -348,6 +348,17 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
+def test_a_retry_after_a_bound_refused_our_norm_joins_with_zeros():
+    """Rule T9: the pair's second peer signs a first norm 6x the other's, over the 3x bound of
+    a member it has no standing with (C1a), and the pair skips step 0. Before, each retry
+    offered the same delta, met the same objection (and the sit-out verdicts of the first try),
+    and the pair never committed (seed 1: committed 0.0 in 300 s). Now the refused peer's
+    retry joins with zeros: step 0 commits at the first retry and both train on together."""
+    rep = world.run(scenarios.hot_pair(), seed=1)
+    assert not rep.violations and rep.commit_fraction >= 0.95, (rep.violations, rep.commit_fraction)
+    assert min(rep.final_steps.values()) >= 15, rep.final_steps
+
+
 def test_bench_sim_no_faults_sweeps_only_fault_free_worlds():
     """`--no-faults --seeds N`: N fault-free worlds (the flag was read for a replay only, and a
     sweep ran faulty worlds under it)."""

@@ -34,7 +34,7 @@ class Ledger:
         self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
         self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
         self.outliers: dict[str, int] = {}  # headers each peer signed that the norm rule held too large
-        self.sitting_out: dict[str, int] = {}  # peer -> the step it sits out (its contribution dropped)
+        self.sitting_out: dict[str, tuple[int, str]] = {}  # peer -> (the step it sits out, why)
         self.reputed: dict[str, list[str]] = {}  # peers ignored only on others' reports -> reporters
 
     def reject(self, t: int, peer: str, reason: str) -> None:
@@ -76,7 +76,7 @@ class Ledger:
         if self.outliers[peer] >= 2 and peer != self.me:
             self.reject(t, peer, reason)
             return
-        self.sitting_out[peer] = t
+        self.sitting_out[peer] = (t, reason)
         log.warning("contribution dropped: step=%d peer=%s reason=%s (first time)", t, peer, reason)
         self.events.emit("contribution_dropped", step=t, remote=peer, reason=reason,
                          outliers=self.outliers[peer])
@@ -84,9 +84,9 @@ class Ledger:
     def sit_out(self, t: int, peer: str, reason: str) -> None:
         """Leave `peer` out of step `t` without holding anything against it: a verdict that
         cannot say which of two members lied (`influence.leave_out`)."""
-        if peer == self.me or peer in self.ignored or self.sitting_out.get(peer) == t:
+        if peer == self.me or peer in self.ignored or self.sitting_out.get(peer, (None,))[0] == t:
             return
-        self.sitting_out[peer] = t
+        self.sitting_out[peer] = (t, reason)
         log.info("member sits out: step=%d peer=%s reason=%s", t, peer, reason)
         self.events.emit("member_sits_out", step=t, remote=peer, reason=reason)
 
@@ -99,7 +99,14 @@ class Ledger:
 
     def left_out(self, t: int) -> set[str]:
         """Peers out of step `t`'s rounds: those we ignore and those sitting it out."""
-        return self.ignored | {p for p, s in self.sitting_out.items() if s == t}
+        return self.ignored | {p for p, (s, _) in self.sitting_out.items() if s == t}
+
+    def new_try(self, t: int) -> None:
+        """A try of step `t` starts (rule T9): the norm verdicts of its earlier tries judged
+        contributions their authors do not offer again (a member whose norm a bound refused
+        retries with zeros), so they end. The loss gate's (L2) stand for the step."""
+        for peer in [p for p, (s, why) in self.sitting_out.items() if s == t and why.startswith("norm-")]:
+            del self.sitting_out[peer]
 
     def remember(self, t: int, headers: dict) -> None:
         """A committed round of step `t`: its signed digests (the same header again is a

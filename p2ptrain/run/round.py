@@ -82,6 +82,8 @@ class ContributionRound(Agreement):
         self._gone: set[str] = set()
         self.silent_seen: set[str] = set()
         """Members found silent or gone at some attempt of the last `run` (G2)."""
+        self.refused_own: int | None = None
+        """The step at which a norm bound refused our own contribution (rule T9: not offered again)."""
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0,
@@ -89,6 +91,7 @@ class ContributionRound(Agreement):
         """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
         self._ev_src, self._ev_key, self._refusal = None, None, None
         self._convicted = set()
+        self.ledger.new_try(t)  # T9: each run is a try of its own
         try:
             return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag,
                                    first_cut)
@@ -305,6 +308,8 @@ class ContributionRound(Agreement):
         for peer, reason in bad.items():
             if reason not in ("missing-header", "norm-over-anchor"):
                 self.ledger.convict(t, peer, reason)
+        if bad.get(self.me, "").startswith("norm-"):
+            self.refused_own = t
         verdict = got.get("verdict")
         if verdict is not None and verdict.objections:  # whom we leave out: `influence.leave_out`
             convicted, sitting = leave_out(self.me, verdict.objections)

@@ -69,7 +69,8 @@ class VectorModel:
 
     def __init__(self, state: bytes, *, dim: int, H: int, seed: int, peer: int, target_seed: int,
                  outer_lr: float, outer_momentum: float, step_seconds: float = 0.2, slow: float = 1.0,
-                 inner_lr: float = 0.05, noise: float = 0.5, bias: float = 0.3) -> None:
+                 inner_lr: float = 0.05, noise: float = 0.5, bias: float = 0.3,
+                 hot: tuple[int, float] = (-1, 1.0)) -> None:
         self.H, self.n_params = H, dim
         self.seed, self.peer = seed, peer
         rng = np.random.default_rng([target_seed, 0x7A6])
@@ -79,7 +80,7 @@ class VectorModel:
         self.step_seconds, self.slow = step_seconds, slow
         self.outer = _Outer(outer_lr, outer_momentum)
         self.load_state_at(state)
-        self.phases = 0
+        self.phases, self.hot = 0, hot
 
     def load_state_at(self, data: bytes) -> None:
         arrays, meta = checkpoint.decode(data)
@@ -112,7 +113,8 @@ class VectorModel:
         return self.loss(x), self.H * 16, seconds
 
     def pseudo_gradient(self) -> np.ndarray:
-        return np.ascontiguousarray(self.outer.params - self.local, np.float32)
+        k = np.float32(self.hot[1] if self.phases - 1 == self.hot[0] else 1.0)
+        return np.ascontiguousarray((self.outer.params - self.local) * k, np.float32)
 
     def outer_step(self, avg: np.ndarray) -> str:
         self.outer.step(np.asarray(avg, np.float32))

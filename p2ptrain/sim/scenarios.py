@@ -49,8 +49,17 @@ def sybils(attack: str, honest: int = 4, k: int = 2, group_size: int = 4, durati
     return Scenario(f"sybils-{attack}-{k}", peers, group_size=group_size, duration=duration)
 
 
+def hot_pair() -> Scenario:
+    """Two honest peers; one's first pseudo-gradient is 6x the other's, over the 3x bound a
+    member without standing holds it to (C1a). Seen (the lone-run test before W1's last-roster
+    clause): every retry of the step repeated the refused delta, and the pair never committed
+    again."""
+    return Scenario("hot_pair", (PeerPlan(initiator=True), PeerPlan(initiator=True, hot=(0, 6.0))),
+                    group_size=4, duration=300.0)
+
+
 NAMED = {"lone_start": lone_start, "six_in_threes": six_in_threes, "restart_pair": restart_pair,
-         "selective_sybils": selective_sybils,
+         "selective_sybils": selective_sybils, "hot_pair": hot_pair,
          "withhold": lambda: sybils("withhold"), "inflate": lambda: sybils("inflate", honest=4, k=4, group_size=4),
          "expiry": lambda: sybils("expiry", honest=4, k=1),
          # one group of 5: every round has the trickler in it

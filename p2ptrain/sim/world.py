@@ -60,6 +60,10 @@ class PeerPlan:
     outages: tuple[tuple[float, float], ...] = ()
     """(down at, up again at) simulated seconds: a crash (or Ctrl-C) and a restart with the
     same workdir; up at inf: gone for good."""
+    hot: tuple[int, float] = (-1, 1.0)
+    """(phase, factor): this peer's pseudo-gradient of its phase-th phase (0: its first) is
+    `factor` times what it trained, an honest norm another member's bound may refuse (a fresh
+    optimizer's first phase, a shard with outsized gradients)."""
     honest: bool = True
     answers: tuple[int, ...] | None = None
     """An adversary that talks only to these peers (indices): selective answering."""
@@ -315,7 +319,7 @@ class World:
                 local = vmodel.VectorModel(state, dim=sc.dim, H=sc.inner_steps, seed=self.seed, peer=i,
                                            target_seed=self.seed, outer_lr=sc.outer_lr,
                                            outer_momentum=sc.outer_momentum, step_seconds=sc.step_seconds,
-                                           slow=plan.slow)
+                                           slow=plan.slow, hot=plan.hot)
                 parts = peer.Parts(service=functools.partial(self._service, self.names[i]),
                                    writer=lambda workdir, run_id, ev, key=ident.peer_id: SimWriter(self.disk, key),
                                    state_scorer=vmodel.StateScorer)

@@ -106,15 +106,14 @@ class Trainer(Lineage):
         self.last_roster: set[str] = set()
         # join-ahead steps -> (that ready_at, announce again as joining: an early one starts no clock)
         self._ahead: dict[int, tuple[float, bool]] = {}
-        self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds) of a step we skipped
+        self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds, joining) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self._warmed = False  # our first trained phase was decided (`warms_up`)
         self._tries: dict[int, int] = {}  # step -> the try we post for it (T7: its round tag)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
-        # Evaluation and the state record of a committed step run beside the next inner phase
-        # and round (issue 17: they took longer than the round itself), on a copy of the
-        # params; the next outer step or catch-up, which change what they read, waits for them.
+        # Evaluation and the state record of a committed step run beside the next inner phase and round
+        # (issue 17), on a copy of the params; the next outer step or catch-up waits for them.
         self._bg: trio.Nursery | None = None
         self._reported: trio.Event | None = None
         self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
@@ -155,9 +154,8 @@ class Trainer(Lineage):
             # what we trained for it is still our contribution. Before, we came back to it
             # as a joiner with zeros, and a peer left alone in its run (the other one killed
             # mid-step) then never committed again: a joiner alone never commits.
-            delta, loss, tokens, sec_inner = retry[1:]
-            joining = False
-            self.events.emit("outer_step_started", step=t, joining=False, retry=True)
+            delta, loss, tokens, sec_inner, joining = retry[1:]
+            self.events.emit("outer_step_started", step=t, joining=joining, retry=True)
         else:
             if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
                 joining, t = moved, self.local.step
@@ -178,8 +176,10 @@ class Trainer(Lineage):
                 if warm:  # the phase warmed our optimizer; we join the step with zeros
                     delta, joining, loss, tokens = np.zeros_like(delta), True, math.nan, 0
         skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None)
-        if skipped and not joining and self.local.step == t:
-            self._unsent = (t, delta, loss, tokens, sec_inner)
+        if skipped and not joining and self.local.step == t:  # T9: a delta a bound refused is not offered again
+            refused = self.round.refused_own == t
+            self._unsent = (t, np.zeros_like(delta), math.nan, 0, 0.0, True) if refused else \
+                (t, delta, loss, tokens, sec_inner, False)
         return skipped
 
     async def warms_up(self, t: int) -> bool:
