@@ -29,7 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="run this one seed only (replay)")
     p.add_argument("--scenario", default="random",
                    help="random, or a named scenario: lone_start, six_in_threes, restart_pair, selective_sybils, "
-                        "or an attack: withhold, inflate, expiry, trickle, grind, flood, flood_wide")
+                        "selective_six, hot_pair, or an attack: withhold, inflate, expiry, trickle, grind, flood, flood_wide")
     p.add_argument("--no-faults", action="store_true", help="random worlds without faults")
     p.add_argument("--sybils", type=int, default=0, help="adversaries per random world (scripted attacks)")
     p.add_argument("--rtt", type=float, default=0.1, help="median RTT in seconds (default 0.1)")

@@ -104,6 +104,11 @@ class Verdict:
     """Dissenters whose view is our roster plus only members we already found silent or
     gone at this step: they are an attempt behind us (they have not found out yet), and
     will confirm our roster at the next attempt."""
+    behind: frozenset[str] = frozenset()
+    """Dissenters whose view is our roster plus only members no strict majority of the views
+    we heard names (each extra member's own view counted for it): by the count that made
+    `backed`, they will drop those members and confirm our roster at the next attempt (rule
+    R5). A claim: `RosterPlan` waits for each such member once a step."""
 
 
 def reconcile(mine: Confirm, replies: dict[str, Confirm | None], known_silent: frozenset = frozenset()) -> Verdict:
@@ -115,9 +120,12 @@ def reconcile(mine: Confirm, replies: dict[str, Confirm | None], known_silent: f
     views = [c.view for p, c in replies.items() if c is not None and c.chunk == mine.chunk]
     backed = tuple(p for p in mine.view if p not in silent and 2 * sum(p in v for v in views) > len(views))
     ours = set(mine.view)
-    lagging = frozenset(p for p, c in replies.items() if c is not None and p in ours and p not in agreeing
-                        and c.chunk == mine.chunk and ours < set(c.view) and set(c.view) - ours <= known_silent)
-    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed, lagging)
+    supersets = {p: set(c.view) - ours for p, c in replies.items() if c is not None and p in ours
+                 and p not in agreeing and c.chunk == mine.chunk and ours < set(c.view)}
+    lagging = frozenset(p for p, extra in supersets.items() if extra <= known_silent)
+    behind = frozenset(p for p, extra in supersets.items()
+                       if all(2 * (sum(q in v for v in views) + 1) <= len(views) + 1 for q in extra - known_silent))
+    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed, lagging, behind - lagging)
 
 
 def quorum(roster: list[str], elected: list[str]) -> bool:
@@ -136,12 +144,19 @@ class RosterPlan:
         self.elected, self.me = list(elected), me
         self.silent: set[str] = set()
         """Members found silent (or gone, by a refused dial) at an earlier attempt of this step."""
+        self.waited: set[str] = set()
+        """Members we waited an attempt for as `Verdict.behind` (R5: once a step each)."""
 
     def after(self, roster: list[str], v: Verdict) -> tuple[str, list[str] | None]:
         self.silent |= v.silent
         if v.agreeing == roster:
             return "go", roster
-        if v.lagging and set(v.agreeing) | v.lagging == set(roster):
+        behind = v.behind - self.waited
+        if (v.lagging or behind) and set(v.agreeing) | v.lagging | behind == set(roster):
+            # R5: the rest name only members that most views do not: they drop them by the
+            # count below and confirm our roster next. Once each: a Sybil naming its pool
+            # every attempt is then a dissenter like any other.
+            self.waited |= behind
             # Every dissenter still names a member we found silent or gone (it left an attempt
             # later than we did, say after the data plane found a killed member): it will drop
             # that member too. Skipping here, as for a real disagreement, left it alone at its

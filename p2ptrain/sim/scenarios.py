@@ -49,6 +49,16 @@ def sybils(attack: str, honest: int = 4, k: int = 2, group_size: int = 4, durati
     return Scenario(f"sybils-{attack}-{k}", peers, group_size=group_size, duration=duration)
 
 
+def selective_six() -> Scenario:
+    """The red team's `selective` (p2ptrain bench redteam): 4 honest peers and 2 Sybils in one
+    group of 6, each Sybil talking to one honest member (and the other Sybil) only. Seen: the
+    members that saw a Sybil named it in their rosters, the others skipped at once (G1: a view
+    naming a member we lack will not run ours), and each step took several retries."""
+    peers = tuple(PeerPlan(initiator=True) for _ in range(4)) + (
+        PeerPlan(initiator=True, honest=False, answers=(0, 5)), PeerPlan(initiator=True, honest=False, answers=(1, 4)))
+    return Scenario("selective_six", peers, group_size=8, duration=300.0)
+
+
 def hot_pair() -> Scenario:
     """Two honest peers; one's first pseudo-gradient is 6x the other's, over the 3x bound a
     member without standing holds it to (C1a). Seen (the lone-run test before W1's last-roster
@@ -59,7 +69,7 @@ def hot_pair() -> Scenario:
 
 
 NAMED = {"lone_start": lone_start, "six_in_threes": six_in_threes, "restart_pair": restart_pair,
-         "selective_sybils": selective_sybils, "hot_pair": hot_pair,
+         "selective_sybils": selective_sybils, "selective_six": selective_six, "hot_pair": hot_pair,
          "withhold": lambda: sybils("withhold"), "inflate": lambda: sybils("inflate", honest=4, k=4, group_size=4),
          "expiry": lambda: sybils("expiry", honest=4, k=1),
          # one group of 5: every round has the trickler in it
