@@ -251,13 +251,13 @@ class InflatingService(AllReduceService):
         self.pool = tuple(pool)
 
     async def exchange(self, run_id, round_id, members, payload, timeout, unreachable_silent=False,
-                       answer_strangers=False, absent=None, cut=None):
+                       answer_strangers=False, absent=None, cut=None, split=None):
         from p2ptrain.sim.service import _inflated
 
         if round_id.endswith("/roster"):
             payload = _inflated(payload, run_id, round_id, self.pool)
         return await super().exchange(run_id, round_id, members, payload, timeout, unreachable_silent,
-                                      answer_strangers, absent, cut)
+                                      answer_strangers, absent, cut, split)
 
 
 class TrickleIO:

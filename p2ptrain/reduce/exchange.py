@@ -129,7 +129,8 @@ class Inbox:
                       unreachable_silent: bool = False, gone=None, probe: float = 1.0,
                       answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None,
                       absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None,
-                      cut: float | None = None) -> dict[bytes, bytes]:
+                      cut: float | None = None,
+                      split: tuple[float, Callable[[bytes], bool]] | None = None) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload, then wait until every other member's
         arrived or `timeout`. Returns member -> payload for those that arrived.
         With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
@@ -144,7 +145,9 @@ class Inbox:
         `absent(awaited)`: those that will not come (rule E13: past the step), asked every
         `probe` seconds once the first has passed; no longer awaited, but what they sent
         still counts. `cut`: once any member's payload has arrived, wait at most `cut` seconds
-        more (rule R4a: a member's reply shows the attempt we sat out is over)."""
+        more (rule R4a: a member's reply shows the attempt we sat out is over). `split`:
+        (seconds, test): once a payload passing `test` arrived, wait at most that much more
+        (rule R6: a confirmation of another roster shows this attempt cannot go)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -179,6 +182,8 @@ class Inbox:
                 while not (others - unreachable - away) <= w.box.keys():
                     if cut is not None and w.box:
                         scope.deadline, cut = min(scope.deadline, trio.current_time() + cut), None
+                    if split is not None and any(split[1](d) for d in w.box.values()):
+                        scope.deadline, split = min(scope.deadline, trio.current_time() + split[0]), None
                     w.event = trio.Event()
                     with trio.move_on_after(probe if probing or absent is not None else math.inf):
                         await w.event.wait()

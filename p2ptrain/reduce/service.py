@@ -357,12 +357,13 @@ class AllReduceService:
     # -- exchanges and sending ---------------------------------------------------------
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False, absent=None, cut=None) -> dict[str, bytes | None]:
+                       answer_strangers: bool = False, absent=None, cut=None, split=None) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
         arrive within `timeout`). Used for roster confirmation and contribution headers.
         `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
         `answer_strangers`: a non-member that sends us its payload for this exchange gets
-        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent`, `cut`: `Inbox.collect`'s."""
+        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent`, `cut`, `split`:
+        `Inbox.collect`'s."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
@@ -371,7 +372,7 @@ class AllReduceService:
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
         skip = None if absent is None else (lambda waiting: _absent_ids(absent, waiting))
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone, answer=answer, absent=skip, cut=cut)
+                                       gone=self._gone, answer=answer, absent=skip, cut=cut, split=split)
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out

@@ -24,10 +24,11 @@ class ReduceService(Protocol):
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes,
                        timeout: float, unreachable_silent: bool = False,
-                       answer_strangers: bool = False, absent=None, cut=None) -> dict[str, bytes | None]:
+                       answer_strangers: bool = False, absent=None, cut=None, split=None) -> dict[str, bytes | None]:
         """`absent(peers)` -> those of the awaited `peers` that will not come (rule E13),
         asked every probe second while someone is awaited; their payloads still count.
-        `cut`: once any member's payload has arrived, wait at most `cut` seconds more (R4a)."""
+        `cut`: once any member's payload has arrived, wait at most `cut` seconds more (R4a).
+        `split`: (seconds, test): once a payload passing `test` arrived, at most that much more (R6)."""
 
     async def allreduce(self, vec: np.ndarray, run_id: str, round_id: str, members: list[str],
                         own=None, check=None, robust=None, on_own=None, gate=None):

@@ -120,7 +120,7 @@ class SimReduceService:
 
     async def exchange(self, run_id: str, round_id: str, members: list[str], payload: bytes, timeout: float,
                        unreachable_silent: bool = False, answer_strangers: bool = False,
-                       absent=None, cut=None) -> dict[str, bytes | None]:
+                       absent=None, cut=None, split=None) -> dict[str, bytes | None]:
         hub = self.hub
         pol = self.net.policy.get(self.pid)
         if pol is not None and pol.inflate and round_id.endswith("/roster"):
@@ -140,6 +140,9 @@ class SimReduceService:
         while trio.current_time() < deadline:
             if cut is not None and any(hub.arrived(run_id, round_id, self.me, p) is not None for p in others):
                 deadline, cut = min(deadline, trio.current_time() + cut), None  # R4a, as the real inbox
+            if split is not None and any(split[1](d) for p in others
+                                         if (d := hub.arrived(run_id, round_id, self.me, p)) is not None):
+                deadline, split = min(deadline, trio.current_time() + split[0]), None  # R6, as the real inbox
             waiting = [p for p in others if hub.arrived(run_id, round_id, self.me, p) is None
                        and not (unreachable_silent and self._gone(p)) and p not in away]
             if waiting and absent is not None and trio.current_time() >= ask:
