@@ -360,10 +360,8 @@ class AllReduceService:
                        answer_strangers: bool = False, absent=None, cut=None, split=None) -> dict[str, bytes | None]:
         """Send `payload` to every other member and collect theirs (None where it did not
         arrive within `timeout`). Used for roster confirmation and contribution headers.
-        `unreachable_silent`: a member we cannot open a stream to is None at once (`Inbox.collect`).
-        `answer_strangers`: a non-member that sends us its payload for this exchange gets
-        ours, once (roster confirmation: `p2ptrain.reduce.exchange`). `absent`, `cut`, `split`:
-        `Inbox.collect`'s."""
+        `answer_strangers`: a non-member that sends us its payload for this exchange gets ours,
+        once (roster confirmation). `unreachable_silent`, `absent`, `cut`, `split`: `Inbox.collect`'s."""
         ids = [peer_id_from_str(m) for m in members]
         me = self.identity.peer_id
         self.board.expect(ids)  # the round that follows has these members
