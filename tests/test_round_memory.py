@@ -678,7 +678,7 @@ def test_members_whose_rosters_kept_a_silent_sybil_leave_the_attempt_with_the_ot
     hub.box[("1/0/roster", sybils[1], rounds[1].me)] = view
     if not r6:
         for r in rounds:
-            r._confirm = functools.partial(_without_split, r._confirm)
+            r.svc.exchange = functools.partial(_without_split, r.svc.exchange)
     ds = deltas(4)
     outs, _ = _timed_rounds(rounds, ds, group)
     done = [i for i, o in enumerate(outs) if o.result is not None]
@@ -689,8 +689,8 @@ def test_members_whose_rosters_kept_a_silent_sybil_leave_the_attempt_with_the_ot
     assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)
 
 
-async def _without_split(confirm, *args, split=False, **kw):
-    return await confirm(*args, **kw)
+async def _without_split(exchange, *args, split=None, **kw):
+    return await exchange(*args, **kw)
 
 
 def test_a_crashed_member_is_not_waited_for_at_the_confirmation():

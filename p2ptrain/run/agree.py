@@ -17,7 +17,7 @@ from typing import Protocol
 import trio
 
 from p2ptrain.reduce import ring
-from p2ptrain.run import merge
+from p2ptrain.run import election, merge
 from p2ptrain.run import roster as rosters
 
 log = logging.getLogger("p2ptrain.run.round")
@@ -39,14 +39,14 @@ class Agreement:
 
     async def _confirm(self, t: int, attempt: int, roster: list[str], rh: str, base: str,
                        timeout: float, weight: int, known_silent: frozenset = frozenset(),
-                       short: float | None = None, split: bool = False) -> rosters.Verdict:
+                       short: float | None = None) -> rosters.Verdict:
         """Every member's roster and frame size against ours, with its base and weight: one
         that saw another roster, or cuts the tensor differently (another version), is left
         out (`p2ptrain.run.roster`); one with another base is merged with. `short` (rule R4a,
         after an attempt we sat out): once any member answers, the attempt we sat out is over
-        for it, so we wait at most `short` seconds more, not that attempt's whole span. `split`
-        (rule R6): once a member confirms another roster, this attempt cannot go; we wait at
-        most the exchange timeout more for the views still missing, not the whole wait."""
+        for it, so we wait at most `short` seconds more, not that attempt's whole span. Rule R6,
+        after a try's first attempt (E14 waits there): once a member confirms another roster,
+        this attempt cannot go; we wait at most the exchange timeout more, not the whole wait."""
         mine = rosters.Confirm(rh, base, ring.frame_tag(self.ring_cfg), tuple(roster),
                                max(0, min(int(weight), rosters.MAX_WEIGHT)), int(self.gates_round(roster)))
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
@@ -57,7 +57,7 @@ class Agreement:
         absent = {} if past is None else {"absent": lambda peers: past(t, peers)}
         if short is not None:
             absent["cut"] = short
-        if split:
+        if attempt % election.ATTEMPTS_PER_TRY:
             def other(raw: bytes) -> bool:
                 c = rosters.decode(raw, self.run_id, t, attempt)
                 return c is not None and not c.agrees(mine)

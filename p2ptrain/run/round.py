@@ -139,8 +139,7 @@ class ContributionRound(Agreement):
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
             (wait, short), sat_out = self._confirm_wait(attempt - first, first_wait, sat_out, first_cut), False
-            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent), short,
-                                          split=attempt > first)  # R6: not at a try's first (E14)
+            verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent), short)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
             if action != "go":
