@@ -15,6 +15,11 @@ result only if the outer step it would commit lowers the loss on a batch nobody 
     honest step raised the loss against the starting state in 8 of 25 steps, momentum
     overshooting, against momentum alone in 3: `p2ptrain.train.scorer`);
   - `verdict` refuses an `after` that is not below `before` x (1 - `margin`), or not finite.
+    The default margin is -`CONVICT_MARGIN` (rule L1a): a mean may rise by L2's noise bound,
+    0.1 %, as each piece may. A stricter mean refused honest rounds that rose 0.02-0.04 %
+    on their 2 batches (two in one full test run, each a 60 s skip), and it was never the
+    defense against anti-updates: the mean with one in it passed in 8-11 of 12 rounds
+    (BENCHMARKS.md, `bench lossgate`); L2's per-piece verdict is.
 Every member that gates also judges each unvetted member's work alone the same way (rule L2,
 `p2ptrain.run.evidence`), before it signs, on every gated round: a round whose mean passes
 may still hide one anti-update among honest ones (measured: one -2.5x peer among three honest
@@ -45,13 +50,23 @@ from p2ptrain.run.contribution import trained_scale
 log = logging.getLogger("p2ptrain.run.lossgate")
 
 
+CONVICT_MARGIN = 1e-3
+"""L2: a member's work judged alone fails (and convicts it for the step, Q2) when, a tenth of
+the way along its step, it raises the loss by more than this (relative). One member's work is
+noisier than the mean (2 inner steps, tiny preset: honest pieces rose by up to 0.08 % in the
+steps where every update, the mean too, went uphill on its batch; the red team's -2.5x pieces
+by 0.2-3.8 % in 22 of 25 steps); the mean (L1) must still lower the loss. The margin is also
+far above the float differences between machines for the same bytes (~1e-6)."""
+
+
 @dataclass(frozen=True)
 class GateConfig:
     enabled: bool = True
     """Gate rounds that hold a member without standing (rule L1). A per-peer policy: it only
     decides whether this peer signs, so peers with other settings still agree on every commit."""
-    margin: float = 0.0
-    """The candidate's loss must be below `before` x (1 - margin); 0: any decrease passes."""
+    margin: float = -CONVICT_MARGIN
+    """The candidate's loss must be below `before` x (1 - margin): 0, any decrease passes;
+    negative, a rise within the noise passes too (L1a)."""
     batches: int = 2
     """Batches (of the run's batch size) drawn for each score."""
     step_fraction: float = 0.1
@@ -65,8 +80,8 @@ class GateConfig:
     Paid only for failing pieces."""
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.margin < 1.0) or self.batches < 1 or not 0.0 < self.step_fraction <= 1.0:
-            raise ValueError("margin must be in [0, 1), batches >= 1 and step_fraction in (0, 1]")
+        if not (-1.0 < self.margin < 1.0) or self.batches < 1 or not 0.0 < self.step_fraction <= 1.0:
+            raise ValueError("margin must be in (-1, 1), batches >= 1 and step_fraction in (0, 1]")
         if not 0 <= self.confirm <= 8:
             raise ValueError("confirm must be in [0, 8]")
 
@@ -86,7 +101,7 @@ def round_seed(run_id: str, round_id: str, headers: dict[str, bytes]) -> bytes:
     return h.digest()
 
 
-def verdict(before: float, after: float, margin: float = 0.0) -> str | None:
+def verdict(before: float, after: float, margin: float = -CONVICT_MARGIN) -> str | None:
     """None when the candidate lowers the loss enough; otherwise the reason to refuse it."""
     if not (math.isfinite(before) and math.isfinite(after)):
         return f"loss-rose: not finite ({before!r} -> {after!r})"
@@ -98,15 +113,6 @@ def verdict(before: float, after: float, margin: float = 0.0) -> str | None:
 def confirm_seed(seed: bytes, k: int) -> bytes:
     """The k-th further batch's seed (k >= 1) for L2's confirmation; k = 0 is the round's own."""
     return seed if k == 0 else hashlib.sha256(b"p2ptrain/lossgate/confirm\0" + seed + bytes([k])).digest()
-
-
-CONVICT_MARGIN = 1e-3
-"""L2: a member's work judged alone fails (and convicts it for the step, Q2) when, a tenth of
-the way along its step, it raises the loss by more than this (relative). One member's work is
-noisier than the mean (2 inner steps, tiny preset: honest pieces rose by up to 0.08 % in the
-steps where every update, the mean too, went uphill on its batch; the red team's -2.5x pieces
-by 0.2-3.8 % in 22 of 25 steps); the mean (L1) must still lower the loss. The margin is also
-far above the float differences between machines for the same bytes (~1e-6)."""
 
 
 def judge_evidence(before: float, after: float) -> str | None:
