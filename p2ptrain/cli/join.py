@@ -32,6 +32,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    # A typo must cost neither a DHT lookup and a wait nor libp2p's import (2 s): checked first.
+    args.run = run_id_arg(args.run) if args.run else None
     from p2ptrain.events import EventSink
     from p2ptrain.net.limits import LimitsConfig
     from p2ptrain.net.nat import NatConfig
@@ -39,7 +41,6 @@ def run(args) -> int:
     from p2ptrain.net.presence import Presence, PresenceConfig
 
     cfg, toml = node_config(args)
-    args.run = run_id_arg(args.run) if args.run else None  # a typo must not cost a DHT lookup and a wait
     if isinstance(node_ranks := _ranks(args, toml), int):  # torchrun: rank 0's parts, or a rank's exit code
         return node_ranks
     if not cfg.bootstrap:

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    if args.run:  # before libp2p's import (2 s): a typo is a one-line error at once
+        args.run = args.namespace = run_id_arg(args.run)
     import trio
 
     from p2ptrain.events import EventSink
@@ -39,8 +41,6 @@ def run(args) -> int:
     identity = Identity.generate()  # a throwaway client identity: status publishes nothing
     events = EventSink(identity.peer_id_str, False)
 
-    if args.run:
-        args.run = args.namespace = run_id_arg(args.run)
     states: dict = {}
 
     async def main() -> dict:
