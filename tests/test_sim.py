@@ -235,8 +235,8 @@ def test_selective_sybils_in_a_group_of_six_cost_the_honest_four_nothing():
     their rosters, the other two do not. Before rule R5 the two skipped at once (a view naming
     a member we lack will not run ours), and the step went to retries (seeds 1-3: committed
     0.67, 0.50, 0.60 in 300 s). The views naming a Sybil drop it by the count (only a minority
-    names it), so the others now wait one attempt for them: 1.0 at seeds 1-3 (two run here)."""
-    for seed in (1, 2):
+    names it), so the others now wait one attempt for them: 1.0 at seeds 1-3 (the worst runs here)."""
+    for seed in (2,):
         rep = world.run(scenarios.selective_six(), seed=seed)
         assert not rep.violations and rep.commit_fraction >= 0.95, (seed, rep.violations, rep.commit_fraction)
 
