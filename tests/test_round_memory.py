@@ -7,7 +7,6 @@ exercised by tests/test_allreduce_integration.py and the trainer's real-process 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import pytest
@@ -655,15 +654,17 @@ def test_a_view_naming_only_members_most_views_lack_is_waited_for_once():
     assert not v.behind and fresh.after(four, v) == ("retry", four[:2])  # half, with the tie-break
 
 
-@pytest.mark.parametrize("r6", [True, False])
-def test_members_whose_rosters_kept_a_silent_sybil_leave_the_attempt_with_the_others(r6):
+def test_members_whose_rosters_kept_a_silent_sybil_leave_the_attempt_with_the_others():
     """Rule R6, the real red team's `selective`: two Sybils in a group of 6 each confirm
     attempt 0 to one honest member only, then leave. The two honest members a Sybil answered
     go on with it (H + X, H + Y), the other two with H; at attempt 1 those two see views that
     only add members they found silent (G2) and retry at once, while the first two waited
     exchange + abort skew (20 s) for their Sybil: one attempt apart, the four never met
     (0 of 21 honest steps in the red team). With R6 a confirmation of another roster cuts
-    the wait to the exchange timeout (5 s), inside the others' next wait: all four commit."""
+    the wait to the exchange timeout (5 s), inside the others' next wait: all four commit.
+    Without the cut (the service's `split` dropped) nobody committed in most runs of this
+    test, all four in some: the fake's thread timing decides that race, so only the rule's
+    outcome is asserted."""
     from p2ptrain.run import roster as rosters
 
     hub = Hub()
@@ -676,21 +677,11 @@ def test_members_whose_rosters_kept_a_silent_sybil_leave_the_attempt_with_the_ot
     view = rosters.Confirm(rh, BASE, ring.frame_tag(rounds[0].ring_cfg), tuple(group)).encode()
     hub.box[("1/0/roster", sybils[0], rounds[0].me)] = view
     hub.box[("1/0/roster", sybils[1], rounds[1].me)] = view
-    if not r6:
-        for r in rounds:
-            r.svc.exchange = functools.partial(_without_split, r.svc.exchange)
     ds = deltas(4)
     outs, _ = _timed_rounds(rounds, ds, group)
     done = [i for i, o in enumerate(outs) if o.result is not None]
-    if not r6:
-        assert done == [], done
-        return
     assert done == [0, 1, 2, 3] and len({o.result.tobytes() for o in outs}) == 1, done
     assert np.allclose(outs[0].result, np.mean(ds, axis=0), atol=1e-6)
-
-
-async def _without_split(exchange, *args, split=None, **kw):
-    return await exchange(*args, **kw)
 
 
 def test_a_crashed_member_is_not_waited_for_at_the_confirmation():
