@@ -123,9 +123,9 @@ def reconcile(mine: Confirm, replies: dict[str, Confirm | None], known_silent: f
     supersets = {p: set(c.view) - ours for p, c in replies.items() if c is not None and p in ours
                  and p not in agreeing and c.chunk == mine.chunk and ours < set(c.view)}
     lagging = frozenset(p for p, extra in supersets.items() if extra <= known_silent)
-    behind = frozenset(p for p, extra in supersets.items()
-                       if all(2 * (sum(q in v for v in views) + 1) <= len(views) + 1 for q in extra - known_silent))
-    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed, lagging, behind - lagging)
+    behind = frozenset(p for p, extra in supersets.items() if p not in lagging
+                       and all(2 * (sum(q in v for v in views) + 1) <= len(views) + 1 for q in extra - known_silent))
+    return Verdict(agreeing, {p: replies[p] for p in agreeing}, frozenset(silent), backed, lagging, behind)
 
 
 def quorum(roster: list[str], elected: list[str]) -> bool:
