@@ -153,3 +153,40 @@ def test_an_early_message_older_than_early_ttl_is_not_taken():
 
     stale, kept = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert stale == {} and kept == {A: b"a in time"}
+
+
+def test_a_member_our_message_did_not_reach_is_sent_it_again_until_it_answers():
+    """Rule R7: a member we could not open a stream to (a partition, a transient "no valid
+    connections") never had our payload, and waits for it as we wait for its own. Before,
+    nobody sent again: a retry's roster confirmation begun during a partition that healed 8 s
+    later waited out its whole 60 s for nothing (simulator seed 105209). Now it goes again
+    every probe second while that member is awaited, and the exchange ends when it answers."""
+
+    def run(with_resend: bool):
+        inbox = Inbox(known=lambda p: True)
+        tries: list[float] = []
+
+        async def main():
+            t0 = trio.current_time()
+
+            async def send():
+                inbox.put(A, b"tag", b"from a")
+                return {B}  # B's side of a partition that heals at t0 + 4.5
+
+            async def resend(targets):
+                tries.append(trio.current_time() - t0)
+                if trio.current_time() - t0 < 4.5:
+                    return set(targets)
+                inbox.put(B, b"tag", b"from b")  # B had ours at last and answers
+                return set()
+
+            got = await inbox.collect(b"tag", [ME, A, B], ME, 60.0, send,
+                                      resend=resend if with_resend else None)
+            return got, trio.current_time() - t0
+
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), tries
+
+    (got, took), tries = run(True)
+    assert got == {A: b"from a", B: b"from b"} and took == 5.0 and tries == [1.0, 2.0, 3.0, 4.0, 5.0], (took, tries)
+    (got, took), tries = run(False)
+    assert got == {A: b"from a"} and took == 60.0 and tries == []

@@ -359,6 +359,16 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
+def test_a_confirmation_begun_in_a_partition_goes_on_once_it_heals():
+    """Rule R7: all four members retried step 0 at 125-129 s and confirmed their roster into a
+    partition that healed at 149 s. Each had sent its confirmation once, into the partition,
+    and then waited for the others', which nobody sent again: the retry's first confirmation
+    waited out its 60 s, the next retry came 60 s after that (seed 105209: committed 0.0 in
+    200 s). Now what did not go is sent again each probe second, and the retry commits."""
+    rep = world.run(scenarios.random_world(105209, 4, duration=200.0), 105209)
+    assert not rep.violations and rep.commit_fraction >= 0.7, (rep.violations, rep.commit_fraction)
+
+
 def test_a_retry_after_a_bound_refused_our_norm_joins_with_zeros():
     """Rule T9: the pair's second peer signs a first norm 6x the other's, over the 3x bound of
     a member it has no standing with (C1a), and the pair skips step 0. Before, each retry

@@ -130,24 +130,21 @@ class Inbox:
                       answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None,
                       absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None,
                       cut: float | None = None,
-                      split: tuple[float, Callable[[bytes], bool]] | None = None) -> dict[bytes, bytes]:
-        """Run one exchange: `send()` our payload, then wait until every other member's
-        arrived or `timeout`. Returns member -> payload for those that arrived.
-        With `unreachable_silent` and `gone(members)` (those certainly gone: no connection,
-        no dial), members still awaited are checked at once if `send()` could not open a
-        stream to them (it returns those, or None), then every `probe` seconds; the gone
-        count as silent. Waiting out the timeout for a crashed peer only delayed everyone
-        else (issue 17: a peer killed mid-run, including one that died after our message
-        reached it). A stream that failed to open is not enough: "no valid connections" is
-        often transient, and counting such a live member silent at once left it out of its
-        group (seen in CI). `answer`: (our payload, `reply(strangers)`) to answer strangers
-        with (module doc); those that wrote before we started are answered here.
-        `absent(awaited)`: those that will not come (rule E13: past the step), asked every
-        `probe` seconds once the first has passed; no longer awaited, but what they sent
-        still counts. `cut`: once any member's payload has arrived, wait at most `cut` seconds
-        more (rule R4a: a member's reply shows the attempt we sat out is over). `split`:
-        (seconds, test): once a payload passing `test` arrived, wait at most that much more
-        (rule R6: a confirmation of another roster shows this attempt cannot go)."""
+                      split: tuple[float, Callable[[bytes], bool]] | None = None,
+                      resend: Callable[[list[bytes]], Awaitable] | None = None) -> dict[bytes, bytes]:
+        """Run one exchange: `send()` our payload (it returns those it could not open a stream
+        to), then wait until every other member's arrived or `timeout`. Returns member ->
+        payload for those that arrived. With `unreachable_silent` and `gone(members)` (those
+        certainly gone: no connection, no dial), members still awaited are checked at once if
+        `send()` could not reach them, then every `probe` seconds; the gone count as silent
+        (issue 17). A failed stream alone is not enough: "no valid connections" is often
+        transient (CI saw a live member left out of its group). `answer`: (our payload,
+        `reply(strangers)`) to answer strangers with (module doc). `absent(awaited)`: those
+        that will not come (E13), asked every `probe` seconds; what they sent still counts.
+        `cut`: once any payload arrived, wait at most `cut` seconds more (R4a); `split`:
+        (seconds, test), the same once a payload passing `test` arrived (R6). `resend(ids)`:
+        send again to those `send()` could not reach, every `probe` seconds while they are
+        awaited (R7: a partition that heals during the wait no longer costs all of it)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -177,21 +174,34 @@ class Inbox:
                 if probing and candidates:
                     unreachable.update(set(await gone(candidates)) & candidates)
 
+            def awaited() -> set[bytes]:
+                return set(others - unreachable - away - w.box.keys())
+
+            async def send_again() -> None:  # rule R7
+                nonlocal undelivered
+                while undelivered:
+                    await trio.sleep(probe)
+                    targets = sorted(undelivered & awaited())
+                    undelivered = set(await resend(targets) or ()) & set(targets) if targets else set()
+
             with trio.move_on_after(timeout) as scope:
-                await drop_gone(undelivered)
-                while not (others - unreachable - away) <= w.box.keys():
-                    if cut is not None and w.box:
-                        scope.deadline, cut = min(scope.deadline, trio.current_time() + cut), None
-                    if split is not None and any(split[1](d) for d in w.box.values()):
-                        scope.deadline, split = min(scope.deadline, trio.current_time() + split[0]), None
-                    w.event = trio.Event()
-                    with trio.move_on_after(probe if probing or absent is not None else math.inf):
-                        await w.event.wait()
-                    await drop_gone(set(others - unreachable - w.box.keys()))
-                    awaited = set(others - unreachable - away - w.box.keys())
-                    if absent is not None and awaited and trio.current_time() >= ask:
-                        away.update(set(await absent(awaited)) & awaited)
-                        ask = trio.current_time() + probe
+                async with trio.open_nursery() as nursery:
+                    if resend is not None and undelivered:
+                        nursery.start_soon(send_again)
+                    await drop_gone(set(undelivered))
+                    while awaited():
+                        if cut is not None and w.box:
+                            scope.deadline, cut = min(scope.deadline, trio.current_time() + cut), None
+                        if split is not None and any(split[1](d) for d in w.box.values()):
+                            scope.deadline, split = min(scope.deadline, trio.current_time() + split[0]), None
+                        w.event = trio.Event()
+                        with trio.move_on_after(probe if probing or absent is not None else math.inf):
+                            await w.event.wait()
+                        await drop_gone(set(others - unreachable - w.box.keys()))
+                        if absent is not None and awaited() and trio.current_time() >= ask:
+                            away.update(set(await absent(awaited())) & awaited())
+                            ask = trio.current_time() + probe
+                    nursery.cancel_scope.cancel()
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]

@@ -370,7 +370,8 @@ class AllReduceService:
         answer = (payload, lambda strangers: self._send_all(strangers, msg)) if answer_strangers else None
         skip = None if absent is None else (lambda waiting: _absent_ids(absent, waiting))
         got = await self.inbox.collect(tag, ids, me, timeout, lambda: self._send_all(ids, msg), unreachable_silent,
-                                       gone=self._gone, answer=answer, absent=skip, cut=cut, split=split)
+                                       gone=self._gone, answer=answer, absent=skip, cut=cut, split=split,
+                                       resend=lambda again: self._send_all(again, msg))
         out = {ID(p).to_base58(): got.get(p) for p in ids if p != me}
         out[self.identity.peer_id_str] = payload
         return out

@@ -69,18 +69,22 @@ class Hub:
         self.changed.set()
         self.changed = trio.Event()
 
-    def post(self, run: str, rid: str, frm: str, to: str, payload: bytes, first: bool = False) -> None:
+    def post(self, run: str, rid: str, frm: str, to: str, payload: bytes, first: bool = False) -> bool:
+        """File `payload` in `to`'s inbox after the link's latency: False when it cannot get
+        there now (a partition, a crash, a refusing policy: the real sender's stream does not
+        open), which the sender learns, as the real one does."""
         a, b = peer_id_from_str(frm), peer_id_from_str(to)
         if not self.net.reachable(a, b, rounds=True):
-            return
+            return False
         box = self.mail.setdefault((run, rid, to), {})
         if first and frm in box:
-            return
+            return True
         box[frm] = (trio.current_time() + self.net.latency(a, b), payload)
         ans = self.answering.get((run, rid, to))
         if ans is not None and frm not in ans[1]:  # the receiver answers a stranger, once
             self.post(run, rid, to, frm, ans[0], first=True)
         self.poke()
+        return True
 
     def arrived(self, run: str, rid: str, to: str, frm: str) -> bytes | None:
         got = self.mail.get((run, rid, to), {}).get(frm)
@@ -130,10 +134,8 @@ class SimReduceService:
             for frm in list(hub.mail.get((run_id, round_id, self.me), {})):
                 if frm not in members:
                     hub.post(run_id, round_id, self.me, frm, payload, first=True)
-        for p in members:
-            if p != self.me:
-                hub.post(run_id, round_id, self.me, p, payload)
         others = [p for p in members if p != self.me]
+        undelivered = {p for p in others if not hub.post(run_id, round_id, self.me, p, payload)}
         deadline = trio.current_time() + timeout
         away: set[str] = set()  # rule E13, asked once a second as the real inbox does
         ask = trio.current_time() + 1.0
@@ -145,10 +147,14 @@ class SimReduceService:
                 deadline, split = min(deadline, trio.current_time() + split[0]), None  # R6, as the real inbox
             waiting = [p for p in others if hub.arrived(run_id, round_id, self.me, p) is None
                        and not (unreachable_silent and self._gone(p)) and p not in away]
-            if waiting and absent is not None and trio.current_time() >= ask:
-                away |= set(await absent(set(waiting)))
+            if waiting and trio.current_time() >= ask:
+                # rule R7: what did not go is sent again while its member is awaited
+                undelivered = {p for p in undelivered if p in waiting
+                               and not hub.post(run_id, round_id, self.me, p, payload)}
+                if absent is not None:
+                    away |= set(await absent(set(waiting)))
+                    waiting = [p for p in waiting if p not in away]
                 ask = trio.current_time() + 1.0
-                waiting = [p for p in waiting if p not in away]
             if not waiting:
                 break
             await hub.wait(min(deadline, hub.next_arrival(run_id, round_id, self.me), trio.current_time() + 1.0))
