@@ -492,6 +492,28 @@ async def test_a_retry_leaves_out_the_ready_record_an_earlier_incarnation_left()
 
 
 @trio_test()
+async def test_a_retry_leaves_out_an_earlier_try_s_record_whose_writer_joined_the_next_step_ahead():
+    """Rule E15: b and c posted step 2 at try 1; then b announced step 3 as a joiner (it gave
+    up on step 2 and waits for state 3), while c still sits out its retry wait. Our retry, at
+    try 2, leaves b out and keeps c; a record of our own try stays whatever its writer also
+    announced, and a first try still deals b (as E9). Before: the red team's sybil-4 dealt
+    the Sybils' try-1 records into every later retry of the honest peers, who then held half
+    the group without the tie-break, and no retry could go."""
+    shared: dict = {}
+    a, b, c, d = (_Board(shared, Identity.from_seed(bytes([i + 1]) * 32)) for i in range(4))
+    for bd in (b, c):
+        await elect.publish_ready(bd, RUN, 2, [], True, CFG.window, tries=1)
+    await elect.publish_ready(a, RUN, 2, [], False, CFG.window, tries=2)
+    await elect.publish_ready(d, RUN, 2, [], False, CFG.window, tries=2)
+    for bd in (b, d):  # d announced step 3 too, but posted our try of step 2: it is coming
+        await elect.publish_ready(bd, RUN, 3, [], True, CFG.window)
+    recs, _ = await elect.wait_for_deadline(a, RUN, 2, CFG, set(), set(), election.Sightings(), retry=True)
+    assert {r.peer for r in recs} == {me(a), me(c), me(d)}
+    recs, _ = await elect.wait_for_deadline(a, RUN, 2, CFG, set(), set(), election.Sightings())
+    assert {r.peer for r in recs} == {me(a), me(b), me(c), me(d)}
+
+
+@trio_test()
 async def test_a_peer_that_jumps_ahead_is_past_the_step_it_left_in_that_step_s_cell():
     """Rule E10: b's state was at step 0 and it caught up to step 4 at once; step 0's cell
     must say so (E9: not expected there), not go on saying 0. Before, the state record was

@@ -212,6 +212,29 @@ def same_cell(run_id: str, step: int, me: str, level: int, peers: set[str]) -> s
     return {p for p in peers if election.cell(run_id, step, p, level) == mine}
 
 
+def _retry_candidates(recs: list[election.Ready], me: str, past: set[str], boots: dict[str, str],
+                      ahead_joining: set[str]) -> list[election.Ready]:
+    """The records a retry of the step deals from (not a first try: there the other groups'
+    members count for the deal even once they committed, and a late closer would deal from
+    fewer peers than its group did). Each rule leaves out a record whose writer will not come:
+    - E9: its state is already past the step (it committed and moved on). Counted, a peer
+      partitioned away that retried a step the others had long committed elected them all
+      and waited out its retry's first confirmation (the simulator, seed 13, 4 peers).
+    - E11: an earlier incarnation of its writer (a restarted peer whose new state record names
+      another boot). A retry elected a peer from the record it posted before its crash, while
+      it caught up after its restart, and waited out the first confirmation for it (seed 157).
+    - E15: a record of an earlier try than ours whose writer has announced the next step as a
+      joiner (E7's evidence): it gave up on this step and waits for its state. The red team's
+      sybil-4 (4 honest + 4 Sybils, one group of 8): the Sybils skipped the step's first retry
+      as joiners and joined step 3 ahead; every later retry still dealt their try-1 records,
+      the honest held half the group without the tie-break (Q1), and no retry could go (0
+      commits in 150 s). A record of our try or a later one is its writer's current word.
+    Each is its writer's own claim: a liar only leaves itself out."""
+    own = max((r.tries for r in recs if r.peer == me), default=0)
+    recs = election.current_incarnation([r for r in recs if r.peer not in past], boots)
+    return [r for r in recs if not (r.peer in ahead_joining and r.tries < own)]
+
+
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
                             expected: set[str], sightings: election.Sightings | None = None,
                             gone: Gone | None = None, retry: bool = False) -> tuple[list[election.Ready], float] | None:
@@ -229,6 +252,7 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     at_step: set[str] = set()
     past: set[str] = set()
     boots: dict[str, str] = {}
+    ahead_joining: set[str] = set()
     states_at = trio.current_time()
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
@@ -243,20 +267,11 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             past = {p for p, st in sts.items() if st.step > step} - {me}
             boots = {p: st.boot for p, st in sts.items() if st.boot}
             states_at = trio.current_time() + config.probe
+            if retry:  # rule E15's evidence, read as E7's
+                ahead_joining = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings)
+                                 if r.joining} - {me}
         if retry:
-            # Rule E9: in a retry, a record for this step from a peer whose state is already
-            # past it is stale (it committed the step and moved on). Counted, a peer partitioned
-            # away that retried a step the others had long committed elected them all and waited
-            # out its retry's first confirmation (the simulator, seed 13, 4 peers). Not in a
-            # first try: there the other groups' members count for the deal even once they
-            # committed (a late closer would deal from fewer peers than its group did).
-            recs = [r for r in recs if r.peer not in past]
-            # Rule E11: nor is one an earlier incarnation of its writer left (a restarted peer
-            # whose new state record names another boot): it will never come to that round.
-            # A retry elected a peer from the record it posted before its crash, while it
-            # caught up after its restart, and waited out the retry's first confirmation for
-            # it (the simulator, 4 peers, seed 157).
-            recs = election.current_incarnation(recs, boots)
+            recs = _retry_candidates(recs, me, past, boots, ahead_joining)
         waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
         waiting = same_cell(run_id, step, me, sightings.level(step), waiting)
         posted = {r.peer for r in recs}
