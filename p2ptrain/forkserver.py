@@ -35,7 +35,13 @@ from pathlib import Path
 # value of one of these is exec'd as usual.
 IMPORT_TIME_ENV = ("PYTHON", "P2PTRAIN_KERNELS", "P2PTRAIN_ROUND_TRACE", "P2PTRAIN_HOME", "NUMBA_", "OMP_", "MKL_", "TORCH_", "CUDA_", "LD_")
 PRELOAD = ("torch", "numpy", "trio", "libp2p", "p2ptrain.cli.main", "p2ptrain.peer", "p2ptrain.train.trainer",
-           "p2ptrain.cli.join", "p2ptrain.cli.bootstrap", "p2ptrain.cli.init", "p2ptrain.bootstrap")
+           "p2ptrain.cli.join", "p2ptrain.cli.bootstrap", "p2ptrain.cli.init", "p2ptrain.bootstrap",
+           # What every child imported lazily on its own (`PYTHONPROFILEIMPORTTIME=1` on a demo
+           # peer, 2026-11-29: ~4 s of its start under the profiler): torch's first optimizer
+           # step and `nn.init` call import torch._dynamo, `join` always asks `ranks` whether it
+           # runs under torchrun (torch.distributed), and the node's NAT service and the
+           # bootstrap's server. None starts a thread; numba's JIT modules do, and stay out.
+           "torch._dynamo", "p2ptrain.train.ranks", "p2ptrain.net.nat", "p2ptrain.bootstrap.server")
 MAX_REQUEST = 1 << 20
 
 

@@ -186,3 +186,30 @@ class ProcessGroup:
                 p.kill(signal.SIGKILL)
         for p in self.procs:
             p.stop(5)
+
+
+def run(args: list[str], timeout: float, cwd: str | Path | None = None, env: dict | None = None,
+        module: str = "p2ptrain") -> subprocess.CompletedProcess:
+    """`subprocess.run([python, "-m", module, *args], capture_output=True, text=True, ...)`
+    (`env`: the whole environment, as subprocess takes it)
+    for a command that runs to its end (`init`, `status`, a bench), started from a fork server
+    where one is in use (`use_fork_servers`): each `init` the tests ran paid ~5 s of imports
+    as a fresh interpreter. On `timeout` the child is killed and `TimeoutExpired` raised."""
+    child_env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
+    server = _next_server(child_env, None)
+    if server is None:
+        return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd, env=child_env)
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = server.spawn(module, args, str(cwd or os.getcwd()), child_env, subprocess.DEVNULL, out, err)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise subprocess.TimeoutExpired([module, *args], timeout) from None
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess([module, *args], code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))

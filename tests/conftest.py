@@ -63,6 +63,7 @@ def run_autojump_with_threads(main, *args):
 import pytest  # noqa: E402
 
 from p2ptrain.procs import ProcessGroup  # noqa: E402
+from p2ptrain.procs import run as run_cli  # noqa: E402
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -196,14 +197,12 @@ def pytest_terminal_summary(terminalreporter):
 def init_run(d: Path, *extra: str, inner_steps: int = 4, join_window: float = 5.0, group_size: int = 4,
              seed: int = 3) -> tuple[Path, str]:
     """`p2ptrain init` of a tiny run (batch 4, sequences of 64) in `d/run`: (its folder, run id)."""
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", str(inner_steps), "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "1000", "--join-window", str(join_window), "--group-size", str(group_size),
-         "--seed", str(seed), *extra], capture_output=True, text=True, timeout=300, cwd=d)
+         "--seed", str(seed), *extra], timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     return d / "run", out.stdout.strip().splitlines()[-1]
 

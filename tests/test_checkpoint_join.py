@@ -5,8 +5,6 @@ the middle of writing its checkpoint resumes from the last complete one and rejo
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ import fakes
 from conftest import start_bootstrap
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.identity import load_or_create
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 GROUP_STEPS = 1000  # never reached: the group trains until the test has seen what it needs (40 was
@@ -26,11 +25,11 @@ ENV = {"P2PTRAIN_SERVE_CHUNK_KIB": "1024"}
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> tuple[Path, str, list[Path]]:
     d = tmp_path_factory.mktemp("ckrun")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", "12", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "12", "--join-window", "20", "--group-size", "4", "--seed", "5"],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     keys = [d / f"peer{i}.key" for i in range(4)]
     for k in keys:

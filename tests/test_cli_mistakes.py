@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from p2ptrain.procs import run as run_cli
+
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "numba", "libp2p")
 # This checkout's p2ptrain for children that run elsewhere (installed or not), and the demo's own children.
@@ -19,8 +21,10 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.en
 
 
 def p2ptrain(*args: str, cwd: Path, timeout: float = 60, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env={**ENV, **(env or {})}, **kw)
+    if kw:
+        return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True,
+                              timeout=timeout, cwd=cwd, env={**ENV, **(env or {})}, **kw)
+    return run_cli(list(args), timeout=timeout, cwd=cwd, env={**ENV, **(env or {})})
 
 
 # -- `--help` imports nothing heavy (item 7) ----------------------------------------------------

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 
 
 def test_demo_trains_and_reports(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "demo", "--peers", "2", "--outer-steps", "2", "--inner-steps", "4",
+    out = run_cli(
+        ["demo", "--peers", "2", "--outer-steps", "2", "--inner-steps", "4",
          "--workdir", str(tmp_path / "demo"), "--json"],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path)
+        timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     events = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     commits = [e for e in events if e["event"] == "outer_step_committed"]

@@ -4,8 +4,6 @@ per fragment. The end-to-end run is tests/test_overlap_integration.py."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -17,6 +15,7 @@ from p2ptrain.train import fragments
 from p2ptrain.train import overlap_math as om
 from p2ptrain.train.fragments import Fragments
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer
+from p2ptrain.procs import run as run_cli
 
 
 @pytest.mark.parametrize("n,P,block", [(12, 2, 4), (13, 2, 4), (13, 4, 4), (4096 * 7 + 5, 3, 4096), (10, 1, 4),
@@ -116,9 +115,9 @@ def test_init_streaming_defaults_and_a_model_too_small_for_its_fragments(tmp_pat
                                        "--inner-steps", "50"]), "0" * 64).train
     # streaming rounds land H / P late: DiLoCo's own outer step measured best (BENCHMARKS.md)
     assert (tr.fragments, tr.outer_lr, tr.outer_momentum, tr.max_inner_steps) == (2, 0.7, 0.9, 100)
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "init", "--out", str(tmp_path / "run"), "--key",
+    out = run_cli(["init", "--out", str(tmp_path / "run"), "--key",
                           str(tmp_path / "k"), "--overlap", "eager", "--inner-steps", "1024", "--fragments", "1024"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                         timeout=300, cwd=tmp_path)
     assert out.returncode != 0 and "do not fit" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "run" / "run.toml").exists()
 

@@ -24,6 +24,7 @@ from p2ptrain.train import device as dev
 from p2ptrain.train import hf, shards, tokenize
 from p2ptrain.train.local import LocalModel, load_run_data
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, flatten, sha256_f32
+from p2ptrain.procs import run as run_cli
 
 NO_CUDA = "no CUDA GPU on this machine (torch.cuda.is_available() is False)"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
@@ -283,13 +284,11 @@ def test_join_with_a_gpu_this_machine_lacks_is_a_one_line_error(tmp_path, capsys
 
 def test_throughput_bench_runs_and_reports_both_ratios(tmp_path):
     """The bench itself (figures are in BENCHMARKS.md; this only keeps it from rotting)."""
-    import subprocess
-    import sys
 
     hf_fixtures.write_llama(tmp_path / "m")
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "throughput", "--model", f"hf:{tmp_path / 'm'}",
+    out = run_cli(["bench", "throughput", "--model", f"hf:{tmp_path / 'm'}",
                           "--steps", "1", "--rounds", "1", "--batch", "2", "--seq-len", "32", "--threads", "1",
-                          "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--json"], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["params"] == 139584 and r["device"] == "cpu" and r["precision"] == "fp32"

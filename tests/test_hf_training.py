@@ -5,8 +5,6 @@ and the token shards from the peers, hash-checks them against the manifest and c
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 import hf_fixtures
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 # 32 KiB chunks: the token stream (~100 KB) is several chunks, so the joiner's fetch is a
@@ -25,12 +24,12 @@ def init_run(d: Path, *extra: str) -> str:
     hf_fixtures.write_llama(d / "model")
     hf_fixtures.train_bpe(d / "tok" / "tokenizer.json")
     hf_fixtures.write_jsonl(d / "data")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", "run", "--key", "initiator.key", "--model", "hf:model",
+    out = run_cli(
+        ["init", "--out", "run", "--key", "initiator.key", "--model", "hf:model",
          "--tokenizer", "tok/tokenizer.json", "--data", "jsonl:data/*.jsonl", "--inner-steps", "16",
          "--batch-size", "4", "--seq-len", "64", "--warmup", "2", "--planned-outer-steps", "6",
          "--join-window", "10", "--group-size", "4", "--seed", "7", *extra],
-        capture_output=True, text=True, timeout=300, cwd=d, env={**ENV, "P2PTRAIN_CACHE": str(d / "cache0"),
+        timeout=300, cwd=d, env={**ENV, "P2PTRAIN_CACHE": str(d / "cache0"),
                                                                   **_base_env()})
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()[-1]

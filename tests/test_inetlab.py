@@ -16,6 +16,7 @@ from p2ptrain.bench import inetlab
 from p2ptrain.bench.inetlab import TCP_COUNTERS, internet_lab, tcp_counters, tcp_goodput
 from p2ptrain.net import netns
 from p2ptrain.procs import ProcessGroup
+from p2ptrain.procs import run as run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 
@@ -152,8 +153,6 @@ def test_readpause_bench_times_every_mode_on_a_shaped_link():
     """`bench readpause`: every mode's rounds come back, none faster than the link can carry
     its frames (so the shaper, not loopback, carried them), and the CLI prints its summary."""
     import json
-    import subprocess
-    import sys
 
     from p2ptrain.bench import readpause
 
@@ -162,8 +161,8 @@ def test_readpause_bench_times_every_mode_on_a_shaped_link():
     assert sorted(times) == sorted(readpause.MODES) and all(len(v) == 2 for v in times.values())
     wire = frames * readpause._frame_bytes() * 8 / (mbit * 1e6)
     assert all(wire * 0.95 < t < 30 for v in times.values() for t in v)
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "bench", "readpause", "--mbit", "200", "--frames", "3",
-                          "--rounds", "1", "--json"], capture_output=True, text=True, timeout=120)
+    out = run_cli(["bench", "readpause", "--mbit", "200", "--frames", "3",
+                          "--rounds", "1", "--json"], timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["event"] == "bench_readpause_summary" and summary["frames"] == 3

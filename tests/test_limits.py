@@ -16,6 +16,7 @@ from p2ptrain.dht.record import RecordError, make_record
 from p2ptrain.dht.storage import RecordStore
 from p2ptrain.identity import Identity
 from p2ptrain.net.limits import LimitsConfig, PeerLimits, Verdict
+from p2ptrain.procs import run as run_cli
 
 A, B = b"peer-a", b"peer-b"
 
@@ -82,14 +83,12 @@ def test_training_continues_under_stream_and_dht_floods(procs, tmp_path, report)
     peers' median step time under attack is within 2x the baseline (+2 s for the attackers'
     own CPU use on 2 shared cores), every step commits on all 3 with identical params, and
     both attackers are throttled, then disconnected."""
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "i.key"),
+    out = run_cli(
+        ["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "i.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "20", "--join-window", "5", "--group-size", "4", "--seed", "5"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rid = out.stdout.strip().splitlines()[-1]
     boot, baddr = start_bootstrap(procs)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,16 +13,17 @@ import torch.multiprocessing as mp
 
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
+from p2ptrain.procs import run as run_cli
 
 STEPS = 2
 
 
 def init_run(d: Path) -> tuple[Path, str]:
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--preset", "tiny", "--inner-steps", "3", "--batch-size", "4", "--seq-len", "32", "--warmup", "2",
          "--planned-outer-steps", "4", "--join-window", "15", "--group-size", "4", "--seed", "5"],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     return d / "run", out.stdout.strip().splitlines()[-1]
 

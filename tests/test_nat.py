@@ -16,6 +16,7 @@ import pytest
 from netlab import LabUnavailable, nat_lab
 from p2ptrain.identity import load_or_create
 from p2ptrain.procs import ProcessGroup
+from p2ptrain.procs import run as run_cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 MIB = 1 << 20
@@ -221,14 +222,12 @@ def test_c_public_and_natted_peer_connect_directly_both_ways(lab, group, report)
 
 def test_training_run_through_nats(lab, group, tmp_path, report):
     """A bootstrap and 3 NATed trainers (one behind the fully-random NAT) commit 2 outer steps."""
-    import subprocess
-    import sys
 
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "init.key"),
+    out = run_cli(
+        ["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "init.key"),
          "--inner-steps", "4", "--batch-size", "4", "--seq-len", "64", "--warmup", "2", "--planned-outer-steps", "4",
          "--join-window", "20", "--group-size", "3", "--seed", "5"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     rid = out.stdout.strip().splitlines()[-1]
     boot, baddr = start_boot(group, lab)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -18,14 +16,15 @@ from p2ptrain.dht.record import Record, make_record, signing_payload
 from p2ptrain.identity import Identity, peer_id_from_str
 from p2ptrain.net.node import NodeConfig, build_host, parse_peer_maddr
 from p2ptrain.records.keys import presence as presence_key
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 N = 10
 
 
 def status(bootstrap: str, cwd) -> dict:
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", bootstrap, "--json"],
-                         capture_output=True, text=True, timeout=60, cwd=cwd)
+    out = run_cli(["status", "--bootstrap", bootstrap, "--json"],
+                         timeout=60, cwd=cwd)
     assert out.returncode == 0, out.stderr
     return {p["remote"]: p for p in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
 
@@ -126,8 +125,7 @@ def test_every_node_rejects_hostile_records_with_logged_reason(procs, tmp_path):
 
 def test_bad_input_gives_one_line_error_and_exit_2(tmp_path, procs):
     def run(*args, env=None, timeout=60):
-        return subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True,
-                              timeout=timeout, cwd=tmp_path, env=env)
+        return run_cli([*args], timeout=timeout, cwd=tmp_path, env=env)
 
     import os
 

@@ -4,8 +4,6 @@ the committed params are identical on every member after every step, and the los
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -13,18 +11,19 @@ import pytest
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
 from test_training_integration import committed, start_trainers
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 STEPS = 4
 
 
 def _init_overlap(d, inner_steps: int, planned: int, *extra: str):
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", str(inner_steps), "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", str(planned), "--join-window", "20", "--group-size", "4", "--seed", "3",
          "--overlap", "eager", *extra],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     assert 'overlap = "eager"' in (d / "run" / "run.toml").read_text()
     return d / "run", out.stdout.strip().splitlines()[-1]

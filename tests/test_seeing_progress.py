@@ -16,6 +16,7 @@ import pytest
 from conftest import trio_test
 from p2ptrain.config import describe, resolve
 from p2ptrain.net.node import NodeConfig
+from p2ptrain.procs import run as run_cli
 
 
 def test_resolve_records_each_values_source_without_changing_precedence():
@@ -44,7 +45,7 @@ def test_show_config_prints_every_setting_and_its_source(tmp_path):
     for flag in ("--show-config", "-v"):
         args = ([flag] if flag == "-v" else []) + ["status", "--bootstrap", boot, "--config", str(tmp_path / "p.toml")]
         args += [flag] if flag != "-v" else []
-        r = subprocess.run([sys.executable, "-m", "p2ptrain", *args], capture_output=True, text=True, timeout=60,
+        r = run_cli([*args], timeout=60,
                            cwd=tmp_path, env=env)
         assert r.returncode == 2, r.stderr  # nobody at the bootstrap: after the configuration is shown
         err = r.stderr
@@ -301,8 +302,8 @@ def test_a_clean_exit_shows_offline_at_once_over_real_libp2p(procs, tmp_path):
     me = peer.wait_event(lambda e: e["event"] == "listening", 60)["peer"]
 
     def lobby() -> set:
-        r = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", boot, "--json"],
-                           capture_output=True, text=True, timeout=60, cwd=tmp_path)
+        r = run_cli(["status", "--bootstrap", boot, "--json"],
+                           timeout=60, cwd=tmp_path)
         return {p["remote"] for p in json.loads(r.stdout.splitlines()[-1])["peers"]}
 
     deadline = time.monotonic() + 30

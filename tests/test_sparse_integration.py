@@ -5,8 +5,6 @@ reported next to the computed payload size."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 
@@ -15,6 +13,7 @@ from p2ptrain.kernels import quantized_nbytes
 from p2ptrain.reduce.sparse import wire_nbytes
 from p2ptrain.reduce.sparsecodec import SparseConfig
 from test_training_integration import committed, start_trainers
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -23,12 +22,12 @@ STEPS = 3
 @pytest.fixture(scope="module")
 def sparse_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("sparse-run")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3",
          "--allreduce", "sparse", "--topk-fraction", "0.02"],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     text = (d / "run" / "run.toml").read_text()
     assert 'allreduce = "sparse"' in text and "topk_fraction = 0.02" in text and "ef_decay = 0.8" in text

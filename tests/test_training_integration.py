@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +12,7 @@ import pytest
 import fakes
 from conftest import start_bootstrap
 from p2ptrain.identity import load_or_create
+from p2ptrain.procs import run as run_cli
 
 pytestmark = pytest.mark.integration
 STEPS = 3
@@ -22,11 +21,11 @@ STEPS = 3
 @pytest.fixture(scope="session")
 def run_dir(tmp_path_factory) -> tuple[Path, str]:
     d = tmp_path_factory.mktemp("run")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3"],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     return d / "run", out.stdout.strip().splitlines()[-1]
 
@@ -159,8 +158,8 @@ def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys
     assert len({e["params_sha256"] for e in nxt}) == 1
     assert all(len(e["members"]) == 2 for e in nxt)
     # `p2ptrain status --run` shows the run as the DHT has it.
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "status", "--bootstrap", baddr, "--run", run_dir[1],
-                          "--json"], capture_output=True, text=True, timeout=60, cwd=procs.log_dir)
+    out = run_cli(["status", "--bootstrap", baddr, "--run", run_dir[1],
+                          "--json"], timeout=60, cwd=procs.log_dir)
     assert out.returncode == 0, out.stderr
     rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
     for ev in nxt:
@@ -182,12 +181,12 @@ def test_the_last_peer_standing_trains_on_alone(procs, tmp_path, keys, overlap):
     peer, elected ahead for step 3 by the record it posted before dying, is probed again
     there and left out (before: a second failed round and 120 s more)."""
     d = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d), "--key", str(tmp_path / "init.key"),
+    out = run_cli(
+        ["init", "--out", str(d), "--key", str(tmp_path / "init.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "6", "--join-window", "10", "--group-size", "4", "--seed", "3",
          "--overlap", overlap],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     boot, baddr = start_bootstrap(procs)
     survivor, dying = start_trainers(procs, baddr, (d, out.stdout.strip().splitlines()[-1]), keys, 2, 4,
@@ -215,12 +214,12 @@ def test_the_last_peer_standing_trains_on_alone(procs, tmp_path, keys, overlap):
 def robust_run(tmp_path_factory):
     """run_dir's run (same model, data, seed) with robust aggregation (issue 7)."""
     d = tmp_path_factory.mktemp("robust-run")
-    out = subprocess.run(
-        [sys.executable, "-m", "p2ptrain", "init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
+    out = run_cli(
+        ["init", "--out", str(d / "run"), "--key", str(d / "initiator.key"),
          "--inner-steps", "6", "--batch-size", "4", "--seq-len", "64", "--warmup", "5",
          "--planned-outer-steps", "6", "--join-window", "20", "--group-size", "4", "--seed", "3",
          "--aggregation", "robust"],
-        capture_output=True, text=True, timeout=300, cwd=d)
+        timeout=300, cwd=d)
     assert out.returncode == 0, out.stderr
     assert 'aggregation = "robust"' in (d / "run" / "run.toml").read_text()
     return d / "run", out.stdout.strip().splitlines()[-1]
@@ -268,10 +267,10 @@ def test_local_state_that_does_not_fit_the_model_is_a_one_line_error(procs, run_
     ckdir.mkdir(parents=True)
     (ckdir / "step-000001.p2ck").write_bytes(checkpoint.encode(arrays, meta))
     boot, baddr = start_bootstrap(procs)
-    out = subprocess.run([sys.executable, "-m", "p2ptrain", "join", "--bootstrap", baddr, "--listen",
+    out = run_cli(["join", "--bootstrap", baddr, "--listen",
                           "/ip4/127.0.0.1/tcp/0", "--key", str(keys[0]), "--workdir", str(work), "--manifest",
                           str(run_path / "run.toml"), "--max-outer-steps", "1", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300, cwd=procs.log_dir)
+                         timeout=300, cwd=procs.log_dir)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2, out.stderr[-2000:]
     assert last.startswith("p2ptrain: error: the run's state does not load") and "checkpoints/" in last, last
