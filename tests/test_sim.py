@@ -165,6 +165,35 @@ def test_a_skip_of_an_earlier_try_is_not_a_skip_of_the_roster_that_committed():
         assert m.counts()["commit_or_abort"] == flagged, (late, m.violations)
 
 
+def test_a_partner_still_booting_after_a_crash_is_not_a_lineage_the_lone_peer_leaves():
+    """Invariant 2 counts a crashed peer again once its restart joined the run, not while it
+    boots: until then it has announced nothing (rule H2 cannot see it) and it adopts the head
+    as it joins (H1). Seed 107665 of the 1,000 4-peer worlds was flagged for the survivor's
+    second lone commit at 64.2 s, while its crashed partner, up again, was still starting
+    (its `run_joined` came at 69.6 s and it adopted the survivor's state)."""
+    from p2ptrain.sim.invariants import Monitor, WorldView
+
+    def lone_commits(rejoin_at: float | None) -> int:
+        m = Monitor(WorldView({"a", "b"}, lambda p: True, lambda x, y: True))
+        for p in "ab":
+            m.on_event(0.0, p, "run_joined", {"step": 0})
+        m.on_event(1.0, "b", "peer_down", {})
+        for t in range(3):
+            if rejoin_at is not None and rejoin_at < 10.0 * (t + 1):
+                m.on_event(rejoin_at, "b", "run_joined", {"step": 0})
+                m.on_event(rejoin_at, "b", "outer_step_started", {"step": t, "joining": False})
+                rejoin_at = None
+            m.on_event(10.0 * (t + 1), "a", "outer_step_committed",
+                       {"step": t + 1, "params_sha256": f"s{t + 1}", "members": ["a"], "loss": 1.0})
+        return m.counts()["no_lone_lineage"]
+
+    assert lone_commits(None) == 0  # booting throughout: nobody to leave
+    assert lone_commits(25.0) == 1  # joined and training its own step 2: a third lone commit is one
+
+    rep = world.run(scenarios.random_world(107665, 4, duration=200.0), 107665)
+    assert not rep.violations, rep.violations
+
+
 def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():
     """Rule H3: after a partition (3-73 s) the pair without the tie-break committed its step
     0 as a pair at 75 s, four steps behind the other side, and (one of them 4x slow) went on

@@ -13,7 +13,10 @@ are the step a round trains (a commit event's `step` is the state it produced: t
      a fork the merge rounds must heal, which invariant 3 checks);
   2. no lone lineage: no honest peer commits alone twice in a row while another live honest
      peer it can reach is in the run and not following it (a follower holds a state of its
-     lineage and trains nothing at that step: it adopts what the peer commits);
+     lineage and trains nothing at that step: it adopts what the peer commits). A peer that
+     crashed is back in the run at its restart's `run_joined`, not while it boots: until
+     then it has announced nothing (rule H2 cannot see it) and it adopts the head as it
+     joins (H1);
   3. convergence: at the end (faults over), live honest peers hold states within K steps of
      each other and, while they are no more than one group (N <= G), agree on every step
      from K below the newest that two of them hold, except steps before they first held one
@@ -70,6 +73,7 @@ class Monitor:
 
     def __post_init__(self) -> None:
         self.joined: set[str] = set()
+        self.booting: set[str] = set()  # crashed, and its restart has not joined yet
         self.groups: dict[tuple[str, int], tuple[str, ...]] = {}
         self.commits: dict[int, dict[str, tuple[str, tuple[str, ...]]]] = {}  # t -> peer -> (hash, roster)
         self.skips: dict[int, set[str]] = {}
@@ -97,8 +101,11 @@ class Monitor:
 
     def on_event(self, now: float, peer: str, event: str, f: dict) -> None:
         honest = peer in self.world.honest
-        if event == "run_joined":
+        if event == "peer_down":
+            self.booting.add(peer)
+        elif event == "run_joined":
             self.joined.add(peer)
+            self.booting.discard(peer)
             self.booted[peer] = now
             self.latest[peer] = int(f.get("step", 0))
         elif event == "group_formed":
@@ -149,7 +156,7 @@ class Monitor:
             self.lone[peer] = self.lone.get(peer, 0) + 1
             ours = set(self.history.get(peer, {}).values())
             others = [q for q in self.joined if q != peer and q in self.world.honest and self.world.alive(q)
-                      and self.world.reachable(peer, q)
+                      and q not in self.booting and self.world.reachable(peer, q)
                       and not (self.history.get(q, {}).get(self.latest.get(q, -1)) in ours
                                and (q, t) not in self.trained)]
             if self.lone[peer] >= 2 and others:
