@@ -133,9 +133,12 @@ class VectorModel:
 
 class StateScorer:
     """The stand-in's `state_losses` (rules H1 and H3, `p2ptrain.train.scorer.checked_load`):
-    our committed params and a fetched state's, scored on our own data (the target plus our
-    bias) with a fresh noise draw each time, as the real scorer draws fresh windows. The
-    draws come from the world's seed, not the caller's random `seed`, so a world replays."""
+    our committed params and a fetched state's, scored on the run's data (the target every
+    peer's data shares, without our own bias: the real scorer draws windows of the run's
+    dataset, which every peer holds, not of the peer's own share) with a fresh noise draw
+    each time, as the real scorer draws fresh windows. The draws come from the world's seed,
+    not the caller's random `seed`, so a world replays. Scored on our own biased target, an
+    honest group's step that moved away from our bias read as worse than our state."""
 
     def __init__(self, model: VectorModel, noise: float = 0.05) -> None:
         self.model, self.noise, self.draws = model, noise, 0
@@ -148,7 +151,7 @@ class StateScorer:
             raise checkpoint.CheckpointError("state does not fit this model")
         rng = np.random.default_rng([m.seed, m.peer, 0x5C0E, self.draws])
         self.draws += 1
-        goal = m.target + m.bias + (rng.standard_normal(m.n_params) * self.noise).astype(np.float32)
+        goal = m.target + (rng.standard_normal(m.n_params) * self.noise).astype(np.float32)
         return (float(np.mean((m.outer.params - goal).astype(np.float64) ** 2)),
                 float(np.mean((np.asarray(theirs, np.float32) - goal).astype(np.float64) ** 2)))
 
