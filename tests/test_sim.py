@@ -208,7 +208,7 @@ def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():
 def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monkeypatch, scored):
     """Rule H3's second half: after a 113 s partition the pair behind (one member 4x slow)
     had committed together, so the head it ranks first is its own. It now adopts the others'
-    state, two steps ahead, because that state scores better than its own on its own data;
+    state, two steps ahead, because that state scores better than its own on windows it draws;
     before, it trained a 41 s phase, skipped and met the others 4 steps after the partition
     (simulator seed 40287). Without a scorer it may not (a planted state looks the same):
     it met the others 4 steps after the partition (a convergence violation) until rule E14,
@@ -224,7 +224,7 @@ def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monk
 
 def test_the_simulated_scorer_passes_over_a_state_no_better_than_ours():
     """What keeps H3's far-ahead adoption from being the planted-checkpoint door: a state
-    that does not score better than ours on our own data is not loaded."""
+    that does not score better than ours on windows we draw is not loaded."""
     g = vmodel.genesis(16, 3)
     m = vmodel.VectorModel(g, dim=16, H=4, seed=3, peer=0, target_seed=3, outer_lr=0.7, outer_momentum=0.9)
     planted = vmodel.encode(np.random.default_rng(9).standard_normal(16).astype(np.float32) * 3,
