@@ -14,6 +14,7 @@ import queue
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -190,18 +191,16 @@ class ProcessGroup:
 
 def run(args: list[str], timeout: float, cwd: str | Path | None = None, env: dict | None = None,
         module: str = "p2ptrain") -> subprocess.CompletedProcess:
-    """`subprocess.run([python, "-m", module, *args], capture_output=True, text=True, ...)`
-    (`env`: the whole environment, as subprocess takes it)
-    for a command that runs to its end (`init`, `status`, a bench), started from a fork server
+    """`subprocess.run([python, "-m", module, *args], capture_output=True, text=True, ...)` for
+    a command that runs to its end (`init`, `status`, a bench), started from a fork server
     where one is in use (`use_fork_servers`): each `init` the tests ran paid ~5 s of imports
-    as a fresh interpreter. On `timeout` the child is killed and `TimeoutExpired` raised."""
+    as a fresh interpreter. `env` is the whole environment, as subprocess takes it. On
+    `timeout` the child is killed and `TimeoutExpired` raised."""
     child_env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     server = _next_server(child_env, None)
     if server is None:
         return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
                               timeout=timeout, cwd=cwd, env=child_env)
-    import tempfile
-
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = server.spawn(module, args, str(cwd or os.getcwd()), child_env, subprocess.DEVNULL, out, err)
         try:

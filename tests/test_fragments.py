@@ -116,8 +116,8 @@ def test_init_streaming_defaults_and_a_model_too_small_for_its_fragments(tmp_pat
     # streaming rounds land H / P late: DiLoCo's own outer step measured best (BENCHMARKS.md)
     assert (tr.fragments, tr.outer_lr, tr.outer_momentum, tr.max_inner_steps) == (2, 0.7, 0.9, 100)
     out = run_cli(["init", "--out", str(tmp_path / "run"), "--key",
-                          str(tmp_path / "k"), "--overlap", "eager", "--inner-steps", "1024", "--fragments", "1024"],
-                         timeout=300, cwd=tmp_path)
+                   str(tmp_path / "k"), "--overlap", "eager", "--inner-steps", "1024", "--fragments", "1024"],
+                  timeout=300, cwd=tmp_path)
     assert out.returncode != 0 and "do not fit" in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert not (tmp_path / "run" / "run.toml").exists()
 

@@ -287,8 +287,8 @@ def test_throughput_bench_runs_and_reports_both_ratios(tmp_path):
 
     hf_fixtures.write_llama(tmp_path / "m")
     out = run_cli(["bench", "throughput", "--model", f"hf:{tmp_path / 'm'}",
-                          "--steps", "1", "--rounds", "1", "--batch", "2", "--seq-len", "32", "--threads", "1",
-                          "--json"], timeout=300, cwd=tmp_path)
+                   "--steps", "1", "--rounds", "1", "--batch", "2", "--seq-len", "32", "--threads", "1",
+                   "--json"], timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["params"] == 139584 and r["device"] == "cpu" and r["precision"] == "fp32"

@@ -162,7 +162,7 @@ def test_readpause_bench_times_every_mode_on_a_shaped_link():
     wire = frames * readpause._frame_bytes() * 8 / (mbit * 1e6)
     assert all(wire * 0.95 < t < 30 for v in times.values() for t in v)
     out = run_cli(["bench", "readpause", "--mbit", "200", "--frames", "3",
-                          "--rounds", "1", "--json"], timeout=120)
+                   "--rounds", "1", "--json"], timeout=120)
     assert out.returncode == 0, out.stderr[-500:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["event"] == "bench_readpause_summary" and summary["frames"] == 3

@@ -24,7 +24,7 @@ N = 10
 
 def status(bootstrap: str, cwd) -> dict:
     out = run_cli(["status", "--bootstrap", bootstrap, "--json"],
-                         timeout=60, cwd=cwd)
+                  timeout=60, cwd=cwd)
     assert out.returncode == 0, out.stderr
     return {p["remote"]: p for p in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
 

@@ -46,7 +46,7 @@ def test_show_config_prints_every_setting_and_its_source(tmp_path):
         args = ([flag] if flag == "-v" else []) + ["status", "--bootstrap", boot, "--config", str(tmp_path / "p.toml")]
         args += [flag] if flag != "-v" else []
         r = run_cli([*args], timeout=60,
-                           cwd=tmp_path, env=env)
+                    cwd=tmp_path, env=env)
         assert r.returncode == 2, r.stderr  # nobody at the bootstrap: after the configuration is shown
         err = r.stderr
         assert "effective configuration" in err, err
@@ -303,7 +303,7 @@ def test_a_clean_exit_shows_offline_at_once_over_real_libp2p(procs, tmp_path):
 
     def lobby() -> set:
         r = run_cli(["status", "--bootstrap", boot, "--json"],
-                           timeout=60, cwd=tmp_path)
+                    timeout=60, cwd=tmp_path)
         return {p["remote"] for p in json.loads(r.stdout.splitlines()[-1])["peers"]}
 
     deadline = time.monotonic() + 30

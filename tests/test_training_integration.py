@@ -159,7 +159,7 @@ def test_peer_killed_between_steps_others_commit_without_it(procs, run_dir, keys
     assert all(len(e["members"]) == 2 for e in nxt)
     # `p2ptrain status --run` shows the run as the DHT has it.
     out = run_cli(["status", "--bootstrap", baddr, "--run", run_dir[1],
-                          "--json"], timeout=60, cwd=procs.log_dir)
+                   "--json"], timeout=60, cwd=procs.log_dir)
     assert out.returncode == 0, out.stderr
     rows = {r["remote"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])["peers"]}
     for ev in nxt:
@@ -268,9 +268,9 @@ def test_local_state_that_does_not_fit_the_model_is_a_one_line_error(procs, run_
     (ckdir / "step-000001.p2ck").write_bytes(checkpoint.encode(arrays, meta))
     boot, baddr = start_bootstrap(procs)
     out = run_cli(["join", "--bootstrap", baddr, "--listen",
-                          "/ip4/127.0.0.1/tcp/0", "--key", str(keys[0]), "--workdir", str(work), "--manifest",
-                          str(run_path / "run.toml"), "--max-outer-steps", "1", "--threads", "1"],
-                         timeout=300, cwd=procs.log_dir)
+                   "/ip4/127.0.0.1/tcp/0", "--key", str(keys[0]), "--workdir", str(work), "--manifest",
+                   str(run_path / "run.toml"), "--max-outer-steps", "1", "--threads", "1"],
+                  timeout=300, cwd=procs.log_dir)
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2, out.stderr[-2000:]
     assert last.startswith("p2ptrain: error: the run's state does not load") and "checkpoints/" in last, last
