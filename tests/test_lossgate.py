@@ -55,7 +55,8 @@ def test_sybils_within_every_bound_are_gated_out_and_the_honest_commit_without_t
     # the first attempt held all five; every honest member refused it; the retry held three
     firsts = {c[1]: c[2] for c in hub.calls if c[0] == rounds[0].me}
     assert [len(m) for m in firsts.values()] == [5, 3]
-    assert len(calls) == 3 and len(set(calls)) == 1  # one batch seed, drawn from the headers, on all three
+    # one batch seed drawn from the headers, then L1b's 2 further ones, alike on all three
+    assert len(calls) == 9 and len(set(calls)) == 3 and all(calls.count(c) == 3 for c in calls)
     for r in rounds[:3]:  # no conviction: the aggregate does not say which of them pushed
         assert not r.ledger.ignored
     for o in outs[3:]:
@@ -406,4 +407,32 @@ def test_a_round_where_nobody_trained_passes_the_gate_unscored():
     gate = lossgate.make_gate(scorer, lossgate.GateConfig(), "r" * 64, "1/0", got, 2)
     assert gate(np.zeros(4, np.float32)) is None and scored == []
     got["ok"]["b"] = work
-    assert gate(np.ones(4, np.float32)).startswith("loss-rose") and len(scored) == 1
+    assert gate(np.ones(4, np.float32)).startswith("loss-rose") and len(scored) == 3  # 1 + confirm (L1b)
+
+
+def test_a_mean_no_piece_fails_with_is_refused_only_if_it_fails_on_each_further_batch():
+    """Rule L1b. The README's two-machine flow (full suite, 2026-11-29): the honest pair's
+    step-1 mean rose 0.30 % on its batch while L2 kept both pieces; both skipped and waited
+    `retry_wait`. A mean is now held to L2's bar: it fails on the round's batch and on each
+    of `confirm` further ones (drawn as L2's are), or it is signed."""
+    H = type("H", (), {"norm": 1.0})
+    got = {"ok": {"a": H(), "b": H()}, "raw": {"a": b"x", "b": b"y"}}
+    seed = lossgate.round_seed("r" * 64, "1/0", got["raw"])
+    order = {lossgate.confirm_seed(seed, k): k for k in range(3)}
+    for rises_on, refused, scored in (({0, 1, 2}, True, [0, 1, 2]), ({0, 2}, False, [0, 1]),
+                                      ({0}, False, [0, 1]), ({1, 2}, False, [0]), (set(), False, [0])):
+        calls = []
+
+        def scorer(avg, s, base=None):
+            calls.append(order[s])
+            return 1.0, 1.01 if order[s] in rises_on else 0.99
+        gate = lossgate.make_gate(scorer, lossgate.GateConfig(), "r" * 64, "1/0", got, 2, lambda s: {})
+        assert (gate(np.ones(4, np.float32)) is not None) is refused, rises_on
+        assert calls == scored, rises_on  # further batches only while the mean keeps failing
+    # a convicted piece names the culprit at once: no further batches for the mean
+    calls.clear()
+    gate = lossgate.make_gate(scorer, lossgate.GateConfig(), "r" * 64, "1/0", got, 2, lambda s: {"b": "loss-rose"})
+    assert "failed alone" in gate(np.ones(4, np.float32)) and calls == [0]
+    rises_on, calls[:] = {0, 1, 2}, []
+    assert lossgate.make_gate(scorer, lossgate.GateConfig(confirm=0), "r" * 64, "1/0", got, 2)(
+        np.ones(4, np.float32)).startswith("loss-rose") and calls == [0]  # confirm 0: the strict L1

@@ -27,6 +27,8 @@ ones left a descending mean and +45 % val loss after 3 steps). A piece that fail
 round's batch is judged on `confirm` further batches and convicted only if it fails on each
 (one batch is noisy). A merge round's pieces were trained from other lineages than the merged
 state they would be applied to, so there they are judged only when the mean fails.
+A mean that fails on the round's batch while no piece was convicted is scored on the same
+further batches and refused only if it fails on each (rule L1b: one batch is noisy).
 A refused round aborts on every member (we never sign: no certificate can exist), and our
 next attempt leaves out the members whose work failed alone (L2), or, when only the mean
 failed, every member we have no standing with.
@@ -77,7 +79,7 @@ class GateConfig:
     confirm: int = 2
     """Further batches (each `batches` long, drawn from the round's seed) a piece that fails
     alone on the round's batch is judged on (L2); it is convicted only if it fails on each.
-    Paid only for failing pieces."""
+    The same for a mean that fails when no piece does (L1b). Paid only for what fails."""
 
     def __post_init__(self) -> None:
         if not (-1.0 < self.margin < 1.0) or self.batches < 1 or not 0.0 < self.step_fraction <= 1.0:
@@ -168,5 +170,21 @@ def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict,
         if why:
             log.info("round %s: %d members' work failed alone: %s", round_id, len(why), sorted(set(why.values())))
             return f"loss-rose: {len(why)} members' work failed alone ({', '.join(sorted(set(why.values())))})"
+        if reason is not None:  # L1b: refused only if it fails on each further batch too
+            reason = _confirm_mean(lambda s: scorer(avg, s, got.get("base_state")), seed, config, reason)
+            log.info("round %s: loss gate on %d further batches: %s", round_id, config.confirm, reason or "passed")
         return reason
     return gate
+
+
+def _confirm_mean(score, seed: bytes, config: GateConfig, reason: str) -> str | None:
+    """Rule L1b: a mean that failed on the round's batch, when no piece was convicted, is
+    scored on `config.confirm` further batches (L2's, `confirm_seed`) and refused only if it
+    fails on each. One batch is noisy for the mean as for a piece: the README's honest pair
+    refused a mean that rose 0.30 % on its batch while L2 kept both pieces, and both waited
+    `retry_wait`. An anti-update in the mean rises on nearly every batch, so it still fails."""
+    for k in range(1, 1 + config.confirm):
+        reason = verdict(*score(confirm_seed(seed, k)), config.margin)
+        if reason is None:
+            return None
+    return reason
