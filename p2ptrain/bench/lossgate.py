@@ -16,6 +16,10 @@ on the round's batch, it records:
     are catches;
   - hidden: whether the mean with the anti-update in it (one among `--peers` honest) still
     passes L1 -- the case only L2's pieces catch.
+A mean (honest or with the anti-update) that fails on the round's batch is scored on the
+`--confirm` further batches and refused only if it fails on each (rule L1b), as the product
+does when no piece is convicted; `mean_failed_once` counts the honest means that failed on
+the round's batch.
 The summary gives the medians as ratios of the phase and the counts over all rounds.
 """
 
@@ -58,10 +62,15 @@ def run(args) -> int:
         spec = RunSpec.from_dict(mf.read(d / "run" / "run.toml")[0])
         ds, genesis = load_run_data(spec), (d / "run" / "genesis.p2ck").read_bytes()
         peers = [LocalModel(spec, ds, bytes([i + 1]) * 8, genesis) for i in range(args.peers + 1)]
-        scorer = CandidateScorer(peers[0], lossgate.GateConfig(batches=args.batches, confirm=args.confirm))
+        cfg = lossgate.GateConfig(batches=args.batches, confirm=args.confirm)
+        scorer = CandidateScorer(peers[0], cfg)
 
         def judged(x, seed):
             return lossgate.judge_piece(lambda sd: scorer(x, sd), seed, args.confirm)
+
+        def mean_verdict(x, seed, first=None):  # L1 with L1b, as `lossgate.make_gate` when no piece is convicted
+            why = lossgate.verdict(*(first or scorer(x, seed)), cfg.margin)
+            return why and lossgate.confirm_mean(lambda sd: scorer(x, sd), seed, cfg, why)
         rows = []
         for r in range(args.rounds):
             phases, deltas = [], []
@@ -81,12 +90,13 @@ def run(args) -> int:
             piece = (time.perf_counter() - t0) / sum(len(sc) for _, sc in alone)
             anti_why, anti_scores = judged(anti, seed)
             mixed = np.mean([*honest, anti], axis=0).astype(np.float32)
-            hidden = lossgate.verdict(*scorer(mixed, seed)) is None
+            hidden = mean_verdict(mixed, seed) is None
             for p in peers:
                 p.outer_step(mean)
             rows.append({"event": "bench_lossgate_round", "round": r, "phase_s": round(statistics.median(phases), 4),
                          "gate_s": round(gate, 4), "piece_s": round(piece, 4),
-                         "mean_passed": lossgate.verdict(ref, after) is None,
+                         "mean_failed_once": lossgate.verdict(ref, after, cfg.margin) is not None,
+                         "mean_passed": mean_verdict(mean, seed, (ref, after)) is None,
                          "honest_pieces_failed_once": sum(lossgate.judge_evidence(*sc[0]) is not None for _, sc in alone),
                          "honest_pieces_convicted": sum(why is not None for why, _ in alone),
                          "anti_caught": anti_why is not None, "anti_hidden_by_mean": hidden,
@@ -100,6 +110,7 @@ def run(args) -> int:
                    "gate_over_phase": round(med["gate_s"] / med["phase_s"], 4),
                    "piece_over_phase": round(med["piece_s"] / med["phase_s"], 4),
                    "evidence_bytes_per_piece": 4 * peers[0].n_params,
+                   "honest_means_failed_once": sum(x["mean_failed_once"] for x in rows),
                    "honest_means_refused": sum(not x["mean_passed"] for x in rows),
                    "confirm": args.confirm,
                    "honest_pieces_failed_once": sum(x["honest_pieces_failed_once"] for x in rows),

@@ -171,13 +171,13 @@ def make_gate(scorer, config: GateConfig, run_id: str, round_id: str, got: dict,
             log.info("round %s: %d members' work failed alone: %s", round_id, len(why), sorted(set(why.values())))
             return f"loss-rose: {len(why)} members' work failed alone ({', '.join(sorted(set(why.values())))})"
         if reason is not None:  # L1b: refused only if it fails on each further batch too
-            reason = _confirm_mean(lambda s: scorer(avg, s, got.get("base_state")), seed, config, reason)
+            reason = confirm_mean(lambda s: scorer(avg, s, got.get("base_state")), seed, config, reason)
             log.info("round %s: loss gate on %d further batches: %s", round_id, config.confirm, reason or "passed")
         return reason
     return gate
 
 
-def _confirm_mean(score, seed: bytes, config: GateConfig, reason: str) -> str | None:
+def confirm_mean(score, seed: bytes, config: GateConfig, reason: str) -> str | None:
     """Rule L1b: a mean that failed on the round's batch, when no piece was convicted, is
     scored on `config.confirm` further batches (L2's, `confirm_seed`) and refused only if it
     fails on each. One batch is noisy for the mean as for a piece: the README's honest pair
