@@ -78,55 +78,9 @@ class Lineage:
                 at = await elect.publish_ready(self.dht, self.run_id, t, addrs, True, self.elect_cfg.window)
                 self._ahead[t] = (at, again_joining)
             self.events.emit("joining_ahead", step=t1)
-            if ahead == 1:
-                if not await self._await_ahead(t1):
-                    return
-            else:  # overlapped: rounds t and t+1 are both ahead of us (not covered by J1 yet)
-                await self.catch_up(t1)
+            await self.catch_up(t1)
             if self.local.step <= t1:
                 return
-
-    async def _await_ahead(self, t1: int) -> bool:
-        """Rule J1: wait for state t1, the one the round we joined ahead of commits, only while
-        that round may still commit it: until the step before it is retried (a ready record
-        for it, from a peer that trains it, at a try past every one we saw as we joined
-        ahead: its round failed) or `retry_wait` passes. Then we take part in that step's
-        retry, as a joiner at its try (E15 leaves out a record of an earlier try from a peer
-        announced ahead). True when the wait ended with no reason to give up (state t1
-        adopted, or not offered yet within the wait). *Liveness: a join ahead waited the
-        catch-up's 120 s for a state nobody was going to commit: red team sybil-k8, the honest
-        four joined step 4 ahead of 8 Sybils' round of step 3, which failed and was retried
-        every 30 s without them until the run's limit (0 of 4 steps in the last 100 s).*"""
-        t0 = t1 - 1
-        seen = max((r.tries for r in await elect.read_ready(self.dht, self.run_id, t0, self.elect_cfg.window)
-                    if not r.joining), default=0)
-        retried = -1
-        async with trio.open_nursery() as nursery:
-            async def wait_for_state():
-                await self.catch_up(t1, timeout=self.spec.timeouts.retry_wait)
-                nursery.cancel_scope.cancel()
-
-            async def watch_retry():  # polled once a second: one read of our cell of the step
-                nonlocal retried
-                while True:
-                    await trio.sleep(1.0)
-                    recs = await elect.read_ready(self.dht, self.run_id, t0, self.elect_cfg.window)
-                    tries = [r.tries for r in recs if not r.joining and r.peer != self.me
-                             and r.peer not in self.ledger.ignored and r.tries > seen]
-                    if tries:
-                        retried = max(tries)
-                        nursery.cancel_scope.cancel()
-                        return
-
-            nursery.start_soon(wait_for_state)
-            nursery.start_soon(watch_retry)
-        if retried < 0 or self.local.step >= t1:
-            return True
-        for t in [k for k in self._ahead if k >= t1]:
-            del self._ahead[t]
-        self._tries[t0] = max(self._tries.get(t0, 0), retried)
-        self.events.emit("join_ahead_abandoned", step=t1, retry_step=t0, try_number=retried)
-        return False
 
     async def sync_with_run(self) -> bool:
         """Adopt the run's head if it is ahead of ours (rule H1: a newcomer and a restarted
