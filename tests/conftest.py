@@ -16,6 +16,13 @@ import trio
 ROOT = str(Path(__file__).resolve().parent.parent)
 if ROOT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+# Every trainer a test starts evaluates each committed step on 2 validation batches, not the
+# product's 8 (`TrainerConfig.eval_batches`; a flag still wins): the tests' runs train 2-6
+# inner steps of 4 x 64 tokens, and 8 batches of 16 windows cost more CPU than the phase
+# (a 3-peer test's peers: 9 s of CPU each with 8, 7 s with 2 and the DHT address cache, on
+# 2 cores shared by 3-5 processes). Every peer of a run evaluates the same windows, so
+# tests that compare val losses compare like with like.
+os.environ.setdefault("P2PTRAIN_TRAINER_EVAL_BATCHES", "2")
 import trio.testing
 
 
