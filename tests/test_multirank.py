@@ -167,8 +167,12 @@ def test_two_rank_peer_and_single_peer_commit_identical_params(procs, tmp_path):
     boot, baddr = start_bootstrap(procs)
     single = procs.start(join_args(baddr, keys[0], tmp_path / "w0", ["--manifest", str(run_path / "run.toml")]),
                          "single")
+    # Not the default 8 validation batches: the other ranks were sent no count and evaluated 8
+    # while rank 0 evaluated what it was told, so a node told 2 hung in FSDP's collectives
+    # after its first commit (a full suite, 2026-11-29); the count now goes with EVAL.
     node = procs.start(torchrun_args(2) + join_args(baddr, keys[1], tmp_path / "w1", ["--run-id", rid]), "node",
-                       env={"P2PTRAIN_RANKS_VERIFY": "1"}, module="torch.distributed.run")
+                       env={"P2PTRAIN_RANKS_VERIFY": "1", "P2PTRAIN_TRAINER_EVAL_BATCHES": "3"},
+                       module="torch.distributed.run")
     for step in range(1, STEPS + 1):
         evs = [p.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] == step, 120)
                for p in (single, node)]

@@ -103,7 +103,10 @@ class LeaderModel:
 
     def evaluate(self, max_batches: int = 8, committed: bool = False) -> float:
         with self.lock:
-            ranks.send_cmd(ranks.EVAL)
+            # every rank runs the same forwards (FSDP's collectives): the count goes with the
+            # command. Sent without it, the other ranks evaluated their default 8 batches, and a
+            # leader told `--eval-batches 2` waited for them forever after its first commit.
+            ranks.send_cmd(ranks.EVAL, max_batches)
             return self.shard.evaluate(max_batches)
 
     def state_bytes(self) -> bytes:

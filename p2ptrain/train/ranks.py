@@ -17,7 +17,7 @@ The command protocol over the process group (all collectives; rank 0 is the sour
   INNER   step t: every rank runs H inner steps on its rows of step t's batches
   GATHER  every rank's flat shard to rank 0 (`dist.gather`): the params for a pseudo-gradient
   APPLY   rank 0 scatters the full params it committed (or adopted: a catch-up) as shards
-  EVAL    the validation loss, rows split over the ranks
+  EVAL    n: the validation loss over n batches (`--eval-batches`), rows split over the ranks
   STOP    leave the loop
   DONE    (p2ptrain.DiLoCo only, p2ptrain.api_ranks) the outer step is over: back to the user's loop
 Ranks only ever write parameters on APPLY, which rank 0 sends after its outer step (or
@@ -234,7 +234,7 @@ def follow(env: RankEnv, device: torch.device, on_stop=None) -> int:
         elif cmd == APPLY:
             recv_shard(model)
         elif cmd == EVAL:
-            model.evaluate()
+            model.evaluate(arg)  # the leader's batch count: every rank runs the same forwards
         elif cmd == STOP:
             if on_stop is not None:
                 on_stop(model)
