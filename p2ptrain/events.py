@@ -28,7 +28,7 @@ log = logging.getLogger("p2ptrain")
 # Logged at INFO in human mode.
 SHOWN = frozenset({
     "listening", "bootstrap_connected", "dashboard_listening", "reachability", "run_joined", "peer_discovered",
-    "joining_ahead", "caught_up", "data_fetched", "outer_step_committed", "outer_step_skipped", "left",
+    "joining_ahead", "rejoining_round", "caught_up", "data_fetched", "outer_step_committed", "outer_step_skipped", "left",
 })
 # Logged at WARNING in human mode: something went wrong that a person may have to act on.
 WARNED = frozenset({

@@ -388,6 +388,22 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
+def test_a_peer_restarted_mid_round_rejoins_the_steps_next_try_not_the_step_after():
+    """Rule J2: in a pair, the peer holding the tie-break (Q1) is stopped as step 8's round
+    runs and started again 3 s later with its workdir. Its earlier incarnation's ready
+    record says it was a candidate of that round, so it takes part in the step's next try
+    (its record there ends the survivor's wait after its skip, T8) rather than join step 9
+    ahead of a round that cannot commit without it, which cost the survivor's `retry_wait`:
+    17 steps each in 260 s before, 21 now (the real-process Ctrl-C test failed on this in a
+    full suite, 2026-11-29: the restarted peer joined ahead and the survivor skipped). When
+    the survivor holds the tie-break it commits the step alone and nothing changes (22)."""
+    plans = (PeerPlan(initiator=True, min_peers=2), PeerPlan(initiator=True, min_peers=2, outages=((104.5, 107.5),)))
+    rep = world.run(Scenario("restart_mid_round", plans, group_size=4, duration=260.0), 1, trace=True)
+    assert not rep.violations, rep.violations
+    assert any("rejoining_round" in line for line in rep.trace)
+    assert len(set(rep.final_steps.values())) == 1 and min(rep.final_steps.values()) >= 20, rep.final_steps
+
+
 def test_a_confirmation_begun_in_a_partition_goes_on_once_it_heals():
     """Rule R7: all four members retried step 0 at 125-129 s and confirmed their roster into a
     partition that healed at 149 s. Each had sent its confirmation once, into the partition,

@@ -125,6 +125,11 @@ def _ours(dht, run_id: str) -> _Ours:
     return _stored.setdefault(dht, {}).setdefault(run_id, _Ours())
 
 
+def our_boot(dht, run_id: str) -> str:
+    """This incarnation's boot nonce (rule E11) for `run_id`'s records."""
+    return _ours(dht, run_id).boot
+
+
 async def _file(dht, run_id: str, step: int, fresh: str = "") -> None:
     """Store our ready and state records of `step` (those we have: E5, E10) in our cells at
     levels 0 .. one finer than we last read: those of the `fresh` kind ('ready', 'state')

@@ -57,8 +57,21 @@ class Lineage:
     async def _round_underway(self, t: int) -> bool:
         """Have peers that trained step t posted their ready records? Then its election is
         closing (it closes as soon as every expected peer posted), and a peer that only now
-        adopted state t is too late for it."""
+        adopted state t is too late for it. Not when an earlier incarnation of ours posted a
+        trained record for t (rule J2): that round counts on a member that is gone, and we
+        join the step's next try instead."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
+        boot = elect.our_boot(self.dht, self.run_id)
+        if any(r.peer == self.me and not r.joining and r.boot and r.boot != boot for r in recs):
+            # Rule J2: an earlier incarnation of ours was a candidate of this round, which then
+            # counts on a member that is gone. We take part in the step's next try instead
+            # (as a joiner, zeros); our record at that try ends the others' wait after their
+            # skip at once (T8), where a join ahead waited for a state that only came after
+            # their `retry_wait` (or never, when we held the pair's tie-break: Q1).
+            nxt = 1 + max(r.tries for r in recs)
+            self._tries[t] = max(self._tries.get(t, 0), nxt)
+            self.events.emit("rejoining_round", step=t, try_number=self._tries[t])
+            return False
         return any(not r.joining and r.peer != self.me for r in recs)
 
     async def _join_ahead(self, ahead: int = 1, and_next: bool = False) -> None:
