@@ -758,6 +758,22 @@ def test_the_ledger_forgives_one_norm_outlier_per_peer_and_never_rejects_itself(
                      ("contribution_dropped", "me", 7), ("contribution_dropped", "me", 8)]
 
 
+def test_a_loss_verdict_holds_for_one_try_and_proofs_for_the_step():
+    """Rules T9 and L2a: at a new try of the step, sit-outs for norms and for a piece that
+    raised the loss (statistical verdicts on that try's headers and batches) end; a missing or
+    mismatched evidence (proof) still holds for the step. Held for the step, `loss-rose`
+    stalled an honest pair for good: its piece rose on the 3 batches of step 1's first try,
+    the pair had no standing yet, and every retry left it out (full suite, 2026-11-29)."""
+    led = Ledger("me", Events())
+    for peer, why in (("a", "loss-rose"), ("b", "norm-over-anchor"), ("c", "no-evidence"), ("d", "evidence-mismatch")):
+        led.sit_out(4, peer, why)
+    led.sit_out(3, "e", "loss-rose")  # an earlier step's: not this step's business
+    assert led.left_out(4) >= {"a", "b", "c", "d"}
+    led.new_try(4)
+    assert {"a", "b"}.isdisjoint(led.left_out(4)) and {"c", "d"} <= led.left_out(4)
+    assert led.sitting_out["e"] == (3, "loss-rose")
+
+
 def test_a_sparse_runs_first_norm_outlier_is_dropped_not_rejected():
     """Sparse runs (the compressed collective) judge norm outliers alike: the first one's
     payload is left out of the committed mean and the sender stays in the run."""

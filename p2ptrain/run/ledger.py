@@ -104,8 +104,13 @@ class Ledger:
     def new_try(self, t: int) -> None:
         """A try of step `t` starts (rule T9): the norm verdicts of its earlier tries judged
         contributions their authors do not offer again (a member whose norm a bound refused
-        retries with zeros), so they end. The loss gate's (L2) stand for the step."""
-        for peer in [p for p, (s, why) in self.sitting_out.items() if s == t and why.startswith("norm-")]:
+        retries with zeros), so they end. So does the loss gate's `loss-rose` (rule L2a): a
+        statistical verdict on batches of one try, which the retry draws anew; held for the
+        step, it stalled an honest pair for good (the real-process planted-checkpoint test:
+        an honest piece rose on its 3 batches at step 1, the pair had no standing yet, and
+        every retry left it out). L2's proofs (evidence missing or not the signed one) stand."""
+        for peer in [p for p, (s, why) in self.sitting_out.items()
+                     if s == t and (why.startswith("norm-") or why == "loss-rose")]:
             del self.sitting_out[peer]
 
     def remember(self, t: int, headers: dict) -> None:
