@@ -61,18 +61,22 @@ class Lineage:
         trained record for t (rule J2): that round counts on a member that is gone, and we
         join the step's next try instead."""
         recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window, self.sightings)
-        boot = elect.our_boot(self.dht, self.run_id)
-        if any(r.peer == self.me and not r.joining and r.boot and r.boot != boot for r in recs):
-            # Rule J2: an earlier incarnation of ours was a candidate of this round, which then
-            # counts on a member that is gone. We take part in the step's next try instead
-            # (as a joiner, zeros); our record at that try ends the others' wait after their
-            # skip at once (T8), where a join ahead waited for a state that only came after
-            # their `retry_wait` (or never, when we held the pair's tie-break: Q1).
-            nxt = 1 + max(r.tries for r in recs)
-            self._tries[t] = max(self._tries.get(t, 0), nxt)
-            self.events.emit("rejoining_round", step=t, try_number=self._tries[t])
+        if self._rejoin_left_round(t, recs):
             return False
         return any(not r.joining and r.peer != self.me for r in recs)
+
+    def _rejoin_left_round(self, t: int, recs: list) -> bool:
+        """Rule J2: an earlier incarnation of ours posted a trained record for step t (`recs`),
+        so the round under way counts on a member that is gone. We take part in the step's
+        next try instead (as a joiner, zeros): our record at that try ends the others' wait
+        after their skip at once (T8), where a join ahead waited for a state that only came
+        after their `retry_wait` (or never, when we held the pair's tie-break: Q1)."""
+        boot = elect.our_boot(self.dht, self.run_id)
+        if not any(r.peer == self.me and not r.joining and r.boot and r.boot != boot for r in recs):
+            return False
+        self._tries[t] = max(self._tries.get(t, 0), 1 + max(r.tries for r in recs))
+        self.events.emit("rejoining_round", step=t, try_number=self._tries[t])
+        return True
 
     async def _join_ahead(self, ahead: int = 1, and_next: bool = False) -> None:
         """Join step t+1 instead: announce it at once (a joining record starts no clock, and
