@@ -18,12 +18,18 @@ U = np.zeros(N, np.float32)
 U[: N // 2] = 1.0 / np.sqrt(N // 2)  # the direction of descent of the fake loss
 
 
-def fake_scorer(calls: list):
-    """A linear loss: the step applies -lr x avg, so the loss falls by lr x (avg . U)."""
-    def scorer(avg, seed, base_state=None):
-        calls.append(seed)
+class fake_scorer:
+    """A linear loss: the step applies -lr x avg, so the loss falls by lr x (avg . U); a
+    piece alone (`piece`, rule L2) is scored alike."""
+
+    def __init__(self, calls: list) -> None:
+        self.calls = calls
+
+    def __call__(self, avg, seed, base_state=None):
+        self.calls.append(seed)
         return 1.0, 1.0 - 0.01 * float(np.dot(avg.astype(np.float64), U))
-    return scorer
+
+    piece = __call__
 
 
 def honest(k: int, seed: int) -> list[np.ndarray]:
@@ -150,6 +156,61 @@ def test_the_scorer_scores_what_the_outer_step_would_commit(tmp_path):
     cand = local.outer.candidate(torch.from_numpy(delta))
     local.outer_step(delta)
     assert torch.equal(cand, local.outer.outer)
+
+
+def test_a_piece_alone_is_scored_from_the_rounds_state_without_momentum(tmp_path):
+    """Rule L2b on the real model side, in the checkpoint test's config (12 inner steps, batch
+    4 x 64 tokens), in a world where L2 once scored pieces from momentum alone: there, at
+    step 1, an honest piece rose on all 3 batches (convicted) and the red team's -2.5x
+    anti-update fell (kept). From the state the round starts from, every honest piece falls
+    and the anti-update rises; the mean (L1) is still scored from momentum alone."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import RunSpec
+    from p2ptrain.train.local import LocalModel, load_run_data
+    from p2ptrain.train.outer import candidate
+    from p2ptrain.train.scorer import CandidateScorer
+
+    assert main(["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k"), "--inner-steps", "12",
+                 "--batch-size", "4", "--seq-len", "64", "--warmup", "5", "--planned-outer-steps", "12",
+                 "--seed", "5"]) == 0
+    spec = RunSpec.from_dict(mf.read(tmp_path / "run" / "run.toml")[0])
+    ds, genesis = load_run_data(spec), (tmp_path / "run" / "genesis.p2ck").read_bytes()
+    peers = [LocalModel(spec, ds, bytes([i + 3]) * 8, genesis) for i in range(4)]
+    scorer = CandidateScorer(peers[0])
+    for step in (0, 1):
+        deltas = []
+        for p in peers:
+            p.inner()
+            deltas.append(p.pseudo_gradient())
+        honest, anti = deltas[:3], deltas[3] * np.float32(-2.5)
+        seed = lossgate.round_seed("bench", f"{step}/0", {"m": (step + 2000).to_bytes(4, "little")})
+        if step == 1:
+            judged = [lossgate.judge_piece(lambda s: scorer.piece(x, s), seed, 2)[0] for x in honest]
+            assert judged == [None, None, None]
+            assert lossgate.judge_piece(lambda s: scorer.piece(anti, s), seed, 2)[0] == "loss-rose"
+            # the old score from momentum alone convicts an honest piece here and keeps the anti-update
+            old = [lossgate.judge_piece(lambda s: scorer(x, s), seed, 2)[0] for x in (*honest, anti)]
+            assert "loss-rose" in old[:3] and old[3] is None, old
+            local = peers[0]
+            before, after = scorer.piece(honest[0], seed)
+            zero = torch.zeros_like(local.outer.outer)
+            cand = candidate(local.outer.outer, zero, local.outer.cfg, torch.from_numpy(honest[0]))
+            want = candidate(local.outer.outer, zero, local.outer.cfg, zero)  # the state itself: no momentum
+            assert torch.equal(want, local.outer.outer)
+            want.add_(cand.sub_(want), alpha=0.1)
+            assert before == scorer._loss(local.outer.outer, scorer_tokens(scorer, seed))
+            assert after == scorer._loss(want, scorer_tokens(scorer, seed))
+        mean = np.mean(honest, axis=0).astype(np.float32)
+        for p in peers:
+            p.outer_step(mean)
+
+
+def scorer_tokens(scorer, seed):
+    from p2ptrain.train.data import train_batch
+
+    local = scorer.local
+    return train_batch(local.ds, seed, 0, scorer.config.batches * local.batch, local.seq_len, local.seed)
 
 
 class EvidenceHub:

@@ -110,9 +110,11 @@ async def fetch_all(evidence: Evidence, ok: dict[str, Header], who: list[str], n
     return got
 
 
-def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
+def judge_all(score_piece, ok: dict[str, Header], fetched: dict[str, bytes | None], seed: bytes, n: int,
               base_state: bytes | None = None, confirm: int = 0) -> tuple[set[str], dict[str, str]]:
-    """(members kept, member -> why not) among `fetched`'s (blocking: forward passes). A piece
+    """(members kept, member -> why not) among `fetched`'s (blocking: forward passes).
+    `score_piece(vec, seed, base_state) -> (before, after)`: the scorer's `piece` (rule L2b:
+    from the round's starting state, without momentum). A piece
     is kept unless its evidence alone raises the loss (beyond `lossgate.CONVICT_MARGIN`) on
     the round's batch (`seed`) and on each of `confirm` further batches drawn from it (one
     batch is noisy: an honest piece may rise on one). Why not: 'no-evidence',
@@ -123,7 +125,7 @@ def judge_all(scorer, ok: dict[str, Header], fetched: dict[str, bytes | None], s
         if isinstance(vec, str):
             why[peer] = vec
             continue
-        reason, scores = judge_piece(lambda sd: scorer(vec, sd, base_state), seed, confirm)
+        reason, scores = judge_piece(lambda sd: score_piece(vec, sd, base_state), seed, confirm)
         if reason is None:
             kept.add(peer)
         else:
@@ -163,6 +165,6 @@ class Pieces:
         if not self.done.wait(self.wait + 2.0):  # fails closed: nothing judged, nothing signed
             return {"?": "no-evidence"}
         got = self.got
-        got["kept"], got["why"] = judge_all(self.scorer, got.get("ok") or {}, got.get("fetched") or {}, seed,
+        got["kept"], got["why"] = judge_all(self.scorer.piece, got.get("ok") or {}, got.get("fetched") or {}, seed,
                                             self.n, got.get("base_state"), self.confirm)
         return got["why"]

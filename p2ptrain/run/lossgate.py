@@ -20,8 +20,10 @@ result only if the outer step it would commit lowers the loss on a batch nobody 
     on their 2 batches (two in one full test run, each a 60 s skip), and it was never the
     defense against anti-updates: the mean with one in it passed in 8-11 of 12 rounds
     (BENCHMARKS.md, `bench lossgate`); L2's per-piece verdict is.
-Every member that gates also judges each unvetted member's work alone the same way (rule L2,
-`p2ptrain.run.evidence`), before it signs, on every gated round: a round whose mean passes
+Every member that gates also judges each unvetted member's work alone (rule L2,
+`p2ptrain.run.evidence`), before it signs, on every gated round, from the state the round
+starts from without momentum (rule L2b, the scorer's `piece`: momentum is the group's past
+steps, not the member's work, and at a run's early steps it overshoots): a round whose mean passes
 may still hide one anti-update among honest ones (measured: one -2.5x peer among three honest
 ones left a descending mean and +45 % val loss after 3 steps). A piece that fails on the
 round's batch is judged on `confirm` further batches and convicted only if it fails on each
