@@ -138,11 +138,20 @@ class NodeProcess:
         return "\n".join(self.stderr_text().splitlines()[-n:])
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the child's process group. SIGKILL also waits (up to 10 s) until the child
+        is reaped: a killed process lets go of its descriptors (its workdir's lock) only once
+        its exit completes, which takes a moment under load, and a restart on the same
+        workdir right after the kill was refused as "in use" (a full test run, 2026-11-29)."""
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
+            if sig == signal.SIGKILL:
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
