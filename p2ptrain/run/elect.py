@@ -36,6 +36,9 @@ log = logging.getLogger("p2ptrain.run.elect")
 _stored: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """DHT node -> {run id: `_Ours`}: our election records, and the cells they are stored in."""
 Gone = Callable[[set[str]], Awaitable[set[str]]]
+Behind = Callable[[], Awaitable[bool]]
+"""Rule E16: asked once a join window while an election waits; True when the caller adopted
+a later state (H3: one two or more steps past the step) and the wait ends."""
 """Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 
 
@@ -242,7 +245,8 @@ def _retry_candidates(recs: list[election.Ready], me: str, past: set[str], boots
 
 async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ignored: set[str],
                             expected: set[str], sightings: election.Sightings | None = None,
-                            gone: Gone | None = None, retry: bool = False) -> tuple[list[election.Ready], float] | None:
+                            gone: Gone | None = None, retry: bool = False,
+                            behind: Behind | None = None) -> tuple[list[election.Ready], float] | None:
     """(ready records, the deadline waited for) once the step closed (see the module
     docstring); None on give-up. Expected peers that have not posted yet count toward the
     median deadline (`election.deadline`), so an early peer that sees only itself and a liar
@@ -259,6 +263,7 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     boots: dict[str, str] = {}
     ahead_joining: set[str] = set()
     states_at = trio.current_time()
+    behind_at = trio.current_time() + config.window
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
         # Last step's roster is at this step too even if its state record is not out yet.
@@ -275,6 +280,15 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             if retry:  # rule E15's evidence, read as E7's
                 ahead_joining = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings)
                                  if r.joining} - {me}
+        if behind is not None and trio.current_time() >= behind_at:
+            # Rule E16: an election still waiting a join window after it began asks H3 again
+            # (a state two or more steps past ours): a partition that healed while we waited
+            # shows the run gone on without us, and we adopt its state now rather than after
+            # this step's election and round (seed 111371). Once a window: a wait that ends
+            # within one costs nothing.
+            behind_at = trio.current_time() + config.window
+            if await behind():
+                return None
         if retry:
             recs = _retry_candidates(recs, me, past, boots, ahead_joining)
         waiting = (at_step | expected) - ignored - absent - past  # past the step: not coming
@@ -311,11 +325,11 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
 async def elect(dht, run_id: str, step: int, me: str, config: ElectConfig, ignored: set[str],
                 expected: set[str], learn_addrs: Callable[[str, list[str]], None] | None = None,
                 sightings: election.Sightings | None = None, gone: Gone | None = None,
-                retry: bool = False) -> list[str]:
+                retry: bool = False, behind: Behind | None = None) -> list[str]:
     """Our group for `step` in ring order, [] when nobody trained it. Candidates' addresses
     go to `learn_addrs` so the group can dial each other; `gone` and `retry` as in
     `wait_for_deadline`."""
-    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings, gone, retry)
+    got = await wait_for_deadline(dht, run_id, step, config, ignored, expected, sightings, gone, retry, behind)
     if got is None:
         return []
     recs, d = got

@@ -182,6 +182,11 @@ class Trainer(Lineage):
                 (t, delta, loss, tokens, sec_inner, False)
         return skipped
 
+    async def _behind(self, t: int) -> bool:
+        """Rule E16 (`elect.Behind`): H3 asked again while step t's election waits, once a
+        state two or more steps past t shows in our cell; whether we moved."""
+        return self.local.step == t and await self.fell_behind(t) is not None and self.local.step > t
+
     async def warms_up(self, t: int) -> bool:
         """Is our first trained phase a warm-up (zeros contributed)? Yes, once per process,
         when we start past the genesis (adopted or resumed: our inner AdamW state is fresh)
@@ -197,7 +202,8 @@ class Trainer(Lineage):
         self._warmed = True  # decided at our first trained phase, whatever its step
         return t > 0 and (bool(self.last_roster - {self.me}) or await self.someone_trains(t))
 
-    async def announce(self, t: int, joining: bool, retry: bool = False) -> tuple[list[str], dict[str, float]]:
+    async def announce(self, t: int, joining: bool, retry: bool = False,
+                       behind: bool = False) -> tuple[list[str], dict[str, float]]:
         """Post our ready record for step t and wait out its election: (our group, seconds
         spent). The overlapped loop calls this as soon as step t's base is committed, while
         phase t still trains, so a round starts the moment its phase ends."""
@@ -226,7 +232,7 @@ class Trainer(Lineage):
         expected |= set(self.sightings.closed.get(t - 1, {})) - {self.me}
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   expected, self._learn, self.sightings, gone=self.round.svc.unreachable,
-                                  retry=retry)
+                                  retry=retry, behind=(lambda: self._behind(t)) if behind else None)
         _lap(tm, "elect", lap)
         return group, tm
 
@@ -243,8 +249,11 @@ class Trainer(Lineage):
         if retry:  # T6: a new election, timed afresh
             self.sightings.forget(t)
         if elected is None:
-            group, tm = await self.announce(t, joining, retry)
+            group, tm = await self.announce(t, joining, retry, behind=True)
             lap = trio.current_time()
+            if self.local.step > t:  # E16: we adopted a later state while we waited
+                self.events.emit("outer_step_skipped", step=t, reason="behind the run: adopted a later state")
+                return True
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
         group = await self._drop_refused(group, retry)
