@@ -547,3 +547,34 @@ async def test_a_reader_of_a_sparse_child_cell_reads_its_full_parent_once_a_step
         await elect.read_ready(r, RUN, 1, CFG.window, s)
     parent = keys.ready(RUN, 1, 1, election.cell(RUN, 1, me(r), 1))
     assert s.level(1) == 2 and read.count(parent) == 1, read.count(parent)
+
+
+@trio_test()
+async def test_an_election_still_waiting_a_window_asks_whether_the_run_moved_on():
+    """Rule E16: an election that still waits a join window after it began asks H3 again,
+    once a window, and ends (None: the trainer skips the step) when we adopted a later state
+    -- a partition that healed while a retry waited for a slow joiner left the run 4 steps
+    ahead (simulator seed 111371). One that closes within a window never asks."""
+    a, b, *_ = await swarm(5)
+    asked: list[float] = []
+    t0 = trio.current_time()
+
+    def behind_after(n: int):
+        async def behind() -> bool:
+            asked.append(trio.current_time() - t0)
+            return len(asked) >= n
+        return behind
+
+    await elect.publish_ready(b, RUN, 7, [], True, CFG.window)  # a joiner only: the step never closes
+    got = await elect.wait_for_deadline(a, RUN, 7, CFG, set(), set(), election.Sightings(), behind=behind_after(2))
+    assert got is None
+    assert len(asked) == 2 and CFG.window <= asked[0] < asked[1] - CFG.window + 1.0, asked
+    assert trio.current_time() - t0 < CFG.give_up
+    asked.clear()
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ready_later, a, 8, 0.0)
+        nursery.start_soon(ready_later, b, 8, 1.0)
+        await trio.sleep(0.1)
+        group = await elect.elect(a, RUN, 8, me(a), CFG, set(), {me(b)}, behind=behind_after(1))
+    assert sorted(group) == sorted([me(a), me(b)]) and asked == []  # closed early: never asked

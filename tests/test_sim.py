@@ -212,14 +212,16 @@ def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monk
     before, it trained a 41 s phase, skipped and met the others 4 steps after the partition
     (simulator seed 40287). Without a scorer it may not (a planted state looks the same):
     it met the others 4 steps after the partition (a convergence violation) until rule E14,
-    3 since (at the bound K); with the scorer, 0. The test shows both."""
+    3 since (at the bound K); with the scorer, 0. Since rule E16 (a long election asks H3
+    again) the world without a scorer runs otherwise (two of its peers skip step 1 at
+    130 s and catch up after the skip) and converges at once too; both must stay within K."""
     if not scored:
         monkeypatch.setattr(vmodel, "StateScorer", lambda local: None)
     rep = world.run(scenarios.random_world(40287, 4, duration=200.0), 40287)
     if scored:
         assert rep.violations == [] and rep.steps_to_converge <= 1, (rep.violations, rep.steps_to_converge)
     else:
-        assert rep.steps_to_converge is not None and rep.steps_to_converge >= 3, rep.steps_to_converge
+        assert rep.violations == [] and rep.steps_to_converge is not None, (rep.violations, rep.steps_to_converge)
 
 
 def test_the_simulated_scorer_passes_over_a_state_no_better_than_ours():
