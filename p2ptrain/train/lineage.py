@@ -141,6 +141,14 @@ class Lineage:
             joining = True  # the state we adopted is the others' newest: they train its step
         return joining if self.local.step > t else None
 
+    async def behind(self, t: int) -> bool:
+        """Rule E16 (`elect.Behind`): H3 asked again while step t's election still waits a
+        join window after it began; whether we moved past t."""
+        if self.local.step != t:
+            return False
+        await self._wait_reported()  # a catch-up replaces the state the last report reads
+        return await self.fell_behind(t) is not None and self.local.step > t
+
     async def _others_near(self, t: int, base: str | None = None) -> bool:
         """Rule H2: whether another peer of the run trains near step t: one with a ready
         record for t, or a state record within `NEAR` steps of ours, whose dial is not

@@ -104,8 +104,7 @@ class Trainer(Lineage):
         self.sightings, self.committed = election.Sightings(), 0  # Sightings: first sight of each ready record
         self.weight = 0 if local.step == 0 else 1  # in merges (run.merge): its round's trainers; adopted 1
         self.last_roster: set[str] = set()
-        # join-ahead steps -> (that ready_at, announce again as joining: an early one starts no clock)
-        self._ahead: dict[int, tuple[float, bool]] = {}
+        self._ahead: dict[int, tuple[float, bool]] = {}  # join-ahead step -> (its ready_at, post it as joining)
         self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds, joining) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
@@ -182,11 +181,6 @@ class Trainer(Lineage):
                 (t, delta, loss, tokens, sec_inner, False)
         return skipped
 
-    async def _behind(self, t: int) -> bool:
-        """Rule E16 (`elect.Behind`): H3 asked again while step t's election waits, once a
-        state two or more steps past t shows in our cell; whether we moved."""
-        return self.local.step == t and await self.fell_behind(t) is not None and self.local.step > t
-
     async def warms_up(self, t: int) -> bool:
         """Is our first trained phase a warm-up (zeros contributed)? Yes, once per process,
         when we start past the genesis (adopted or resumed: our inner AdamW state is fresh)
@@ -202,16 +196,14 @@ class Trainer(Lineage):
         self._warmed = True  # decided at our first trained phase, whatever its step
         return t > 0 and (bool(self.last_roster - {self.me}) or await self.someone_trains(t))
 
-    async def announce(self, t: int, joining: bool, retry: bool = False,
-                       behind: bool = False) -> tuple[list[str], dict[str, float]]:
+    async def announce(self, t: int, joining: bool, retry: bool = False, behind: bool = False) -> tuple[list, dict]:
         """Post our ready record for step t and wait out its election: (our group, seconds
         spent). The overlapped loop calls this as soon as step t's base is committed, while
         phase t still trains, so a round starts the moment its phase ends."""
         tm: dict[str, float] = {}
         lap = trio.current_time()
         ready_at, again_joining = self._ahead.pop(t, (None, False))
-        for old in [k for k in self._tries if k < t - 2]:
-            del self._tries[old]
+        self._tries = {k: n for k, n in self._tries.items() if k >= t - 2}
         await elect.publish_ready(self.dht, self.run_id, t, self.node.rpc.local_addrs(), joining or again_joining,
                                   self.elect_cfg.window, ready_at or self.round.contributor.ready_at(wall_time()),
                                   self._tries.get(t, 0))
@@ -220,8 +212,7 @@ class Trainer(Lineage):
             await self.ledger.apply_reputation(self.dht, self.run_id, t)
         # Expected at step t (E2): our last roster, and (overlapped: this election runs beside
         # round t-1) round t-1's group as it forms, added by `commit_step` to this live set.
-        for old in [k for k in self._expect if k < t]:
-            del self._expect[old]
+        self._expect = {k: peers for k, peers in self._expect.items() if k >= t}  # the sets stay live
         expected = self._expect.setdefault(t, set())
         expected |= self.last_roster
         # ...and every candidate of our election of step t-1 (E2): the other groups' members
@@ -232,7 +223,7 @@ class Trainer(Lineage):
         expected |= set(self.sightings.closed.get(t - 1, {})) - {self.me}
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   expected, self._learn, self.sightings, gone=self.round.svc.unreachable,
-                                  retry=retry, behind=(lambda: self._behind(t)) if behind else None)
+                                  retry=retry, behind=(lambda: self.behind(t)) if behind else None)
         _lap(tm, "elect", lap)
         return group, tm
 
@@ -251,9 +242,6 @@ class Trainer(Lineage):
         if elected is None:
             group, tm = await self.announce(t, joining, retry, behind=True)
             lap = trio.current_time()
-            if self.local.step > t:  # E16: we adopted a later state while we waited
-                self.events.emit("outer_step_skipped", step=t, reason="behind the run: adopted a later state")
-                return True
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
         group = await self._drop_refused(group, retry)
@@ -362,9 +350,11 @@ class Trainer(Lineage):
             await self._reported.wait()
 
     async def _skip(self, t: int, reason: str) -> bool:
-        self.events.emit("outer_step_skipped", step=t, reason=reason)
-        await self._wait_reported()  # a catch-up replaces the state the last report reads
-        await self.wait_for_retry(t)
+        moved = self.local.step > t  # E16: we adopted a later state while step t's election waited
+        self.events.emit("outer_step_skipped", step=t, reason="behind the run: adopted a later state" if moved else reason)
+        if not moved:
+            await self._wait_reported()  # a catch-up replaces the state the last report reads
+            await self.wait_for_retry(t)
         return True
 
     async def _drop_refused(self, group: list[str], retry: bool) -> list[str]:
