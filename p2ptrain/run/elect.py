@@ -36,10 +36,10 @@ log = logging.getLogger("p2ptrain.run.elect")
 _stored: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """DHT node -> {run id: `_Ours`}: our election records, and the cells they are stored in."""
 Gone = Callable[[set[str]], Awaitable[set[str]]]
+"""Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 Behind = Callable[[], Awaitable[bool]]
 """Rule E16: asked once a join window while an election waits; True when the caller adopted
 a later state (H3: one two or more steps past the step) and the wait ends."""
-"""Which of these peers are certainly not there (`AllReduceService.unreachable`)."""
 
 
 @dataclass(frozen=True)
