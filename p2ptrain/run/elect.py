@@ -251,7 +251,8 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     docstring); None on give-up. Expected peers that have not posted yet count toward the
     median deadline (`election.deadline`), so an early peer that sees only itself and a liar
     does not close the step on the others. Polls back off from `poll` to `poll_max` while
-    nothing changes, and never sleep past the deadline."""
+    nothing changes, and never sleep past the deadline. `behind` (rule E16): asked once a
+    join window after the first; True ends the wait as a give-up (None)."""
     sightings = sightings if sightings is not None else election.Sightings()
     me = dht.identity.peer_id_str
     give_up = trio.current_time() + config.give_up
