@@ -199,18 +199,12 @@ def test_a_piece_alone_is_scored_from_the_rounds_state_without_momentum(tmp_path
             want = candidate(local.outer.outer, zero, local.outer.cfg, zero)  # the state itself: no momentum
             assert torch.equal(want, local.outer.outer)
             want.add_(cand.sub_(want), alpha=0.1)
-            assert before == scorer._loss(local.outer.outer, scorer_tokens(scorer, seed))
-            assert after == scorer._loss(want, scorer_tokens(scorer, seed))
+            assert before == scorer._loss(local.outer.outer, scorer.tokens(seed))
+            assert after == scorer._loss(want, scorer.tokens(seed))
         mean = np.mean(honest, axis=0).astype(np.float32)
         for p in peers:
             p.outer_step(mean)
 
-
-def scorer_tokens(scorer, seed):
-    from p2ptrain.train.data import train_batch
-
-    local = scorer.local
-    return train_batch(local.ds, seed, 0, scorer.config.batches * local.batch, local.seq_len, local.seed)
 
 
 class EvidenceHub:

@@ -68,9 +68,6 @@ class CandidateScorer:
         with self._lock:
             t0 = time.perf_counter()
             local = self.local
-            if self._model is None:
-                self._model = build_run_model(local.spec.model.config, local.seed).to(local.device)
-                self._model.eval()
             if base_state is None:
                 base, momentum = local.outer.outer, local.outer.momentum
             else:
@@ -78,8 +75,7 @@ class CandidateScorer:
                 base, momentum = sd["outer"].to(torch.float32).reshape(-1), sd["momentum"].to(torch.float32)
             if not momentum_base:
                 momentum = torch.zeros_like(base)
-            tokens = train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len, local.seed)
-            tokens = dev.to_device(tokens, local.device)
+            tokens = self.tokens(seed)
             key = (seed, None if base_state is None else hashlib.sha256(base_state).digest(), momentum_base)
             ref = candidate(base, momentum, local.outer.cfg, torch.zeros_like(base))
             if key not in self._refs:
@@ -96,16 +92,21 @@ class CandidateScorer:
         (a head we are about to adopt, `checked_load`), on the windows `seed` draws."""
         with self._lock:
             local = self.local
-            if self._model is None:
-                self._model = build_run_model(local.spec.model.config, local.seed).to(local.device)
-                self._model.eval()
             sd, _ = decode_state(data)
-            tokens = dev.to_device(train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len,
-                                               local.seed), local.device)
+            tokens = self.tokens(seed)
             return (self._loss(local.outer.outer, tokens),
                     self._loss(sd["outer"].to(torch.float32).reshape(-1), tokens))
 
+    def tokens(self, seed: bytes) -> torch.Tensor:
+        """The training windows `seed` draws (`batches` x the run's batch), on the model's device."""
+        local = self.local
+        return dev.to_device(train_batch(local.ds, seed, 0, self.config.batches * local.batch, local.seq_len,
+                                         local.seed), local.device)
+
     def _loss(self, flat: torch.Tensor, tokens: torch.Tensor) -> float:
+        if self._model is None:  # built at the first score, on the model's device
+            self._model = build_run_model(self.local.spec.model.config, self.local.seed).to(self.local.device)
+            self._model.eval()
         params = list(self._model.parameters())
         with torch.no_grad():
             dev.scatter_from_host(flat, params)
