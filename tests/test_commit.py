@@ -198,6 +198,38 @@ async def test_survivors_of_a_member_gone_during_the_votes_abort_after_the_grace
 
 
 @trio_test()
+async def test_an_abort_vote_answers_a_certificate_query_the_aborting_member_dropped():
+    """Member 3 is killed mid-round; member 1 (its predecessor) fails in its data plane a
+    moment later, without signing. 0 and 2 had finished theirs and signed, and asked 1 for
+    the certificate while it was still running, so 1 held their queries and dropped them
+    when it aborted: its abort vote is its "none". 0 and 2 abort once 3 has been gone for
+    gone_grace, not at the commit timeout (11 s after a SIGKILL in the real-process test)."""
+    async with trio.open_nursery() as nursery:
+        wire, boards, ids, rnds, _ = _ring_signed(nursery, 4)
+        del wire.boards[ids[3]]
+
+        async def gone(peers):
+            return {p for p in peers if p == ids[3]}
+
+        async def fail_later():
+            await trio.sleep(1.0)  # after 0's and 2's queries reached it
+            await boards[1].abort(rnds[1])
+
+        got = {}
+
+        async def recover(i):
+            got[i] = (await boards[i].recover(rnds[i], DIGEST, TIMEOUT, gone=gone), trio.current_time())
+
+        async with trio.open_nursery() as n:
+            n.start_soon(fail_later)
+            for i in (0, 2):
+                n.start_soon(recover, i)
+        assert {i: ok for i, (ok, _) in got.items()} == {0: False, 2: False}
+        bound = boards[0].config.gone_grace + 2 * boards[0].config.gone_probe + 0.1
+        assert all(t <= bound for _, t in got.values()), got
+
+
+@trio_test()
 async def test_a_certificate_found_after_answering_none_reaches_those_told_none():
     """Member 2 committed (it held every signature) and died, its answer to member 0 still
     on the way; member 1 cannot reach it and already heard "none" from 0. 0 commits when the

@@ -63,7 +63,8 @@ from p2ptrain import kernels as K
 from p2ptrain.identity import Identity, peer_id_from_str, public_from_peer_id_bytes, verify
 from p2ptrain.reduce import ring, ringvote
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL
-from p2ptrain.reduce.service import VOTE_PROTOCOL, AllReduceService, _Plane
+from p2ptrain.reduce.outcome import Plane
+from p2ptrain.reduce.service import VOTE_PROTOCOL, AllReduceService
 from p2ptrain.run.round import Contributor
 
 CONTRIBUTION_MODES = ("forge", "nan", "norm", "replay", "signflip", "noise", "zeros", "early-ready",
@@ -102,13 +103,13 @@ class WithholdingService(AllReduceService):
 
     withheld = 0
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> Plane:
         world = len(rnd.ids)
         send_ch, recv_ch = mesh.sends.get(0), mesh.recvs.get(0)
         own, check, out, on_own = extras[:4]
         result, sent, digest = ring.allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
-        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        plane = Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         if world == 1:  # alone: nobody to withhold from
             plane.sigs = [self.board.sign_vote(rnd, digest)]
             return plane
@@ -178,7 +179,7 @@ class DroppingService(AllReduceService):
         self._last: dict | None = None
         self.quiet = False
 
-    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> _Plane:
+    def _ring_and_votes(self, vec, rnd, mesh, cfg, timeout, extras, since=None, gating=None) -> Plane:
         world = len(rnd.ids)
         if world == 1:
             return super()._ring_and_votes(vec, rnd, mesh, cfg, timeout, extras, since, gating)
@@ -186,7 +187,7 @@ class DroppingService(AllReduceService):
         result, sent, digest, rr = dropping_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout,
                                                       *extras[:3], self._arenas, extras[3])
         self._last = drop_stats(np.ascontiguousarray(vec, np.float32).ravel(), result, rr)
-        plane = _Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
+        plane = Plane(result, sent, digest, t_data=trio.from_thread.run_sync(trio.current_time))
         publics = [public_from_peer_id_bytes(p) for p in rnd.ids]
         try:  # honest votes: the digest is of what every member decoded
             plane.sigs = ringvote.gather(send_ch, recv_ch, rnd.rank, world, rnd.tag, bytes.fromhex(digest),

@@ -1,5 +1,6 @@
 """How an all-reduce round ends, as its callers see it: `RoundResult` or `RoundFailed`, and
-which exceptions of a round's setup mean "the round fails" rather than "a bug"."""
+which exceptions of a round's setup mean "the round fails" rather than "a bug"; and, inside
+the service, what its data plane left (`Plane`)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def setup_failure(group: BaseExceptionGroup) -> BaseException:
     while isinstance(first, BaseExceptionGroup):
         first = first.exceptions[0]
     return first
+
+
+@dataclass
+class Plane:
+    """What a round's data plane left (`AllReduceService`): a result and our vote, or the
+    error that ended it."""
+
+    result: np.ndarray | None = None
+    sent: int = 0
+    digest: str = ""
+    sigs: list | None = None  # every member's signature: a certificate (ring rounds)
+    scores: list | None = None
+    t_data: float = 0.0
+    error: RingError | None = None  # the data plane failed: we signed nothing
+    gather_error: str = ""  # the ring votes failed after we signed
+    refused: str = ""  # our gate refused the result: we signed nothing

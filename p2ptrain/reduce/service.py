@@ -9,7 +9,8 @@ A round is (run id, round id, ordered member list). Each member:
   3. commits or aborts through `p2ptrain.reduce.commit` (signed votes, certificates, abort
      votes over `/p2ptrain/round/...`, blame rules). A failure anywhere becomes an abort
      vote, so the others stop at once instead of waiting for a timeout. A committed round
-     hands its links back for the next one; any other ending closes them.
+     hands its links back for the next one unless its votes failed (it recovered the
+     certificate); any other ending closes them.
 The caller's tensor is never touched: `allreduce` returns a new array or raises RoundFailed.
 `exchange` (roster confirmation, contribution headers) uses the same protocol
 (`p2ptrain.reduce.exchange` decides who may fill which inbox).
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import trio
@@ -40,7 +40,7 @@ from p2ptrain.reduce.control import ControlError, pack as _pack
 from p2ptrain.reduce.ctlstreams import CONTROL_PROTOCOL, ControlStreams
 from p2ptrain.reduce.exchange import Inbox, InboxConfig
 from p2ptrain.reduce.mesh import Mesh, open_butterfly, open_ring
-from p2ptrain.reduce.outcome import RoundFailed, RoundResult, setup_failure
+from p2ptrain.reduce.outcome import Plane, RoundFailed, RoundResult, setup_failure
 from p2ptrain.reduce.ring import ArenaPool, RingConfig, RingError
 from p2ptrain.reduce.ring import allreduce as ring_allreduce
 from p2ptrain.reduce.service_config import AllReduceConfig
@@ -53,29 +53,13 @@ VOTE_PROTOCOL = TProtocol("/p2ptrain/round/1.1.0")
 __all__ = ["AllReduceConfig", "AllReduceService", "BULK_PROTOCOL", "RoundFailed", "RoundResult", "VOTE_PROTOCOL"]
 
 
-@dataclass
-class _Plane:
-    """What the data plane left: a result and our vote, or the error that ended it."""
-
-    result: np.ndarray | None = None
-    sent: int = 0
-    digest: str = ""
-    sigs: list | None = None  # every member's signature: a certificate (ring rounds)
-    scores: list | None = None
-    t_data: float = 0.0
-    error: RingError | None = None  # the data plane failed: we signed nothing
-    gather_error: str = ""  # the ring votes failed after we signed
-    refused: str = ""  # our gate refused the result: we signed nothing
-
-
 class AllReduceService:
     """Serves bulk-session and vote requests for this node and runs rounds.
 
     Start with `await nursery.start(service.run)`; then `await service.allreduce(...)`."""
 
     def __init__(self, host, identity, config: AllReduceConfig | None = None, listen_ip: str = "127.0.0.1") -> None:
-        self.host = host
-        self.identity = identity
+        self.host, self.identity = host, identity
         self.sessions = BulkSessions(host, identity, config or AllReduceConfig(), listen_ip)
         self._arenas = ArenaPool()
         ttl = (config or AllReduceConfig()).early_ttl
@@ -161,14 +145,14 @@ class AllReduceService:
         rnd = self.board.open(tag, ids, ring=robust is None)
         mesh = Mesh()
         t0 = trio.current_time()
-        committed = False
+        reusable = False  # a committed round's links go on to the next (`Mesh.close`)
         try:
             path = await self._setup(rnd, mesh, run_id, round_id, robust, config)
             t_setup = trio.current_time()
             roundtrace.mark("setup")
             plane = await self._data_plane(rnd, mesh, vec, (own, check, out, on_own, gate), robust, config)
             await self._decide(rnd, plane, robust is not None, config)
-            committed = True
+            reusable = not plane.gather_error  # not links a failed gather closed
             t_end = trio.current_time()
             roundtrace.mark("end")
             return RoundResult(plane.result, plane.digest, plane.sent, t_end - t0, path,
@@ -192,7 +176,7 @@ class AllReduceService:
         finally:
             if on_own is not None:  # a round that failed before its data plane encoded nothing
                 on_own(-1, None)
-            await mesh.close(self.sessions, committed)
+            await mesh.close(self.sessions, reusable)
             self.board.close(rnd)
 
     async def _setup(self, rnd: Round, mesh: Mesh, run_id: str, round_id: str, robust, config) -> str:
@@ -224,7 +208,7 @@ class AllReduceService:
             raise RoundFailed(f"member {peer_id_to_str(gone[0])} is gone", gone=tuple(map(peer_id_to_str, gone)))
         return path
 
-    async def _data_plane(self, rnd: Round, mesh: Mesh, vec, extras: tuple, robust, config) -> _Plane:
+    async def _data_plane(self, rnd: Round, mesh: Mesh, vec, extras: tuple, robust, config) -> Plane:
         """`extras`: the ring's (own, check, out, on_own); the butterfly takes own and check."""
         cfg = RingConfig(config.mode, sub_chunk_bytes=config.sub_chunk_bytes)
         world = len(rnd.ids)
@@ -241,11 +225,11 @@ class AllReduceService:
                     result, sent, digest, scores = await trio.to_thread.run_sync(
                         butterfly.allreduce, vec, rnd.rank, world, mesh.sends, mesh.recvs, cfg, robust,
                         config.frame_timeout, *extras[:2])
-                    plane = _Plane(result, sent, digest, scores=scores, t_data=trio.current_time())
+                    plane = Plane(result, sent, digest, scores=scores, t_data=trio.current_time())
             except RingError as exc:
                 if overran and exc.blame is None:
                     exc = RingError(f"the data plane overran its budget ({budget:.1f} s): {exc}")
-                plane = _Plane(error=exc, t_data=trio.current_time())
+                plane = Plane(error=exc, t_data=trio.current_time())
             nursery.cancel_scope.cancel()
         return plane
 
@@ -263,7 +247,7 @@ class AllReduceService:
         await _close(channels)
 
     def _ring_and_votes(self, vec, rnd: Round, mesh: Mesh, cfg, timeout, extras: tuple,
-                        since: tuple[float, float], gating: list | None = None) -> _Plane:
+                        since: tuple[float, float], gating: list | None = None) -> Plane:
         """The data plane, then the signed votes on the same channels (worker thread).
         `since`: (trio's clock, perf_counter) when it was called: the data plane's end in
         trio's clock without a hop to the event loop, which held every member's vote back
@@ -274,16 +258,14 @@ class AllReduceService:
         result, sent, digest = ring_allreduce(vec, rnd.rank, world, send_ch, recv_ch, cfg, timeout, own, check,
                                               out, self._arenas, on_own)
         roundtrace.mark("data")
-        plane = _Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
+        plane = Plane(result, sent, digest, t_data=since[0] + time.perf_counter() - since[1])
         gating = gating or [0.0, None]
         gating[1] = time.perf_counter()  # our gate's scoring is outside the round's budget
         refusal = gate(result) if gate is not None else None
         gating[0], gating[1] = gating[0] + time.perf_counter() - gating[1], None
         if refusal:  # we sign nothing: no certificate can exist; our neighbours stop waiting now
-            for ch in (send_ch, recv_ch):
-                if ch is not None:
-                    ch.close()
-            return _Plane(error=RingError(refusal), t_data=plane.t_data, refused=refusal)
+            _shut(send_ch, recv_ch)
+            return Plane(error=RingError(refusal), t_data=plane.t_data, refused=refusal)
         if world == 1:
             plane.sigs = [self.board.sign_vote(rnd, digest)]
             return plane
@@ -294,9 +276,12 @@ class AllReduceService:
             roundtrace.mark("votes")
         except RingError as exc:  # we signed: the others may hold a certificate (commit.recover)
             plane.gather_error = str(exc)
+            # Our successor waits for votes we cannot pass on: closing fails its gather now, so it
+            # recovers and answers our query, not after frame_timeout (a SIGKILL mid-votes: +10 s).
+            _shut(send_ch, recv_ch)
         return plane
 
-    async def _decide(self, rnd: Round, plane: _Plane, robust: bool, config) -> None:
+    async def _decide(self, rnd: Round, plane: Plane, robust: bool, config) -> None:
         """Commit (returns) or raise RoundFailed; see `p2ptrain.reduce.commit`."""
         failure = plane.error
         if failure is not None:  # we signed nothing: no certificate can exist, abort at once
@@ -392,6 +377,12 @@ class AllReduceService:
 async def _absent_ids(absent, waiting: set[bytes]) -> set[bytes]:  # E13's peer-id strings, as bytes
     out = await absent({peer_id_to_str(p) for p in waiting})
     return {p for p in waiting if peer_id_to_str(p) in out}
+
+
+def _shut(*channels) -> None:
+    for ch in channels:
+        if ch is not None:
+            ch.close()
 
 
 async def _close(channels: list) -> None:
