@@ -156,6 +156,40 @@ def test_only_a_refused_dial_counts_where_a_wrong_answer_would_fork():
     trio.run(main)
 
 
+def test_a_broadcast_gives_up_at_once_on_a_member_whose_dial_was_refused():
+    """`reach.send_all` opens a stream again after a failure (`OPEN_RETRIES`: 1.4 s of pauses)
+    only where that can help: not to a member whose dial was refused, nor while py-libp2p's
+    negative cache holds it after that (60 s). Each broadcast to a member killed mid-round
+    (an abort vote, a certificate query) held back its sender 1.4-3.7 s; the live member
+    still gets the message."""
+    from p2ptrain.identity import Identity
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            nodes, svcs = await _cluster(nursery, 2)
+            dead = Identity.generate()
+            nodes[0].rpc.learn_addrs(dead.peer_id, ["/ip4/127.0.0.1/tcp/1"])
+            msg = pack({"tag": session_tag("run", "x"), "kind": "certq"})
+            host, opened = svcs[0].host, []
+            new_stream = host.new_stream
+
+            async def counted(peer, protocols):
+                opened.append(peer.to_bytes())
+                return await new_stream(peer, protocols)
+
+            host.new_stream = counted
+            for _ in range(2):  # refused, then a hit in the negative cache
+                opened.clear()
+                with trio.fail_after(10):
+                    undelivered = await svcs[0]._send_all([dead.peer_id, nodes[1].identity.peer_id], msg)
+                assert undelivered == {dead.peer_id}
+                # one try on the persistent control stream, one on a stream of its own; before, 1 + 4
+                assert opened.count(dead.peer_id) == 2, opened
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_refused_reads_py_libp2ps_wrappers_down_to_every_leaf():
     from libp2p.exceptions import MultiError
     from libp2p.network.exceptions import SwarmException

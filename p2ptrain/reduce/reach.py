@@ -26,7 +26,8 @@ SEND_TIMEOUT = 5.0
 
 OPEN_RETRIES = (0.1, 0.3, 1.0)
 """Pauses before opening a stream again: "no valid connections" is often transient (a
-connection being replaced), and a member that misses our message counts us as silent."""
+connection being replaced), and a member that misses our message counts us as silent. Not
+after a refused dial or a hit in the swarm's negative cache (`hopeless`)."""
 
 
 async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TProtocol,
@@ -47,8 +48,8 @@ async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TPro
                     try:
                         stream = await host.new_stream(ID(peer), [protocol])
                         break
-                    except Exception:
-                        if pause is None:
+                    except Exception as exc:
+                        if pause is None or hopeless(exc):
                             raise
                         await trio.sleep(pause)
                 opened = True
@@ -64,6 +65,16 @@ async def send_all(host, me: bytes, ids: list[bytes], msg: bytes, protocol: TPro
             if peer != me:
                 nursery.start_soon(one, peer)
     return undelivered
+
+
+def hopeless(exc: BaseException) -> bool:
+    """Whether opening a stream again within `SEND_TIMEOUT` cannot succeed: the dial was
+    refused (the process is gone), or the swarm refused to dial because all the peer's
+    addresses failed within its negative cache's 60 s (py-libp2p 0.8.1, `Swarm.dial_peer`:
+    every retry hits the cache). Retrying those cost every broadcast to a member killed
+    mid-round 1.4-3.7 s (an abort vote, a certificate query), which held back the sender's
+    abort of the round on 2 cores (`tests/test_allreduce_integration.py`'s SIGKILL test)."""
+    return refused(exc) or "(negative cache)" in str(exc)
 
 
 def refused(exc: BaseException) -> bool:
