@@ -48,3 +48,32 @@ def test_run_peer_refuses_a_model_side_that_lacks_the_interface():
 def test_the_default_parts_are_the_products():
     parts = peer.Parts()
     assert parts.service is AllReduceService and parts.writer is peer.make_writer and parts.local is None
+
+
+def test_a_phase_left_under_rule_e17_stops_at_its_next_inner_step_and_leaves_the_committed_state(tmp_path):
+    """Rule E17 on the real model side: the progress callback's `PhaseLeft` ends the phase
+    after the inner step it follows (the trainer's watcher sets it); the committed state is
+    untouched, and reloading it (`Lineage.watched_phase` when no head could be adopted)
+    discards the phase's partial work."""
+    from p2ptrain.cli.main import main
+    from p2ptrain.run import manifest as mf
+    from p2ptrain.run.spec import RunSpec
+    from p2ptrain.train.local import LocalModel, load_run_data
+    from p2ptrain.train.modelside import PhaseLeft
+
+    assert main(["init", "--out", str(tmp_path / "run"), "--key", str(tmp_path / "k"), "--inner-steps", "6"]) == 0
+    spec = RunSpec.from_dict(mf.read(tmp_path / "run" / "run.toml")[0])
+    local = LocalModel(spec, load_run_data(spec), b"peer-1", (tmp_path / "run" / "genesis.p2ck").read_bytes())
+    committed, steps = local.outer.params_sha256(), []
+
+    def progress(i: int, n: int) -> None:
+        steps.append(i)
+        if i == 2:
+            raise PhaseLeft
+
+    with pytest.raises(PhaseLeft):
+        local.inner(progress)
+    assert steps == [1, 2] and local.pseudo_gradient().any()
+    assert local.outer.params_sha256() == committed
+    local.load_state_at(local.state_bytes())
+    assert not local.pseudo_gradient().any() and local.outer.params_sha256() == committed and local.step == 0

@@ -204,6 +204,17 @@ def test_a_pair_that_fell_two_steps_behind_catches_up_before_it_trains():
     assert len(set(rep.final_steps.values())) == 1 and rep.violations == [], (rep.final_steps, rep.violations)
 
 
+@pytest.mark.parametrize("seed", [113206, 104154, 106143])
+def test_a_slow_peers_phase_ends_once_the_run_left_its_step_two_behind(seed):
+    """Rule E17: a 4.7-5x slow late joiner, one step behind when it began its (warm-up)
+    phase, trained 47-50 s while the others committed 4 steps, and so held a state of its
+    own until 4 steps after the faults ended (one over K): the three worlds of the class
+    the sweeps found (seed 113206: its H3 read ended after the partition, with the run one
+    step ahead). Its phase now asks H3 again a join window in, ends, and it adopts the head."""
+    rep = world.run(scenarios.random_world(seed, 4, duration=200.0), seed)
+    assert rep.violations == [] and rep.steps_to_converge <= 3, (rep.violations, rep.steps_to_converge)
+
+
 @pytest.mark.parametrize("scored", [True, False])
 def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monkeypatch, scored):
     """Rule H3's second half: after a 113 s partition the pair behind (one member 4x slow)

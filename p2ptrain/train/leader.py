@@ -21,6 +21,7 @@ lock serialises commands: collectives must be issued in the same order on every 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 
@@ -31,6 +32,7 @@ from p2ptrain.ckpt import checkpoint
 from p2ptrain.train import device as dev
 from p2ptrain.train import ranks
 from p2ptrain.train.local import decode_state, encode_state
+from p2ptrain.train.modelside import PhaseLeft
 from p2ptrain.train.outer import OuterConfig, OuterOptimizer, sha256_f32
 from p2ptrain.train.sharded import ShardedModel
 
@@ -83,9 +85,13 @@ class LeaderModel:
 
     # -- the LocalModel interface (called from trio worker threads, one at a time) --------
     def inner(self, progress=None) -> tuple[float, int, float]:
+        def lockstep(i: int, n: int) -> None:  # the other ranks cannot leave a phase with us (E17)
+            with contextlib.suppress(PhaseLeft):
+                progress(i, n)
+
         with self.lock:
             ranks.send_cmd(ranks.INNER, self.step)
-            return self.shard.inner(self.step, progress)
+            return self.shard.inner(self.step, None if progress is None else lockstep)
 
     def pseudo_gradient(self) -> np.ndarray:
         with self.lock:

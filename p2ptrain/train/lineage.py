@@ -11,8 +11,10 @@ own state and fetches the bases it lacks, chunk by chunk, hash-checked.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 
 import trio
 
@@ -22,6 +24,7 @@ from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords
 from p2ptrain.run import elect, election, states
+from p2ptrain.train.modelside import PhaseLeft
 from p2ptrain.train.scorer import checked_load
 
 log = logging.getLogger("p2ptrain.train.trainer")
@@ -131,15 +134,65 @@ class Lineage:
 
         Returns None when we did not move, else whether others already train our new step
         (we join it with zeros)."""
-        ahead = [st.step for sub, st in await RunRecords(self.dht, self.run_id).read_states()
-                 if st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}]
-        if not ahead:
+        if not await self._two_past(t):
             return None
         joining = await self.sync_with_run()
         if self.local.step <= t and self.state_scorer is not None:
             await self.catch_up(t + 2, patience=0.0, scored=True)  # one look: a claim costs no wait
             joining = True  # the state we adopted is the others' newest: they train its step
         return joining if self.local.step > t else None
+
+    async def _wait_reported(self) -> None:
+        """Until the last committed step's report (evaluation, state record) is out."""
+        if self._reported is not None:
+            await self._reported.wait()
+
+    async def _two_past(self, t: int) -> bool:
+        """H3's question: does a state record of another peer (not rejected) stand two or
+        more steps past step t?"""
+        return any(st.step >= t + 2 and peer_id_to_str(sub) not in self.ledger.ignored | {self.me}
+                   for sub, st in await RunRecords(self.dht, self.run_id).read_states())
+
+    async def watched_phase(self, t: int) -> tuple[float, int, float] | None:
+        """Step t's inner phase, with rule E17 beside it: H3 asked again a join window after
+        the phase began, then 2, 4, ... windows after that. A phase the run has left two steps behind
+        cannot meet it in a merge (M1 merges states of one step); it ends at its next inner
+        step (`modelside.PhaseLeft` from the progress callback; a model side whose ranks
+        train in lockstep finishes it) and we adopt the head (H3). A 4.7x slow late joiner one
+        step behind trained a 47 s phase while the others ran 4 steps (simulator seed
+        113206); checked only before a phase, H3 could not see that coming. Returns (loss,
+        tokens, seconds), or None when the phase was left: we then hold the head, or (no
+        head we could adopt) our committed state again, untouched by the phase."""
+        stop, progress = threading.Event(), self._progress(t)
+
+        def step(i: int, n: int) -> None:
+            if stop.is_set():
+                raise PhaseLeft
+            if progress is not None:
+                progress(i, n)
+
+        async def watch(scope: trio.CancelScope) -> None:
+            wait = self.elect_cfg.window
+            while True:
+                await trio.sleep(wait)
+                if await self._two_past(t):
+                    break
+                wait *= 2  # a phase of n windows reads the run's states log2(n) times, not n
+            stop.set()
+            scope.cancel()  # the simulator's phase is a sleep: it ends here
+
+        out = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            with contextlib.suppress(PhaseLeft):
+                out = await trio.to_thread.run_sync(self.local.inner, step)
+            nursery.cancel_scope.cancel()
+        if out is None:
+            self.events.emit("outer_step_skipped", step=t, reason="behind the run: phase left")
+            await self._wait_reported()  # a catch-up replaces the state the last report reads
+            if await self.fell_behind(t) is None or self.local.step <= t:
+                await trio.to_thread.run_sync(lambda: self.local.load_state_at(self.local.state_bytes()))
+        return out
 
     async def behind(self, t: int) -> bool:
         """Rule E16 (`elect.Behind`): H3 asked again while step t's election still waits a

@@ -27,6 +27,11 @@ class OuterState(Protocol):
         """SHA-256 of the committed parameters: equal on every member of a committed round."""
 
 
+class PhaseLeft(Exception):
+    """Raised by an inner phase's progress callback when the run has left the phase's step
+    two behind (rule E17, `train.lineage.Lineage.watched_phase`)."""
+
+
 @runtime_checkable
 class ModelSide(Protocol):
     H: int
@@ -41,7 +46,9 @@ class ModelSide(Protocol):
     evaluates before training on."""
 
     def inner(self, progress=None) -> tuple[float, int, float]:
-        """H inner steps: (mean loss, tokens, seconds)."""
+        """H inner steps: (mean loss, tokens, seconds). `progress(i, H)` after step i, where
+        it may raise `PhaseLeft` (rule E17): the phase then ends there, raising it; the
+        trainer discards it."""
 
     def pseudo_gradient(self) -> np.ndarray:
         """outer params - current params, float32, contiguous."""

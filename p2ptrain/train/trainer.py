@@ -169,7 +169,9 @@ class Trainer(Lineage):
                 loss, tokens, sec_inner = math.nan, 0, 0.0
                 delta = np.zeros(self.local.outer.numel, np.float32)
             else:
-                loss, tokens, sec_inner = await trio.to_thread.run_sync(self.local.inner, self._progress(t))
+                if (phase := await self.watched_phase(t)) is None:  # E17: the run left step t behind
+                    return False
+                loss, tokens, sec_inner = phase
                 self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
                 delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
                 if warm:  # the phase warmed our optimizer; we join the step with zeros
@@ -344,10 +346,6 @@ class Trainer(Lineage):
         from p2ptrain.train.phases import run_niced
 
         return await run_niced(self.config.phase_nice, fn, *args)
-
-    async def _wait_reported(self) -> None:
-        if self._reported is not None:
-            await self._reported.wait()
 
     async def _skip(self, t: int, reason: str) -> bool:
         moved = self.local.step > t  # E16: we adopted a later state while step t's election waited
