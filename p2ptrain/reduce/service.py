@@ -386,6 +386,4 @@ def _shut(*channels) -> None:
 
 
 async def _close(channels: list) -> None:
-    for ch in list(channels):
-        if ch is not None:
-            await trio.to_thread.run_sync(ch.close)
+    await trio.to_thread.run_sync(_shut, *list(channels))

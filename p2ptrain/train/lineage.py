@@ -155,8 +155,8 @@ class Lineage:
 
     async def watched_phase(self, t: int) -> tuple[float, int, float] | None:
         """Step t's inner phase, with rule E17 beside it: H3 asked again a join window after
-        the phase began, then 2, 4, ... windows after that. A phase the run has left two steps behind
-        cannot meet it in a merge (M1 merges states of one step); it ends at its next inner
+        the phase began, then 2, 4, ... windows after that. A phase the run has left two
+        steps behind cannot meet it in a merge (M1 merges states of one step); it ends at its next inner
         step (`modelside.PhaseLeft` from the progress callback; a model side whose ranks
         train in lockstep finishes it) and we adopt the head (H3). A 4.7x slow late joiner one
         step behind trained a 47 s phase while the others ran 4 steps (simulator seed
