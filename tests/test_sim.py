@@ -215,6 +215,19 @@ def test_a_slow_peers_phase_ends_once_the_run_left_its_step_two_behind(seed):
     assert rep.violations == [] and rep.steps_to_converge <= 3, (rep.violations, rep.steps_to_converge)
 
 
+@pytest.mark.parametrize("seed", [36708, 36981, 36803])
+def test_a_round_whose_attempts_fail_leaves_once_the_run_is_two_steps_past(seed):
+    """Rule E18: after a partition, three honest peers retried step 0 with a Sybil that
+    trickles its frames (seed 36708): each attempt closed at its data budget, nobody blamed,
+    and leave-one-out spends one budget an attempt; they were still at it 60 s later, with
+    the run at step 6, and never converged (36981: two tricklers, one honest peer left
+    behind; 36803: a selective answerer's roster retries, 4 steps, one over K). A failed
+    attempt now asks H3 before the next: the run two steps past, the round ends and the
+    peers adopt the head. 8 peers, 2 of them Sybils, 200 s."""
+    rep = world.run(scenarios.random_world(seed, 8, duration=200.0, sybils=2), seed)
+    assert rep.violations == [] and rep.steps_to_converge <= 3, (rep.violations, rep.steps_to_converge)
+
+
 @pytest.mark.parametrize("scored", [True, False])
 def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monkeypatch, scored):
     """Rule H3's second half: after a 113 s partition the pair behind (one member 4x slow)

@@ -87,20 +87,23 @@ class ContributionRound(Agreement):
 
     async def run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
                   joining: bool = False, first_wait: float | None = None, weight: int = 1, tag: int = 0,
-                  first_cut: float | None = None) -> Outcome:
-        """`_run`; the evidence we served for it (L2) is withdrawn when it ends."""
+                  first_cut: float | None = None, behind=None) -> Outcome:
+        """`_run`; the evidence we served for it (L2) is withdrawn when it ends. `behind`
+        (rule E18): awaited before every attempt after the first; True (we adopted a state
+        past step t) ends the round with nothing committed."""
         self._ev_src, self._ev_key, self._refusal = None, None, None
         self._convicted = set()
         self.ledger.new_try(t)  # T9: each run is a try of its own
         try:
             return await self._run(t, delta, group, base, tokens, inner_steps, joining, first_wait, weight, tag,
-                                   first_cut)
+                                   first_cut, behind)
         finally:
             if self._ev_key is not None and self.evidence is not None:
                 self.evidence.withdraw(self._ev_key)
 
     async def _run(self, t: int, delta: np.ndarray, group: list[str], base: str, tokens: int, inner_steps: int,
-                   joining: bool, first_wait: float | None, weight: int, tag: int, first_cut: float | None) -> Outcome:
+                   joining: bool, first_wait: float | None, weight: int, tag: int, first_cut: float | None,
+                   behind) -> Outcome:
         """Reduce `delta` with `group` (ring order, as elected), starting from params hash
         `base`, whose merge weight is `weight`. `first_wait`: seconds the first roster
         confirmation waits for members (later attempts wait the exchange timeout), and
@@ -115,6 +118,12 @@ class ContributionRound(Agreement):
             await trio.to_thread.run_sync(self.sparse.prepare, self.contributor.payload(delta))
         attempt, sat_out = (first := tag * election.ATTEMPTS_PER_TRY) - 1, False
         while (attempt := attempt + 1) - first < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
+            if attempt > first and behind is not None and await behind():
+                # E18: the run went two steps past t while our attempts failed (a trickler in
+                # the roster fails each one at its data budget, and leave-one-out finds it
+                # one budget at a time): this round cannot meet the run in a merge any more
+                log.info("step %d attempt %d: the run moved two steps past us: round left", t, attempt)
+                return out
             if probe.left == self.me:  # we sit this attempt out and wait at the next one, as long as it may run
                 roster, sat_out = probe.failed(roster), True
                 if roster is None:

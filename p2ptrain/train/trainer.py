@@ -264,7 +264,8 @@ class Trainer(Lineage):
         lap = _lap(tm, "base_hash", lap)
         wait, cut = self._first_wait(t, elected is not None, retry)
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining, wait,
-                                   weight=self.weight, tag=tag, first_cut=cut)
+                                   weight=self.weight, tag=tag, first_cut=cut,
+                                   behind=(lambda: self.behind(t)) if elected is None else None)  # E18
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
