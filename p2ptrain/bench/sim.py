@@ -2,6 +2,7 @@
 
     p2ptrain bench sim [--peers N] [--seeds S] [--first-seed K] [--json]   # random worlds
     p2ptrain bench sim --scenario lone_start --seed 3 --trace              # one world, every event
+    p2ptrain bench sim --churn 60 [--peers 8] [--seeds 10]                 # churn with period T
 
 Each seed draws a world (`p2ptrain.sim.scenarios.random_world`: 5-300 ms links around a
 100 ms median RTT, slow peers, clock skew, late joiners, churn, a partition) and runs the
@@ -9,7 +10,10 @@ real peers in it; a quarter as many fault-free worlds measure the committed frac
 last JSON line, `bench_sim_summary`, totals the invariant violations (each with its seed:
 `--seed S --trace` replays it event for event), the fault-free committed fraction, the most
 outer steps any world needed after its last fault to hold one state, and simulated events
-per wall second. Replays are exact only under one PYTHONHASHSEED (set iteration order), so
+per wall second. With `--churn T`, each seed's world kills one peer every T seconds and
+restarts it 5 s later (`scenarios.churn`), beside the same world without churn; the summary
+sets the committed fraction of the steps started in the churn window against the bound
+1 - t_step/T, t_step measured in the worlds without churn. Replays are exact only under one PYTHONHASHSEED (set iteration order), so
 this command re-executes itself with PYTHONHASHSEED=0.
 """
 
@@ -38,12 +42,16 @@ def add_arguments(p) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--control", action="store_true",
                    help="with a named scenario: also run each seed with its adversaries honest (the baseline)")
+    p.add_argument("--churn", type=float, default=None, metavar="T",
+                   help="churn worlds: one peer killed and restarted every T seconds, each beside its calm twin")
     p.add_argument("--json", action="store_true")
 
 
 def _scenario(name: str, seed: int, peers: int, faults: bool, rtt: float, duration: float | None, sybils: int = 0):
     from p2ptrain.sim import scenarios
 
+    if name.startswith("churn:"):
+        return scenarios.churn(seed, peers, float(name[len("churn:"):]), duration=duration or 400.0)
     if name == "random":
         return scenarios.random_world(seed, peers, faults=faults, median_rtt=rtt, duration=duration, sybils=sybils)
     if name.startswith("control:"):
@@ -58,14 +66,30 @@ def _one(job: tuple) -> dict:
 
     name, seed, peers, faults, rtt, duration, trace, sybils = job
     sc = _scenario(name, seed, peers, faults, rtt, duration, sybils)
-    rep = world.run(sc, seed, trace=trace)
+    w = world.World(sc, seed, trace)
+    rep = world.simulate(w)
     out = rep.to_dict()
+    if name.startswith("churn:"):
+        out |= _churn_figures(w, float(name[len("churn:"):]))
     out["describe"] = scenarios.describe(sc)
     out["faults"] = faults
     out["control"] = name.startswith("control:")
     out["median_rtt"] = sc.links.median_rtt
     if trace:
         out["trace"] = rep.trace
+    return out
+
+
+def _churn_figures(w, period: float) -> dict:
+    """A churn world's t_step, and the steps started in its churn window (first kill to one
+    period after the last) and committed; the calm twin (period inf) gives t_step only."""
+    m = w.monitor
+    out = {"churn_period": period, "t_step": m.step_time()}
+    kills = sorted(down for p in w.sc.peers for down, _ in p.outages)
+    if kills:
+        started = m.started(kills[0], until=kills[-1] + period)
+        out |= {"churn_started": len(started), "churn_committed": sum(k in m.committed for k in started),
+                "churn_kills": len(kills)}
     return out
 
 
@@ -77,6 +101,9 @@ def jobs_for(args) -> list[tuple]:
     if args.seed is not None:
         return [(args.scenario, args.seed, args.peers, faults, args.rtt, args.duration, args.trace, args.sybils)]
     seeds = range(args.first_seed, args.first_seed + args.seeds)
+    if getattr(args, "churn", None) is not None:
+        return [(f"churn:{period}", s, args.peers, True, args.rtt, args.duration, False, 0)
+                for s in seeds for period in (args.churn, float("inf"))]
     if args.scenario != "random":
         jobs = [(args.scenario, s, args.peers, True, args.rtt, args.duration, False, 0) for s in seeds]
         return jobs + ([(f"control:{args.scenario}", *job[1:]) for job in jobs] if args.control else [])
@@ -139,7 +166,8 @@ def summarize(results: list[dict], wall: float) -> dict:
     from p2ptrain.sim.invariants import NAMES
 
     control = [r for r in results if r.get("control")]
-    results = [r for r in results if not r.get("control")]
+    twins = [r for r in results if r.get("churn_period") == float("inf")]  # churn's calm twins: t_step
+    results = [r for r in results if not r.get("control") and r.get("churn_period") != float("inf")]
 
     counts = {name: sum(r["counts"][name] for r in results) for name in NAMES}
     calm = [r for r in results if not r["faults"]]
@@ -162,7 +190,30 @@ def summarize(results: list[dict], wall: float) -> dict:
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
         **(_versus(results, control) if control else {}),
+        **(_churn(results, twins) if twins else {}),
     }
+
+
+def _churn(churned: list[dict], calm: list[dict]) -> dict:
+    """Churn against its bound (issue 31): the fraction of the steps honest peers started in
+    the churn windows that they committed, pooled, against 1 - t_step/T, where t_step is the
+    median step time of the same worlds without churn; and the run's progress against theirs."""
+    import statistics
+
+    period = churned[0]["churn_period"]
+    t_step = statistics.median([r["t_step"] for r in calm if r.get("t_step")] or [float("nan")])
+    started = sum(r.get("churn_started", 0) for r in churned)
+    frac = sum(r.get("churn_committed", 0) for r in churned) / started if started else None
+    bound = 1 - t_step / period
+    return {"churn_period_s": period, "churn_kills": sum(r.get("churn_kills", 0) for r in churned),
+            "t_step_s": round(t_step, 2), "churn_commit_fraction": None if frac is None else round(frac, 4),
+            "churn_commit_fraction_min": round(min(r["churn_committed"] / r["churn_started"] for r in churned
+                                                   if r.get("churn_started")), 4) if started else None,
+            "churn_bound": round(bound, 4),
+            "churn_ratio": None if frac is None else round(frac / bound, 3),
+            # what churn costs the run in time: its newest step at the end against the twin's
+            "churn_progress_ratio": round(sum(max(r["final_steps"].values(), default=0) for r in churned)
+                                          / max(1, sum(max(r["final_steps"].values(), default=0) for r in calm)), 3)}
 
 
 def _after_faults(results: list[dict]) -> dict:

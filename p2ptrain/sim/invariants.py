@@ -258,17 +258,23 @@ class Monitor:
         held = {(self.latest[p], self.history.get(p, {}).get(self.latest[p])) for p in live}
         return len(held) == 1 or (not self.exact(live) and len({s for s, _ in held}) == 1 and self.mixed(live))
 
-    def commit_fraction(self, since: float = -math.inf) -> float:
+    def commit_fraction(self, since: float = -math.inf, until: float = math.inf) -> float:
         """Of the steps honest peers started training (at `since` or later, before the
-        horizon), those they committed."""
-        started = self.started(since)
+        horizon and `until`), those they committed."""
+        started = self.started(since, until=until)
         return sum(k in self.committed for k in started) / len(started) if started else 1.0
 
-    def started(self, since: float = -math.inf, last: bool = False) -> list[tuple[str, int]]:
+    def started(self, since: float = -math.inf, last: bool = False, until: float = math.inf) -> list[tuple[str, int]]:
         """The (peer, step)s honest peers started training at `since` or later, before the
-        horizon; with `last`, a step also counts when a retry of it started then."""
-        end = getattr(self, "horizon", math.inf)
+        horizon (and `until`); with `last`, a step also counts when a retry of it started then."""
+        end = min(getattr(self, "horizon", math.inf), until)
         return [k for k, when in (self.retried if last else self.trained).items() if since <= when <= end]
+
+    def step_time(self) -> float | None:
+        """t_step: the median time from an honest peer's start of one step's training to its
+        start of the next step's (None: no peer trained two steps in a row)."""
+        gaps = [when - self.trained[(p, t - 1)] for (p, t), when in self.trained.items() if (p, t - 1) in self.trained]
+        return statistics.median(gaps) if gaps else None
 
     def counts(self) -> dict[str, int]:
         out = {name: 0 for name in NAMES}

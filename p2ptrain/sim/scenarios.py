@@ -4,6 +4,7 @@ is in docs/DESIGN.md, "Simulator"."""
 
 from __future__ import annotations
 
+import math
 import random
 
 from p2ptrain.sim.net import LinkConfig
@@ -66,6 +67,26 @@ def hot_pair() -> Scenario:
     again."""
     return Scenario("hot_pair", (PeerPlan(initiator=True), PeerPlan(initiator=True, hot=(0, 6.0))),
                     group_size=4, duration=300.0)
+
+
+def churn(seed: int, peers: int, period: float, down: float = 5.0, duration: float = 400.0,
+          tail: float = 100.0) -> Scenario:
+    """Churn with period `period`: every `period` seconds one peer (round robin, in an order
+    drawn from `seed`) is killed and restarted `down` seconds later with its workdir, as
+    `p2ptrain bench churn` does to real processes; the last kill leaves `tail` seconds for
+    the run to settle. `period` inf: the same world without churn (its step time is t_step
+    in the bound 1 - t_step/T). Links as the random worlds', no other fault."""
+    rng = random.Random(seed)
+    order = list(range(peers))
+    rng.shuffle(order)
+    kills: dict[int, list[tuple[float, float]]] = {i: [] for i in range(peers)}
+    at, k = rng.uniform(20.0, 20.0 + min(period, 60.0)), 0
+    while math.isfinite(period) and at + down <= duration - tail:
+        kills[order[k % peers]].append((at, at + down))
+        at, k = at + period, k + 1
+    plans = tuple(PeerPlan(initiator=True, outages=tuple(kills[i])) for i in range(peers))
+    name = f"churn-{peers}-T{period:g}" if period != float("inf") else f"churn-{peers}-calm"
+    return Scenario(name, plans, group_size=4, duration=duration, links=LinkConfig(median_rtt=0.1, max_latency=0.15))
 
 
 NAMED = {"lone_start": lone_start, "six_in_threes": six_in_threes, "restart_pair": restart_pair,
