@@ -119,9 +119,8 @@ class ContributionRound(Agreement):
         attempt, sat_out = (first := tag * election.ATTEMPTS_PER_TRY) - 1, False
         while (attempt := attempt + 1) - first < self.config.max_attempts + (probe.extra_attempts if probe.fails else 0):
             if attempt > first and behind is not None and await behind():
-                # E18: the run went two steps past t while our attempts failed (a trickler in
-                # the roster fails each one at its data budget, and leave-one-out finds it
-                # one budget at a time): this round cannot meet the run in a merge any more
+                # E18: the run went two steps past t while our attempts failed (a trickler fails
+                # each at its data budget): this round can no longer meet the run in a merge
                 log.info("step %d attempt %d: the run moved two steps past us: round left", t, attempt)
                 return out
             if probe.left == self.me:  # we sit this attempt out and wait at the next one, as long as it may run
@@ -177,17 +176,22 @@ class ContributionRound(Agreement):
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
-                roster, plan.elected = self._after_refusal(t, roster), [p for p in elected if p not in self._convicted]
-            elif self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
-                roster = self._without_gone(plan, roster)
-            elif self._unexplained:
-                roster = probe.failed(roster)
-                if roster is None:
-                    return out
-            else:  # someone was caught: a later commit says nothing about who we left out
-                probe.left = None
+            if (roster := self._next_roster(t, roster, plan, probe, elected)) is None:
+                return out
         return out
+
+    def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str]) -> list[str] | None:
+        """The roster of the attempt after a failed one; None: leave-one-out is done."""
+        if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
+            nxt = self._after_refusal(t, roster)
+            plan.elected = [p for p in elected if p not in self._convicted]
+            return nxt
+        if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
+            return self._without_gone(plan, roster)
+        if self._unexplained:
+            return probe.failed(roster)
+        probe.left = None  # someone was caught: a later commit says nothing about who we left out
+        return roster
 
     def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False,
                       first_cut: float | None = None) -> tuple[float, float | None]:

@@ -194,9 +194,15 @@ class Lineage:
                 await trio.to_thread.run_sync(lambda: self.local.load_state_at(self.local.state_bytes()))
         return out
 
+    def behind_of(self, t: int, ahead: bool):
+        """Rule E18's question for step t's round (`behind`), or None for a round elected
+        ahead: sequential loop only, as H3 (the overlapped loop's round runs beside a phase)."""
+        return None if ahead else (lambda: self.behind(t))
+
     async def behind(self, t: int) -> bool:
         """Rule E16 (`elect.Behind`): H3 asked again while step t's election still waits a
-        join window after it began; whether we moved past t."""
+        join window after it began, and rule E18 before a round's later attempts; whether we
+        moved past t."""
         if self.local.step != t:
             return False
         await self._wait_reported()  # a catch-up replaces the state the last report reads

@@ -232,12 +232,11 @@ class Trainer(Lineage):
     async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
                           sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None,
                           inner_steps: int | None = None, retry: bool = False) -> bool:
-        """Publish ready, elect, run the round and apply the committed average (or skip and
-        catch up); returns whether the next step starts as a zero-contribution join.
-        `elected`: what `announce(t, ...)` returned when it ran ahead (its seconds are then
-        reported as "ready_ahead" / "elect_ahead": off the critical path). `inner_steps`: what
-        the phase took when it is not H (train.max_inner_steps), signed in our header.
-        `retry`: we train step t again after a try nobody committed."""
+        """Publish ready, elect, run the round and apply the committed average (or skip and catch up); returns
+        whether the next step starts as a zero-contribution join. `elected`: what `announce(t, ...)` returned
+        when it ran ahead (its seconds are then reported as "ready_ahead" / "elect_ahead": off the critical
+        path). `inner_steps`: what the phase took when it is not H (train.max_inner_steps), signed in our
+        header. `retry`: we train step t again after a try nobody committed."""
         t_comm = lap = trio.current_time()
         if retry:  # T6: a new election, timed afresh
             self.sightings.forget(t)
@@ -265,7 +264,7 @@ class Trainer(Lineage):
         wait, cut = self._first_wait(t, elected is not None, retry)
         out = await self.round.run(t, delta, group, base, tokens, inner_steps or self.local.H, joining, wait,
                                    weight=self.weight, tag=tag, first_cut=cut,
-                                   behind=(lambda: self.behind(t)) if elected is None else None)  # E18
+                                   behind=self.behind_of(t, elected is not None))
         tm.update(out.seconds)
         # Members silent or gone in this round are probed when elected again (G2 left a
         # crashed one out within the round, so no retry's probe found it: a group elected
