@@ -191,9 +191,11 @@ def deltas(k: int) -> list[np.ndarray]:
     return [rng.standard_normal(N).astype(np.float32) for _ in range(k)]
 
 
-def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None, weights=None, tags=None):
+def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None, weights=None, tags=None,
+               behinds=None):
     """Every member's `run` at once (`views`: each member's own elected group, when they
-    differ; `weights`: each member's base weight in a merge); their Outcomes in member order."""
+    differ; `weights`: each member's base weight in a merge; `behinds`: each member's E18
+    question); their Outcomes in member order."""
     ids = [r.me for r in rounds]
     group = group or election.ring_order(RUN, t, ids)
     outs = [None] * len(rounds)
@@ -202,7 +204,7 @@ def run_rounds(rounds, ds, t=1, bases=None, joining=None, group=None, views=None
         g = election.ring_order(RUN, t, views[i]) if views else group
         outs[i] = await rounds[i].run(t, ds[i], g, (bases or [BASE] * len(rounds))[i], 100, 4,
                                       bool(joining and joining[i]), weight=weights[i] if weights else 1,
-                                      tag=tags[i] if tags else 0)
+                                      tag=tags[i] if tags else 0, behind=behinds[i] if behinds else None)
 
     async def main() -> None:
         with trio.fail_after(600):
@@ -544,6 +546,33 @@ def test_one_unexplained_abort_is_retried_with_everyone_and_strikes_nobody():
     for o in outs:
         assert np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6) and len(o.members) == 3
     assert all(ev != "member_struck" for r, e in rounds for ev, _ in e.seen)
+
+
+def test_a_member_whose_run_moved_on_leaves_after_a_failed_attempt_and_the_rest_commit():
+    """Rule E18: after an attempt failed, each member asks whether the run moved two steps
+    past the step before it tries again; one that did (it adopted the head) leaves, with
+    nothing committed, and the others commit without it. No member asks before the first
+    attempt, nor after an attempt that committed."""
+    hub = Hub()
+    rounds = [member(hub, i + 1) for i in range(3)]
+    hub.fail["1/0"] = {}  # attempt 0 aborts, nobody blamed
+    asked: list[int] = []
+
+    def asker(i: int):
+        async def behind() -> bool:
+            asked.append(i)
+            return i == 0  # member 0 finds a state two steps past and adopts it
+
+        return behind
+
+    ds = deltas(3)
+    outs = run_rounds([r for r, _ in rounds], ds, behinds=[asker(i) for i in range(3)])
+    assert outs[0].result is None and asked.count(0) == 1
+    # the others ask before attempt 1 (it lacks member 0's confirmation and shrinks) and
+    # before attempt 2, which commits: never before attempt 0, nor after a commit
+    assert sorted(asked) == [0, 1, 1, 2, 2]
+    for o in outs[1:]:
+        assert np.allclose(o.result, np.mean(ds[1:], axis=0), atol=1e-6) and len(o.members) == 2
 
 
 def _timed_rounds(rounds, ds, group, first_wait=None):
