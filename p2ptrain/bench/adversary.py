@@ -45,6 +45,10 @@ Modes:
            it sends, its view hashed as an honest one (view inflation)
   slowloris           trains honestly, but every bulk frame it sends (data and votes)
            leaves one byte every 0.1 s, and it never votes to abort (issue 32 item 4)
+  trickle             trains honestly, but is silent 0.9 x the others' frame timeout before
+           each bulk frame it sends, then sends it whole: no frame breaks a rule, so nobody is
+           blamed, and every round it is in closes at its data budget (the simulator's
+           `trickle`, `sim.attacks.slowest`); it never votes to abort
 """
 
 from __future__ import annotations
@@ -292,6 +296,7 @@ class TricklingService(AllReduceService):
         wrap, self.every = self.sessions._wrap, every
         self.sessions._wrap = lambda io: self.io(wrap(io), self.every)
         # it waits as long as its trickle takes: its own frame deadline would end its round
+        self.others_frame_timeout = self.config.frame_timeout  # the honest members' (same run)
         self.config = dataclasses.replace(self.config, frame_timeout=max(self.config.frame_timeout, 600.0))
 
         async def no_abort(*args, **kwargs) -> None:
@@ -316,6 +321,10 @@ class PausingService(TricklingService):
     the others' frame timeout: no frame is late, every round is (`AllReduceConfig.data_budget`)."""
 
     io = PausingIO
+
+    def __init__(self, *args, every: float | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.every = 0.9 * self.others_frame_timeout if every is None else every
 
 
 class HostileContributor(Contributor):
@@ -381,6 +390,8 @@ def parts_for(mode: str):
         return Parts(service=functools.partial(InflatingService, pool=mode.split(":", 1)[1].split(",")))
     if mode == "slowloris":
         return Parts(service=TricklingService)
+    if mode == "trickle":
+        return Parts(service=PausingService)
     if mode == "extra-honest":  # the red-team bench's control: the same process, nothing hostile
         return Parts()
     HostileContributor(mode)  # validates the mode

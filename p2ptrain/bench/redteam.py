@@ -41,6 +41,9 @@ their own identities:
   slot            the last honest peer joins late, after one squatter identity holds 8 requests
                   read at 1 KiB/s (reopened as they end) at every donor of the newest checkpoint
   slowloris       one member trains honestly but sends every bulk frame a byte per 0.1 s
+  trickle         one member trains honestly but is silent 0.9 x the frame timeout before each
+                  bulk frame, then sends it whole: within every frame rule, so its rounds
+                  close at their data budget with nobody blamed (leave-one-out must find it)
   reputation      on a run of its own with `--aggregation robust` (measured against that
                   run's own baseline, `baseline-robust`): 2 Sybil identities publish reports
                   naming every honest peer, refreshed every 5 s; `not_applicable` in the
@@ -79,7 +82,7 @@ from pathlib import Path
 
 ATTACKS = ("early-ready", "plant", "chunknorm", "replay", "forge", "nan", "norm", "sybil-1", "sybil-2", "sybil-4",
            "withhold", "garbage", "dropfwd", "selective", "inflate", "expiry", "eclipse", "provider", "slowloris",
-           "slot", "reputation", "sybil-k4", "sybil-k8")
+           "trickle", "slot", "reputation", "sybil-k4", "sybil-k8")
 # Not attacks, not in the default list: one more plain `join` process with its own identity
 # (the same process the attacks build, with no hostile part), so an attack that joins the
 # group (dropfwd) can be told apart from the effect of a 4th honest member; and the late
@@ -138,7 +141,7 @@ def hostile_modes(attack: str, work: Path, keys: Path) -> list[str]:
     if attack.startswith("sybil-"):
         return ["sybil"] * int(attack.split("-")[1])
     if attack in ("early-ready", "chunknorm", "replay", "forge", "nan", "norm", "withhold", "dropfwd", "extra-honest",
-                  "slowloris"):
+                  "slowloris", "trickle"):
         return [attack]
     return []
 
