@@ -86,7 +86,7 @@ def test_a_round_of_one_returns_its_own_vector():
     trio.run(main)
 
 
-from p2ptrain.bench.adversary import TricklingService  # noqa: E402  (the red-team bench's slowloris part)
+from p2ptrain.bench.trickle import TricklingService  # noqa: E402  (the red-team bench's slowloris part)
 
 
 async def _timed_round(svcs, vecs, members, timeout: float):
@@ -131,7 +131,7 @@ def test_a_member_that_trickles_its_frames_fails_the_round_within_the_bound_and_
     trio.run(main)
 
 
-from p2ptrain.bench.adversary import PausingService  # noqa: E402
+from p2ptrain.bench.trickle import PausingService  # noqa: E402
 
 
 def test_a_member_silent_just_under_the_frame_timeout_before_each_frame_fails_the_round_within_its_budget():
