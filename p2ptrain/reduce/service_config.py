@@ -59,6 +59,12 @@ class AllReduceConfig:
 
     def data_budget(self, nbytes: int, world: int) -> float:
         """Seconds the data plane of a round of `world` members may take for an `nbytes` fp32
-        vector: each member moves 2(W-1)/W of it (fp32 bytes: int8 needs a quarter), at
-        `frame_min_rate_mbps`, plus `round_allowance` (latency, setup skew, the votes)."""
-        return self.round_allowance + 2 * (world - 1) / max(1, world) * nbytes / (self.frame_min_rate_mbps * 1e6)
+        vector: each member moves 2(W-1)/W of it as it goes on the wire (int8: a quarter, plus
+        its block scales), at `frame_min_rate_mbps`, plus `round_allowance` (latency, setup
+        skew, the votes). The wire's bytes, not fp32's: the budget is also how long a member
+        slow within every frame rule holds each attempt of a round it is in (red team
+        `trickle`), and fp32's bytes gave int8 rounds 4x what their frames need."""
+        from p2ptrain.reduce.schedule import wire_bytes
+
+        wire = wire_bytes(nbytes // 4, RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes))
+        return self.round_allowance + 2 * (world - 1) / max(1, world) * wire / (self.frame_min_rate_mbps * 1e6)
