@@ -211,9 +211,13 @@ def _churn(churned: list[dict], calm: list[dict]) -> dict:
                                                    if r.get("churn_started")), 4) if started else None,
             "churn_bound": round(bound, 4),
             "churn_ratio": None if frac is None else round(frac / bound, 3),
-            # what churn costs the run in time: its newest step at the end against the twin's
-            "churn_progress_ratio": round(sum(max(r["final_steps"].values(), default=0) for r in churned)
-                                          / max(1, sum(max(r["final_steps"].values(), default=0) for r in calm)), 3)}
+            # what churn costs the run in time: its newest step at the end against the twins'
+            "churn_progress_ratio": round(_newest_step_mean(churned) / max(1e-9, _newest_step_mean(calm)), 3)}
+
+
+def _newest_step_mean(rs: list[dict]) -> float:
+    """The newest step any peer of a world reached, averaged over the worlds."""
+    return sum(max(r["final_steps"].values(), default=0) for r in rs) / max(1, len(rs))
 
 
 def _after_faults(results: list[dict]) -> dict:
@@ -232,8 +236,7 @@ def _versus(attacked: list[dict], control: list[dict]) -> dict:
     """The same worlds with their adversaries honest (`--control`): the baseline, and ratios."""
     from p2ptrain.sim.invariants import NAMES
 
-    def top(rs: list[dict]) -> float:
-        return sum(max(r["final_steps"].values(), default=0) for r in rs) / max(1, len(rs))
+    top = _newest_step_mean
 
     def frac(rs: list[dict]) -> float:
         return sum(r["commit_fraction"] for r in rs) / max(1, len(rs))
