@@ -190,3 +190,51 @@ def test_a_member_our_message_did_not_reach_is_sent_it_again_until_it_answers():
     assert got == {A: b"from a", B: b"from b"} and took == 5.0 and tries == [1.0, 2.0, 3.0, 4.0, 5.0], (took, tries)
     (got, took), tries = run(False)
     assert got == {A: b"from a"} and took == 60.0 and tries == []
+
+
+def test_a_long_wait_keeps_what_it_sent_early_fresh_at_members_that_have_not_begun():
+    """Rule R7b. A member R4's probe left out goes straight to the next confirmation and
+    waits there as long as the attempt it sat out may run (R4a); the others come when that
+    attempt fails at its data budget. They keep a message for an exchange they have not begun
+    only `early_ttl`: in a real red-team run (`trickle`, early_ttl 10 s) the left-out member's
+    confirmation, sent 26 s before the others came, was dropped as stale, so they retried
+    without it while it, holding all of theirs, went on to the bulk setup alone. Now it sends
+    again to every member it still awaits every `early_ttl / 2`."""
+
+    def run(with_resend: bool):
+        cfg = InboxConfig(early_ttl=10.0)
+        left_out, member = Inbox(known=lambda p: True, config=cfg), Inbox(known=lambda p: True, config=cfg)
+        sends: list[float] = []
+
+        async def main():
+            t0 = trio.current_time()
+            got = {}
+
+            async def put_at_member(targets=None):
+                sends.append(trio.current_time() - t0)
+                member.put(A, b"tag", b"from a")
+                return set()
+
+            async def wait_long():  # the member left out: waits its span
+                got["left_out"] = await left_out.collect(b"tag", [A, B], A, 100.0, put_at_member,
+                                                         resend=put_at_member if with_resend else None)
+
+            async def come_late():  # its attempt failed at the budget 26 s later
+                await trio.sleep(26.0)
+
+                async def send():
+                    left_out.put(B, b"tag", b"from b")
+                got["member"] = await member.collect(b"tag", [A, B], B, 5.0, send)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait_long)
+                nursery.start_soon(come_late)
+            return got
+
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), sends
+
+    got, sends = run(True)
+    assert got == {"left_out": {B: b"from b"}, "member": {A: b"from a"}}, got
+    assert sends == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0], sends
+    got, sends = run(False)  # as before: the member drops it (26 s old) and goes on without A
+    assert got == {"left_out": {B: b"from b"}, "member": {}}, got

@@ -247,6 +247,23 @@ def test_a_round_whose_attempts_fail_leaves_once_the_run_is_two_steps_past(seed)
     assert rep.violations == [] and rep.steps_to_converge <= 3, (rep.violations, rep.steps_to_converge)
 
 
+def test_a_member_left_out_keeps_its_early_confirmation_fresh_until_the_others_come():
+    """Rule R7b, with the red team's join window (3 s: the run keeps an early message 10 s).
+    The trickler fails each attempt at its data budget (~15 s here), so R4's probe leaves
+    one member out at a time; the member left out confirms the next roster at once and waits
+    there (R4a) while the others run the attempt. Its confirmation then reached them 15 s
+    before they began that exchange, older than their `early_ttl`, and was dropped: they went
+    on without it, it went on with them, and no probe attempt ever committed (seed 1:
+    committed 0.0, a liveness violation; the real red team's `trickle` saw the same). It now
+    sends its confirmation again every `early_ttl / 2` while it waits (the simulator's inbox
+    drops what is stale, as the real one does)."""
+    import dataclasses
+
+    rep = world.run(dataclasses.replace(scenarios.NAMED["trickle"](), join_window=3.0), 1)
+    assert rep.violations == [] and rep.commit_fraction >= 0.9, (rep.violations, rep.commit_fraction)
+    assert rep.attack_figures["trickle_rounds_failed"] >= 1  # the trickler was in rounds, and failed them
+
+
 @pytest.mark.parametrize("scored", [True, False])
 def test_a_pair_that_trusts_its_own_lineage_adopts_a_better_far_ahead_state(monkeypatch, scored):
     """Rule H3's second half: after a 113 s partition the pair behind (one member 4x slow)

@@ -144,7 +144,9 @@ class Inbox:
         `cut`: once any payload arrived, wait at most `cut` seconds more (R4a); `split`:
         (seconds, test), the same once a payload passing `test` arrived (R6). `resend(ids)`:
         send again to those `send()` could not reach, every `probe` seconds while they are
-        awaited (R7: a partition that heals during the wait no longer costs all of it)."""
+        awaited (R7: a partition that heals during the wait no longer costs all of it), and
+        to every member still awaited every `early_ttl / 2` (R7b: a member that has not begun
+        the exchange keeps what we sent it early only `early_ttl`, and our wait may be longer)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -177,17 +179,12 @@ class Inbox:
             def awaited() -> set[bytes]:
                 return set(others - unreachable - away - w.box.keys())
 
-            async def send_again() -> None:  # rule R7
-                nonlocal undelivered
-                while undelivered:
-                    await trio.sleep(probe)
-                    targets = sorted(undelivered & awaited())
-                    undelivered = set(await resend(targets) or ()) & set(targets) if targets else set()
-
             with trio.move_on_after(timeout) as scope:
                 async with trio.open_nursery() as nursery:
                     if resend is not None and undelivered:
-                        nursery.start_soon(send_again)
+                        nursery.start_soon(_send_again, resend, undelivered, awaited, probe)
+                    if resend is not None and timeout > self.config.early_ttl / 2:
+                        nursery.start_soon(_keep_fresh, resend, awaited, self.config.early_ttl / 2)
                     await drop_gone(set(undelivered))
                     while awaited():
                         if cut is not None and w.box:
@@ -205,3 +202,20 @@ class Inbox:
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]
+
+
+async def _send_again(resend, undelivered: set, awaited, probe: float) -> None:
+    """Rule R7: to members our payload did not reach (`undelivered`, updated in place),
+    every `probe` seconds while they are awaited."""
+    while undelivered:
+        await trio.sleep(probe)
+        targets = sorted(undelivered & awaited())
+        undelivered.intersection_update(set(await resend(targets) or ()) if targets else set())
+
+
+async def _keep_fresh(resend, awaited, every: float) -> None:
+    """Rule R7b: to every member still awaited, every `every` seconds (half the early TTL)."""
+    while True:
+        await trio.sleep(every)
+        if targets := sorted(awaited()):
+            await resend(targets)

@@ -8,6 +8,9 @@ leave-one-out, the ledger -- runs on top unchanged:
     if the link is up and the sender's policy talks to it; a member that answers strangers
     (`answer_strangers`) answers a sender outside its roster once, as the real `Inbox` does;
     a member certainly gone (its dial refused) is silent at once with `unreachable_silent`.
+    As the real `Inbox`, a message that came before its receiver began the exchange and was
+    last sent more than `early_ttl` before is dropped, and a long wait sends again to those
+    it awaits (R7, R7b).
   - `allreduce`: the ring is modelled as one atomic decision with the real commit semantics
     (`p2ptrain.reduce.commit`: every member commits the same result, or none does). The
     round commits when every member of the same roster joined with the same round id,
@@ -56,7 +59,8 @@ class Hub:
 
     def __init__(self, net: SimNet, on_round=None) -> None:
         self.net = net
-        self.mail: dict[tuple, dict[str, tuple[float, bytes]]] = {}  # (run, rid, to) -> from -> (arrival, msg)
+        # (run, rid, to) -> from -> (first arrival, msg, arrivals of its last two sends: R7b)
+        self.mail: dict[tuple, dict[str, tuple[float, bytes, tuple[float, ...]]]] = {}
         self.answering: dict[tuple, tuple[bytes, set[str]]] = {}     # (run, rid, me) -> (payload, roster)
         self.rounds: dict[tuple, _Round] = {}
         self.changed = trio.Event()
@@ -79,7 +83,9 @@ class Hub:
         box = self.mail.setdefault((run, rid, to), {})
         if first and frm in box:
             return True
-        box[frm] = (trio.current_time() + self.net.latency(a, b), payload)
+        at, old = trio.current_time() + self.net.latency(a, b), box.get(frm)
+        # sent again (R7, R7b): as the real inbox, a receiver keeps the first that arrived
+        box[frm] = (min(old[0], at), old[1], (old[2][-1], at)) if old is not None else (at, payload, (at,))
         ans = self.answering.get((run, rid, to))
         if ans is not None and frm not in ans[1]:  # the receiver answers a stranger, once
             self.post(run, rid, to, frm, ans[0], first=True)
@@ -90,9 +96,23 @@ class Hub:
         got = self.mail.get((run, rid, to), {}).get(frm)
         return got[1] if got is not None and got[0] <= trio.current_time() else None
 
+    def expire(self, run: str, rid: str, to: str, ttl: float) -> None:
+        """`to` begins exchange `rid`: as the real `Inbox`, what arrived before and was last
+        sent more than `ttl` ago is dropped (its sender gave up on it); one still on its way
+        is kept."""
+        box, now = self.mail.get((run, rid, to), {}), trio.current_time()
+        for frm, (first, msg, sends) in list(box.items()):
+            landed = [t for t in sends if t <= now]
+            if first <= now and now - max(landed, default=first) > ttl:
+                later = [t for t in sends if t > now]
+                if later:
+                    box[frm] = (later[0], msg, tuple(later))
+                else:
+                    del box[frm]
+
     def next_arrival(self, run: str, rid: str, to: str) -> float:
         now = trio.current_time()
-        return min((t for t, _ in self.mail.get((run, rid, to), {}).values() if t > now), default=math.inf)
+        return min((t for t, _, _ in self.mail.get((run, rid, to), {}).values() if t > now), default=math.inf)
 
     async def wait(self, until: float) -> None:
         with trio.move_on_at(until):
@@ -134,11 +154,13 @@ class SimReduceService:
             for frm in list(hub.mail.get((run_id, round_id, self.me), {})):
                 if frm not in members:
                     hub.post(run_id, round_id, self.me, frm, payload, first=True)
+        hub.expire(run_id, round_id, self.me, self.config.early_ttl)
         others = [p for p in members if p != self.me]
         undelivered = {p for p in others if not hub.post(run_id, round_id, self.me, p, payload)}
         deadline = trio.current_time() + timeout
         away: set[str] = set()  # rule E13, asked once a second as the real inbox does
         ask = trio.current_time() + 1.0
+        fresh = trio.current_time() + self.config.early_ttl / 2 if timeout > self.config.early_ttl / 2 else math.inf
         while trio.current_time() < deadline:
             if cut is not None and any(hub.arrived(run_id, round_id, self.me, p) is not None for p in others):
                 deadline, cut = min(deadline, trio.current_time() + cut), None  # R4a, as the real inbox
@@ -155,6 +177,10 @@ class SimReduceService:
                     away |= set(await absent(set(waiting)))
                     waiting = [p for p in waiting if p not in away]
                 ask = trio.current_time() + 1.0
+            if waiting and trio.current_time() >= fresh:  # rule R7b, as the real inbox
+                for p in waiting:
+                    hub.post(run_id, round_id, self.me, p, payload)
+                fresh = trio.current_time() + self.config.early_ttl / 2
             if not waiting:
                 break
             await hub.wait(min(deadline, hub.next_arrival(run_id, round_id, self.me), trio.current_time() + 1.0))
