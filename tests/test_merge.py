@@ -145,3 +145,36 @@ def test_a_base_whose_holder_crashed_after_confirming_is_dropped_at_once():
         assert o.result is not None and o.merged is None and c.me not in o.members, o
     assert np.array_equal(outs[0].result, outs[1].result)
     assert max(took) < 15.0, took  # not a merge timeout (60 s) per attempt
+
+
+class SlowBases(Bases):
+    """A fetch that takes what a ~5 MB state takes at the bulk floor rate (1 Mbit/s)."""
+
+    async def fetch(self, t, base, holders, timeout):
+        self.fetched.append(base)
+        await trio.sleep(40.0)
+        return self.table[base]
+
+
+def test_a_merge_whose_fetch_takes_its_bytes_at_the_floor_rate_commits():
+    """Rule M1's fetch budget (`roundparts.merge_budget`) grows with the state, as the data
+    plane's does. The trainer gave every merge six exchange timeouts (30 s) whatever the
+    model: a fetch that takes 40 s (5 MB at the 1 Mbit/s floor; 400 MB at 80 Mbit/s) failed
+    the merge for every member, attempt after attempt, so at real model sizes lineages never
+    merged. With the budget of a 5 MB state (48 s), it commits."""
+    from p2ptrain.reduce.service_config import AllReduceConfig
+    from p2ptrain.run.roundparts import merge_budget
+
+    cfg = AllReduceConfig()
+    assert merge_budget(cfg, 5.0, 4096) == 30.0  # small states (the simulator's): as before
+    assert merge_budget(cfg, 5.0, 400 << 20) > 3300  # a 100M-parameter state at the floor
+    a, b = state(1), state(2)
+    for timeout, merges in ((merge_budget(cfg, 5.0, 5 << 20), True), (30.0, False)):
+        hub = Hub()
+        rounds = [member(hub, i)[0] for i in (1, 2, 3)]
+        table = {a[1]: a[0], b[1]: b[0]}
+        for r, (d, _) in zip(rounds, [a, a, b]):
+            r.bases, r.merge_timeout = SlowBases(d, table), timeout
+        outs = run_rounds(rounds, deltas(3), bases=[a[1], a[1], b[1]], weights=[1, 1, 1])
+        merged = [o.merged is not None and o.result is not None for o in outs]
+        assert merged == [merges] * 3, (timeout, merged)

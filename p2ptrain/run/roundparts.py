@@ -80,6 +80,16 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
+def merge_budget(svc, exchange: float, state_bytes: int) -> float:
+    """Seconds a merge round's state fetches may take (rule M1): the state's bytes at the
+    bulk floor rate (`frame_min_rate_mbps`) plus `round_allowance`, as the data plane's own
+    budget, and never under six exchange timeouts. Before, a fixed six exchange timeouts
+    (30 s): a fetch of a 100M-parameter state (~400 MB) then needed 107 Mbit/s, so at
+    real model sizes lineages never merged. `svc`: an `AllReduceConfig`; `state_bytes`: a
+    state checkpoint's size (the genesis's: the same arrays)."""
+    return max(6.0 * exchange, svc.round_allowance + state_bytes / (svc.frame_min_rate_mbps * 1e6))
+
+
 def attempt_span(svc, before_data: float, nbytes: int, world: int) -> float:
     """The longest an attempt can run once its roster is confirmed: `before_data` (a merge's
     state fetches and the headers), the service's bulk setup, its data plane (closed at the

@@ -33,7 +33,7 @@ from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.evidence import BlobEvidence
 from p2ptrain.run.lossgate import GateConfig
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService
-from p2ptrain.run.roundparts import RoundConfig, attempt_span
+from p2ptrain.run.roundparts import RoundConfig, attempt_span, merge_budget
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
@@ -91,12 +91,12 @@ class Trainer(Lineage):
         # sparse runs (issue 18): compressed all-gather instead of the ring; per-peer error feedback
         sparse = (SparseReducer(spec.train.sparse_config(), local.n_params)
                   if spec.train.allreduce == "sparse" else None)
+        merging = merge_budget(svc.config, spec.timeouts.exchange, spec.genesis.bytes)
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange, attempt_span=attempt_span(
-                svc.config, spec.timeouts.exchange * 7, 4 * local.n_params, spec.train.group_size)), self.ledger,
-            contributor, sparse, bases=self, group_size=spec.train.group_size,
-            merge_timeout=spec.timeouts.exchange * 6,
+                svc.config, merging + spec.timeouts.exchange, 4 * local.n_params, spec.train.group_size)),
+            self.ledger, contributor, sparse, bases=self, group_size=spec.train.group_size, merge_timeout=merging,
             scorer=scorer if robust is None else None,
             evidence=BlobEvidence(blobs) if robust is None and sparse is None else None,
             past=lambda t, peers: elect.past_step(self.dht, run_id, t, self.sightings.level(t), peers))
