@@ -80,14 +80,19 @@ def prepare(delta: np.ndarray, send: np.ndarray, rank: int, world: int, cfg: rin
     return _Prepared(send, own, digests, norms, math.sqrt(math.fsum(x * x for x in norms)), lay)
 
 
+def transfer_budget(svc, nbytes: int, least: float) -> float:
+    """Seconds a bulk transfer of `nbytes` may take: its bytes at the bulk floor rate
+    (`frame_min_rate_mbps`, 1 Mbit/s) plus `round_allowance`, as the data plane's own budget
+    (`AllReduceConfig.data_budget`), never under `least`. `svc`: an `AllReduceConfig`."""
+    return max(least, svc.round_allowance + nbytes / (svc.frame_min_rate_mbps * 1e6))
+
+
 def merge_budget(svc, exchange: float, state_bytes: int) -> float:
-    """Seconds a merge round's state fetches may take (rule M1): the state's bytes at the
-    bulk floor rate (`frame_min_rate_mbps`) plus `round_allowance`, as the data plane's own
-    budget, and never under six exchange timeouts. Before, a fixed six exchange timeouts
-    (30 s): a fetch of a 100M-parameter state (~400 MB) then needed 107 Mbit/s, so at
-    real model sizes lineages never merged. `svc`: an `AllReduceConfig`; `state_bytes`: a
-    state checkpoint's size (the genesis's: the same arrays)."""
-    return max(6.0 * exchange, svc.round_allowance + state_bytes / (svc.frame_min_rate_mbps * 1e6))
+    """Seconds a merge round's state fetches may take (rule M1): `transfer_budget` of a state
+    (the genesis's size: the same arrays), at least six exchange timeouts. Before, a fixed
+    six exchange timeouts (30 s): a fetch of a 100M-parameter state (~400 MB) then needed
+    107 Mbit/s, so at real model sizes lineages never merged."""
+    return transfer_budget(svc, state_bytes, 6.0 * exchange)
 
 
 def attempt_span(svc, before_data: float, nbytes: int, world: int) -> float:

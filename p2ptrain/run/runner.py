@@ -21,7 +21,9 @@ from p2ptrain.ckpt.fetch import FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
 from p2ptrain.peer import Parts, checkpoint_dir, make_writer  # noqa: F401 - re-exported for callers
 from p2ptrain.records import RunRecords
+from p2ptrain.run.roundparts import transfer_budget
 from p2ptrain.run.spec import RunSpec
+from p2ptrain.train.lineage import CATCH_UP_WAIT
 from p2ptrain.train.trainer import TrainerConfig
 
 log = logging.getLogger("p2ptrain.run.runner")
@@ -99,15 +101,21 @@ def rebuilt_genesis(spec: RunSpec) -> bytes | None:
     return data if checkpoint.sha256(data) == spec.genesis.sha256 else None
 
 
-async def fetch_state(node, run_id: str, spec: RunSpec, events, timeout: float = 120.0) -> bytes:
-    """A newcomer's starting state: the run's best-attested checkpoint, from its peers."""
+async def fetch_state(node, run_id: str, spec: RunSpec, events, timeout: float | None = None) -> bytes:
+    """A newcomer's starting state: the run's best-attested checkpoint, from its peers, within
+    `timeout` (default: its bytes at the bulk floor rate, at least `CATCH_UP_WAIT`:
+    `roundparts.transfer_budget`), and within `CATCH_UP_WAIT` of the last fetch tried when
+    nobody advertises one (a wrong run id must not wait out a big model's budget)."""
+    if timeout is None:
+        timeout = transfer_budget(peer.service_config(spec), spec.genesis.bytes, CATCH_UP_WAIT)
+    idle_until = trio.current_time() + min(timeout, CATCH_UP_WAIT)
     with trio.move_on_after(timeout):
-        while True:
+        while trio.current_time() <= idle_until:
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events)
             except FetchError as exc:
                 log.warning("state fetch failed: %s", exc)
-                got = None
+                got, idle_until = None, trio.current_time() + min(timeout, CATCH_UP_WAIT)
             if got is not None and got[1] is not None:
                 return got[1]
             await trio.sleep(1.0)

@@ -32,9 +32,17 @@ NEAR = 3
 """Rule H2's reach: a peer whose state is within this many steps of ours holds our lone commits."""
 
 
+CATCH_UP_WAIT = 120.0
+"""Seconds a catch-up waits while no acceptable state is advertised (a fetch under way has
+its state's `transfer_budget`, `Lineage.fetch_timeout`)."""
+
+
 class Lineage:
     """Mixed into `Trainer` (it reads the trainer's node, DHT, spec, ledger, model side and
     round, and sets its `weight` and `last_roster`)."""
+
+    fetch_timeout: float = CATCH_UP_WAIT
+    """A catch-up's default time limit (the trainer sizes it: `roundparts.transfer_budget`)."""
 
     async def wait_for_peers(self) -> None:
         with trio.move_on_after(self.config.start_timeout):
@@ -291,9 +299,12 @@ class Lineage:
                 return True
         return False
 
-    async def catch_up(self, at_least: int, timeout: float = 120.0, patience: float | None = None,
+    async def catch_up(self, at_least: int, timeout: float | None = None, patience: float | None = None,
                        scored: bool = False) -> None:
-        """Adopt the best-attested state at `at_least` or later (chunks from every provider at
+        """Within `timeout` (default `fetch_timeout`: the state's bytes at the bulk floor rate,
+        at least 120 s; a fixed 120 s needed 27 Mbit/s for a 100M-parameter state and 530 for
+        1B, so a newcomer on a slower link never caught up),
+        adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
         is rejected, not fatal: p2ptrain.ckpt.download.adopt; so is one that scores no better
         than the genesis we still hold: `scorer.checked_load`). `scored` (H3): ranked without
@@ -305,8 +316,10 @@ class Lineage:
         if scored:
             rejected = self.__dict__.setdefault("_passed_over", set())
             rejected |= self.ledger.rejected_ckpts
-        got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step,
-                          load, timeout=timeout, patience=patience, rejected=rejected,
+        timeout = self.fetch_timeout if timeout is None else timeout
+        patience = min(timeout, CATCH_UP_WAIT) if patience is None else patience  # nothing advertised
+        got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step, load,
+                          timeout=timeout, patience=patience, rejected=rejected,
                           trusted=frozenset() if scored else self.ledger.standing.trusted())
         if got is None:
             return

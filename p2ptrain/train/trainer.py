@@ -33,12 +33,12 @@ from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.evidence import BlobEvidence
 from p2ptrain.run.lossgate import GateConfig
 from p2ptrain.run.round import ContributionRound, Contributor, ReduceService
-from p2ptrain.run.roundparts import RoundConfig, attempt_span, merge_budget
+from p2ptrain.run.roundparts import RoundConfig, attempt_span, merge_budget, transfer_budget
 from p2ptrain.run.spec import RunSpec
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.train import progress
-from p2ptrain.train.lineage import Lineage
+from p2ptrain.train.lineage import CATCH_UP_WAIT, Lineage
 from p2ptrain.train.scorer import make_scorer
 
 log = logging.getLogger("p2ptrain.train.trainer")
@@ -92,6 +92,7 @@ class Trainer(Lineage):
         sparse = (SparseReducer(spec.train.sparse_config(), local.n_params)
                   if spec.train.allreduce == "sparse" else None)
         merging = merge_budget(svc.config, spec.timeouts.exchange, spec.genesis.bytes)
+        self.fetch_timeout = transfer_budget(svc.config, spec.genesis.bytes, CATCH_UP_WAIT)  # a catch-up's
         self.round = ContributionRound(run_id, node.identity, svc, RoundConfig(
             spec.train.allreduce, svc.config.sub_chunk_bytes, spec.timeouts.exchange, robust,
             abort_skew=svc.config.commit_timeout + spec.timeouts.exchange, attempt_span=attempt_span(
