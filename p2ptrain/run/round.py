@@ -40,7 +40,7 @@ from p2ptrain.run.contribution import (Header, HeldChecker, NotEncoded, OwnDiges
 from p2ptrain.run.influence import Verdict, judge_headers, leave_out
 from p2ptrain.run.ledger import Ledger
 from p2ptrain.run.roundparts import (Contributor, Outcome, ReduceService, RoundConfig,  # noqa: F401 - re-exported
-                                     prepare)
+                                     attempt_waits, prepare)
 
 log = logging.getLogger("p2ptrain.run.round")
 
@@ -146,7 +146,7 @@ class ContributionRound(Agreement):
                 return out
             rh = election.roster_hash(self.run_id, t, attempt, roster)
             t0 = trio.current_time()
-            (wait, short), sat_out = self._confirm_wait(attempt - first, first_wait, sat_out, first_cut), False
+            (wait, short), sat_out = attempt_waits(self.config, attempt - first, first_wait, sat_out, first_cut), False
             verdict = await self._confirm(t, attempt, roster, rh, base, wait, weight, frozenset(plan.silent), short)
             out.took("roster", t0)
             action, nxt = plan.after(roster, verdict)
@@ -170,18 +170,21 @@ class ContributionRound(Agreement):
                     return out
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
-            self._unexplained, self._gone, self._refused = False, set(), False
+            self._unexplained, self._gone, self._refused, since = False, set(), False, trio.current_time()
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
                 if probe.left is not None:  # its absence made the difference
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if (roster := self._next_roster(t, roster, plan, probe, elected)) is None:
+            if (roster := self._next_roster(t, roster, plan, probe, elected, (since, delta.nbytes))) is None:
                 return out
         return out
 
-    def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str]) -> list[str] | None:
-        """The roster of the attempt after a failed one; None: leave-one-out is done."""
+    def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str],
+                     ran: tuple[float, int] | None = None) -> list[str] | None:
+        """The roster of the attempt after a failed one; None: leave-one-out is done. `ran`:
+        (when the attempt began, the vector's bytes): one that ran half its data budget was
+        held by a slow member, not a transient (R4c)."""
         if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
             nxt = self._after_refusal(t, roster)
             plan.elected = [p for p in elected if p not in self._convicted]
@@ -189,21 +192,11 @@ class ContributionRound(Agreement):
         if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
             return self._without_gone(plan, roster)
         if self._unexplained:
-            return probe.failed(roster)
+            cfg = getattr(self.svc, "config", None)
+            return probe.failed(roster, slow=ran is not None and cfg is not None and
+                                trio.current_time() - ran[0] >= cfg.data_budget(ran[1], len(roster)) / 2)
         probe.left = None  # someone was caught: a later commit says nothing about who we left out
         return roster
-
-    def _confirm_wait(self, nth: int, first_wait: float | None, sat_out: bool = False,
-                      first_cut: float | None = None) -> tuple[float, float | None]:
-        """Seconds this try's `nth` confirmation waits (`run`; later ones add `abort_skew`; after
-        an attempt we sat out, also as long as it may run: R4a), and its cut (`_confirm`'s
-        `short`: once anyone answered, wait at most this much more): R4a's usual wait, or
-        E14's `first_cut` at the first confirmation; None for no cut."""
-        first = self.config.exchange_timeout if first_wait is None else first_wait
-        wait = first if nth == 0 else self.config.exchange_timeout + self.config.abort_skew
-        if sat_out:
-            return wait + self.config.attempt_span, wait
-        return wait, first_cut if nth == 0 else None
 
     async def _attempt(self, out: Outcome, t: int, attempt: int, roster: list[str], rh: str, delta: np.ndarray,
                        tokens: int, inner_steps: int) -> bool:

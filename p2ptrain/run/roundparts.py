@@ -175,3 +175,16 @@ class Outcome:
         now = trio.current_time()
         self.seconds[part] = self.seconds.get(part, 0.0) + now - since
         return now
+
+
+def attempt_waits(config: RoundConfig, nth: int, first_wait: float | None, sat_out: bool = False,
+                  first_cut: float | None = None) -> tuple[float, float | None]:
+    """Seconds a try's `nth` roster confirmation waits (`ContributionRound.run`; later ones
+    add `abort_skew`; after an attempt we sat out, also as long as it may run: R4a), and its
+    cut (`_confirm`'s `short`: once anyone answered, wait at most this much more): R4a's
+    usual wait, or E14's `first_cut` at the first confirmation; None for no cut."""
+    first = config.exchange_timeout if first_wait is None else first_wait
+    wait = first if nth == 0 else config.exchange_timeout + config.abort_skew
+    if sat_out:
+        return wait + config.attempt_span, wait
+    return wait, first_cut if nth == 0 else None
