@@ -538,7 +538,7 @@ def test_a_member_left_out_of_a_long_attempt_waits_for_it_at_the_next(span):
 
 
 @pytest.mark.parametrize("slow", [True, False])
-def test_an_attempt_held_half_its_data_budget_is_not_retried_with_the_same_roster(slow):
+def test_an_attempt_held_most_of_its_data_budget_is_not_retried_with_the_same_roster(slow):
     """Rule R4c. A member slow within every frame rule (red team `trickle`) holds each
     attempt to the round's data budget, and nobody is blamed. R4 retries the same roster once
     first, for a transient; such an attempt is no transient, and the retry cost one more
@@ -551,7 +551,7 @@ def test_an_attempt_held_half_its_data_budget_is_not_retried_with_the_same_roste
     rounds = [member(hub, i + 1)[0] for i in range(4)]
     ids = [r.me for r in rounds]
     hub.withholder, hub.withhold_seconds = ids[2], 30.0 if slow else 0.5
-    budget = AllReduceConfig(round_allowance=20.0)  # data budget ~20 s: 30 s is past half of it
+    budget = AllReduceConfig(round_allowance=20.0)  # data budget ~20 s: 30 s is past 3/4 of it
     for r in rounds:
         r.svc.config = budget
         r.config = dataclasses.replace(CFG, abort_skew=15.0, attempt_span=45.0)

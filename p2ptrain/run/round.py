@@ -183,7 +183,7 @@ class ContributionRound(Agreement):
     def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str],
                      ran: tuple[float, int] | None = None) -> list[str] | None:
         """The roster of the attempt after a failed one; None: leave-one-out is done. `ran`:
-        (when the attempt began, the vector's bytes): one that ran half its data budget was
+        (when the attempt began, the vector's bytes): one that ran 3/4 of its data budget was
         held by a slow member, not a transient (R4c)."""
         if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
             nxt = self._after_refusal(t, roster)
@@ -194,7 +194,7 @@ class ContributionRound(Agreement):
         if self._unexplained:
             cfg = getattr(self.svc, "config", None)
             return probe.failed(roster, slow=ran is not None and cfg is not None and
-                                trio.current_time() - ran[0] >= cfg.data_budget(ran[1], len(roster)) / 2)
+                                trio.current_time() - ran[0] >= 0.75 * cfg.data_budget(ran[1], len(roster)))
         probe.left = None  # someone was caught: a later commit says nothing about who we left out
         return roster
 
