@@ -205,13 +205,11 @@ class LeaveOneOut:
     def out(self) -> set[str]:
         return {self.left} if self.left is not None else set()
 
-    def failed(self, roster: list[str], slow: bool = False) -> list[str] | None:
+    def failed(self, roster: list[str]) -> list[str] | None:
         """The roster to try after an unexplained abort of `roster` (or, for the member left
-        out, after the attempt it sat out); None when every member was left out once.
-        `slow`: the attempt ran 3/4 of its data budget or more (rule R4c): a member slow within
-        every frame rule, not a transient, so the same roster is not tried again."""
+        out, after the attempt it sat out); None when every member was left out once."""
         self.fails += 1
-        if self.fails == 1 and not slow:
+        if self.fails == 1:
             return list(roster)
         if self.base is None:
             self.base = list(roster)

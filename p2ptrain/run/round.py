@@ -170,21 +170,18 @@ class ContributionRound(Agreement):
                     return out
                 continue
             attempt_fn = self._attempt if self.sparse is None else self._sparse_attempt
-            self._unexplained, self._gone, self._refused, since = False, set(), False, trio.current_time()
+            self._unexplained, self._gone, self._refused = False, set(), False
             if await attempt_fn(out, t, attempt, roster, rh, delta, tokens, inner_steps):
                 if probe.left is not None:  # its absence made the difference
                     self.ledger.strike(t, probe.left, "rounds abort whenever it is a member")
                 return out
             out.merged = None
-            if (roster := self._next_roster(t, roster, plan, probe, elected, (since, delta.nbytes))) is None:
+            if (roster := self._next_roster(t, roster, plan, probe, elected)) is None:
                 return out
         return out
 
-    def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str],
-                     ran: tuple[float, int] | None = None) -> list[str] | None:
-        """The roster of the attempt after a failed one; None: leave-one-out is done. `ran`:
-        (when the attempt began, the vector's bytes): one that ran 3/4 of its data budget was
-        held by a slow member, not a transient (R4c)."""
+    def _next_roster(self, t: int, roster: list[str], plan, probe, elected: list[str]) -> list[str] | None:
+        """The roster of the attempt after a failed one; None: leave-one-out is done."""
         if self._refused:  # L1/L2: on without those whose work failed; Q2: they count no more
             nxt = self._after_refusal(t, roster)
             plan.elected = [p for p in elected if p not in self._convicted]
@@ -192,9 +189,7 @@ class ContributionRound(Agreement):
         if self._gone:  # G2: crashed after it confirmed; a view still naming it is behind
             return self._without_gone(plan, roster)
         if self._unexplained:
-            cfg = getattr(self.svc, "config", None)
-            return probe.failed(roster, slow=ran is not None and cfg is not None and
-                                trio.current_time() - ran[0] >= 0.75 * cfg.data_budget(ran[1], len(roster)))
+            return probe.failed(roster)
         probe.left = None  # someone was caught: a later commit says nothing about who we left out
         return roster
 
