@@ -67,4 +67,8 @@ class AllReduceConfig:
         from p2ptrain.reduce.schedule import wire_bytes
 
         wire = wire_bytes(nbytes // 4, RingConfig(self.mode, sub_chunk_bytes=self.sub_chunk_bytes))
-        return self.round_allowance + 2 * (world - 1) / max(1, world) * wire / (self.frame_min_rate_mbps * 1e6)
+        return self.round_allowance + self.at_floor(2 * (world - 1) / max(1, world) * wire)
+
+    def at_floor(self, nbytes: float) -> float:
+        """Seconds `nbytes` take at the bulk floor rate (`frame_min_rate_mbps`)."""
+        return nbytes / (self.frame_min_rate_mbps * 1e6)

@@ -84,7 +84,7 @@ def transfer_budget(svc, nbytes: int, least: float) -> float:
     """Seconds a bulk transfer of `nbytes` may take: its bytes at the bulk floor rate
     (`frame_min_rate_mbps`, 1 Mbit/s) plus `round_allowance`, as the data plane's own budget
     (`AllReduceConfig.data_budget`), never under `least`. `svc`: an `AllReduceConfig`."""
-    return max(least, svc.round_allowance + nbytes / (svc.frame_min_rate_mbps * 1e6))
+    return max(least, svc.round_allowance + svc.at_floor(nbytes))
 
 
 def merge_budget(svc, exchange: float, state_bytes: int) -> float:

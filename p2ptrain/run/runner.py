@@ -108,14 +108,15 @@ async def fetch_state(node, run_id: str, spec: RunSpec, events, timeout: float |
     nobody advertises one (a wrong run id must not wait out a big model's budget)."""
     if timeout is None:
         timeout = transfer_budget(peer.service_config(spec), spec.genesis.bytes, CATCH_UP_WAIT)
-    idle_until = trio.current_time() + min(timeout, CATCH_UP_WAIT)
+    idle = min(timeout, CATCH_UP_WAIT)
+    idle_until = trio.current_time() + idle
     with trio.move_on_after(timeout):
         while trio.current_time() <= idle_until:
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events)
             except FetchError as exc:
                 log.warning("state fetch failed: %s", exc)
-                got, idle_until = None, trio.current_time() + min(timeout, CATCH_UP_WAIT)
+                got, idle_until = None, trio.current_time() + idle
             if got is not None and got[1] is not None:
                 return got[1]
             await trio.sleep(1.0)

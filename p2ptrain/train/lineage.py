@@ -302,7 +302,7 @@ class Lineage:
     async def catch_up(self, at_least: int, timeout: float | None = None, patience: float | None = None,
                        scored: bool = False) -> None:
         """Within `timeout` (default `fetch_timeout`: the state's bytes at the bulk floor rate,
-        at least 120 s; a fixed 120 s needed 27 Mbit/s for a 100M-parameter state and 530 for
+        at least 120 s; a fixed 120 s needed 27 Mbit/s for a 100M-parameter state and 270 for
         1B, so a newcomer on a slower link never caught up),
         adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
