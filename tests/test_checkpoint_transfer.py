@@ -299,6 +299,54 @@ def test_slow_and_dead_donors_do_not_stall_the_download():
 
 
 @pytest.mark.integration
+def test_donors_that_moved_on_are_not_avoided_for_the_newer_state(monkeypatch):
+    """A catch-up chose a state its donors dropped between the manifest and the chunks (they
+    committed twice more: they serve the chunks of their last 2 states). Each answers "I do
+    not have it": alive and answering, so it must still serve the next choice, the newer
+    state. Before, three such answers made it "unresponsive": the catch-up avoided every
+    honest donor for its next choices, and the red team's late newcomer (the `provider`
+    attack, 2026-11-30) fetched nothing more and committed 0 of its 3 steps."""
+    from types import SimpleNamespace
+
+    from p2ptrain.ckpt import download as dl
+
+    old, new = os.urandom(256 << 10), os.urandom(256 << 10)
+    seen = []
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            fetcher, donors, servers, stale = await _swarm(nursery, old, [(ServeConfig(), None)] * 2, 64 << 10)
+            fresh = None
+            for blobs in servers:
+                server = CheckpointServer(blobs, 64 << 10)
+                m_new, d_new = server.serve(new)
+                fresh = providers.Choice(2, d_new, m_new.sha256, H[1], stale.providers, ())
+                m_old = chunks.split(old, 64 << 10)[0]
+                blobs.add_known(stale.manifest, m_old.encode())  # still served; its chunks are gone
+                assert all(h not in blobs.blobs for h in m_old.chunks)
+            choices = [stale, fresh]
+
+            async def find(dht, run_id, genesis, min_step, max_group, trusted, reject, ignore):
+                left = [c for c in choices if c.sha256 not in reject]
+                return left[0] if left else None
+
+            monkeypatch.setattr(dl, "find", find)
+            spec = SimpleNamespace(genesis=SimpleNamespace(sha256=H[7], bytes=len(new)),
+                                   train=SimpleNamespace(group_size=4))
+            events = SimpleNamespace(emit=lambda name, **f: seen.append((name, f)), json_mode=True)
+            node = SimpleNamespace(dht=None, host=fetcher.host, identity=fetcher.identity)
+            with trio.fail_after(60):
+                got = await dl.fetch_checkpoint(node, "r", spec, events, avoid=(avoid := set()))
+            nursery.cancel_scope.cancel()
+            return got, avoid
+
+    got, avoid = trio.run(main)
+    assert got == (2, new), [f for f in seen if f[0] == "donor_excluded"]
+    assert avoid == set()
+    assert any(n == "donor_excluded" and "does not serve" in f["reason"] for n, f in seen), seen
+
+
+@pytest.mark.integration
 def test_download_fails_cleanly_when_every_donor_lies():
     data = os.urandom(256 << 10)
 

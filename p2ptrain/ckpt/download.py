@@ -14,7 +14,9 @@ takes the next missing chunk, and once none is left it steals a chunk that has b
 flight on another donor for over twice the typical chunk time (the first verified copy
 wins and the other request is cancelled), so a slow or dead donor never stalls the
 download, while donors of equal speed do not duplicate each other's work. A donor whose chunk fails verification is
-excluded for the rest of the download; one that fails `max_failures` requests is dropped.
+excluded for the rest of the download, as is one that says it lacks a chunk its manifest
+names (it moved on, or lies: having answered, it is no "unresponsive" donor that a catch-up's
+next choices avoid); one that fails `max_failures` requests is dropped.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import functools
 import hashlib
 
 import logging
-import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -35,7 +36,7 @@ from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import chunks
 from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
-from p2ptrain.ckpt.fetch import BlobServer, FetchError, race, request
+from p2ptrain.ckpt.fetch import BlobServer, FetchError, NotServed, race, request
 from p2ptrain.identity import peer_id_from_str
 from p2ptrain.records import RunRecords
 from p2ptrain.records.board import PROVIDER_TTL
@@ -251,6 +252,8 @@ class _Download:
                 try:
                     data = await request(self.host, pid, self.manifest.chunks[i], end - start,
                                          self.config.chunk_timeout)
+                except NotServed:  # it answered: out of this download only (module doc)
+                    err = "not served"
                 except FetchError as exc:
                     err = str(exc)
             requesters = self.inflight.get(i, {})
@@ -272,6 +275,9 @@ class _Download:
                     self._requeue(i)
             elif scope.cancelled_caught:
                 self._requeue(i)  # our donor was excluded mid-request: the chunk is still needed
+            elif err == "not served":
+                self._requeue(i)
+                self._exclude(donor, f"does not serve chunk {i} of {self.manifest.sha256[:12]}... it names")
             else:
                 self.failures[donor] = self.failures.get(donor, 0) + 1
                 log.info("chunk %d from %s failed: %s", i, donor, err)
