@@ -76,6 +76,23 @@ def test_the_invariants_catch_a_fork_and_a_lone_lineage():
     assert m.counts()["convergence"] == 1
 
 
+def test_the_monitor_counts_only_honest_verdicts_against_honest_peers():
+    """Issue 32's `honest_wrongly_excluded`, per world: a strike or a rejection an honest peer
+    gives an honest one is counted (with who, whom and why); one it gives an adversary, or
+    one an adversary gives anybody, is not. A figure, not an invariant: a strike is a
+    suspicion the protocol allows an honest member to earn once."""
+    from p2ptrain.sim.invariants import Monitor, WorldView
+
+    m = Monitor(WorldView({"a", "b"}, lambda p: True, lambda x, y: True))
+    m.on_event(1.0, "a", "member_struck", {"step": 0, "remote": "s", "strikes": 1})
+    m.on_event(1.0, "a", "contribution_rejected", {"step": 0, "remote": "s", "reason": "withholds-votes"})
+    m.on_event(1.0, "s", "contribution_rejected", {"step": 0, "remote": "a", "reason": "lies"})
+    assert m.verdicts() == {"struck": 0, "excluded": []}
+    m.on_event(2.0, "a", "member_struck", {"step": 1, "remote": "b", "strikes": 1})
+    m.on_event(3.0, "b", "peer_excluded", {"step": 2, "remote": "a", "reason": "reputation"})
+    assert m.verdicts(str.upper) == {"struck": 1, "excluded": [(3.0, "B", "A", "reputation")]}
+
+
 def test_a_fork_across_a_partition_counts_against_convergence_only_if_it_outlives_k_steps():
     """Invariant 3 promises one state within K steps of the faults' end: two pairs that
     committed different states across a one-way partition and merged one step after it are
@@ -388,8 +405,9 @@ def test_a_sweep_names_its_violating_seeds_and_each_replays_to_the_same_verdict(
     issue 31 violated commit-or-abort or convergence in 24 of 200 (a partition split a group
     into two committing sides that never merged); now none may. Also asserted: every
     violation comes with its seed, replaying a seed gives the same verdict and the same final
-    steps, no peer of any world failed to start or crashed the simulator, and no contribution
-    broke the influence bound. Two worker processes (CI has two cores)."""
+    steps, no peer of any world failed to start or crashed the simulator, no contribution
+    broke the influence bound, and no honest peer rejected an honest one. Two worker
+    processes (CI has two cores)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -404,6 +422,8 @@ def test_a_sweep_names_its_violating_seeds_and_each_replays_to_the_same_verdict(
     print(json.dumps(summary))
     assert summary["seeds"] == SWEEP_SEEDS and summary["peers_max"] == 4
     assert summary["violations_bounded_influence"] == 0
+    # no honest peer rejected or excluded an honest one (issue 32's `honest_wrongly_excluded`)
+    assert summary["honest_excluded"] == 0, summary["honest_excluded_seeds"]
     for inv in ("commit_or_abort", "no_lone_lineage", "convergence"):
         assert summary[f"violations_{inv}"] == 0, [r["violations"] for r in reports if r["counts"][inv]][:3]
     replayed = [r for r in reports if "replayed" in r]

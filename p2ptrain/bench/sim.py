@@ -135,7 +135,9 @@ def run(args) -> int:
         say(f"seed {r['seed']:>6} {'(control) ' if r.get('control') else ''}{r['describe']}: {r['events']} events in {r['wall_seconds']:.1f}s, "
             f"committed {r['commit_fraction']:.3f}, converged in {r['steps_to_converge']} steps, "
             f"{bad} violation(s){': ' + '; '.join(v['invariant'] + ' ' + v['detail'] for v in r['violations'][:3]) if bad else ''}"
-            + (f"; attack: {json.dumps(r['attack_figures'])}" if r.get("attack_figures") else ""))
+            + (f"; attack: {json.dumps(r['attack_figures'])}" if r.get("attack_figures") else "")
+            + (f"; honest excluded: {r['honest_verdicts']['excluded'][:3]}"
+               if r.get("honest_verdicts", {}).get("excluded") else ""))
         if args.json:
             print(json.dumps({"event": "bench_sim_seed", **{k: v for k, v in r.items() if k != "final_steps"}}),
                   flush=True)
@@ -187,6 +189,10 @@ def summarize(results: list[dict], wall: float) -> dict:
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
         "attack_figures": attack_figures(results),
+        "honest_struck": sum(r.get("honest_verdicts", {}).get("struck", 0) for r in results),
+        "honest_excluded": sum(len(r.get("honest_verdicts", {}).get("excluded", ())) for r in results),
+        "honest_excluded_seeds": sorted({r["seed"] for r in results
+                                         if r.get("honest_verdicts", {}).get("excluded")})[:50],
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
         **(_versus(results, control) if control else {}),

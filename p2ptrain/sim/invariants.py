@@ -91,6 +91,10 @@ class Monitor:
         self.committed: set[tuple[str, int]] = set()
         self.rounds = 0
         self._seen: set[tuple] = set()
+        # honest peers' verdicts against honest peers (issue 32's `honest_wrongly_excluded`):
+        # not an invariant (a strike is a suspicion), a figure every world reports
+        self.struck: list[tuple[float, str, str]] = []  # (when, by, whom)
+        self.excluded: list[tuple[float, str, str, str]] = []  # (when, by, whom, why)
 
     def _flag(self, inv: str, now: float, detail: str, key: tuple | None = None) -> None:
         if key is not None:
@@ -122,6 +126,12 @@ class Monitor:
             self.history.setdefault(peer, {})[int(f["step"])] = f["params_sha256"]
             self.step_of.setdefault(f["params_sha256"], int(f["step"]))
             self.latest[peer] = int(f["step"])
+        elif event in ("member_struck", "contribution_rejected", "peer_excluded") and honest \
+                and f.get("remote") in self.world.honest:
+            if event == "member_struck":
+                self.struck.append((now, peer, f["remote"]))
+            else:
+                self.excluded.append((now, peer, f["remote"], str(f.get("reason", ""))))
         elif event == "outer_step_committed":
             self._commit(now, peer, int(f["step"]) - 1, f["params_sha256"], tuple(f.get("members") or ()),
                          f.get("loss") is not None)
@@ -275,6 +285,12 @@ class Monitor:
         start of the next step's (None: no peer trained two steps in a row)."""
         gaps = [when - self.trained[(p, t - 1)] for (p, t), when in self.trained.items() if (p, t - 1) in self.trained]
         return statistics.median(gaps) if gaps else None
+
+    def verdicts(self, name=str) -> dict:
+        """Strikes (R4) and rejections or exclusions honest peers gave honest peers, each
+        exclusion as (when, by, whom, why), peers named by `name`."""
+        return {"struck": len(self.struck),
+                "excluded": [(round(w, 3), name(a), name(b), why) for w, a, b, why in self.excluded]}
 
     def counts(self) -> dict[str, int]:
         out = {name: 0 for name in NAMES}

@@ -1,18 +1,16 @@
 """A simulated world: N real peers in one process, on trio's autojump clock, from one seed.
 
-Each peer is built by the composition root (`p2ptrain.peer.run_peer`) exactly as `p2ptrain
-join` builds one, with the simulator's I/O passed in: a real `DHTNode` on `SimDHTNetwork`,
-`SimHost` streams for blobs (the real `BlobServer` and chunk download), `SimReduceService`
-for rounds, `VectorModel` for training, and an in-memory "disk" for checkpoints that
-survives the peer's restarts. Election, roster, contribution headers and their checks,
-commit-or-abort bookkeeping, catch-up, state choice, provider choice, the ledger and the DHT
-are the product's modules.
+Each peer is built by the composition root (`p2ptrain.peer.run_peer`) exactly as `p2ptrain join`
+builds one, with the simulator's I/O passed in: a real `DHTNode` on `SimDHTNetwork`, `SimHost`
+streams for blobs (the real `BlobServer` and chunk download), `SimReduceService` for rounds,
+`VectorModel` for training, and an in-memory "disk" for checkpoints that survives the peer's
+restarts. Election, roster, contribution headers and their checks, commit-or-abort
+bookkeeping, catch-up, state and provider choice, the ledger and the DHT are the product's.
 
-Determinism: trio's scheduler is seeded, every blocking call (`trio.to_thread.run_sync`)
-runs inline in the trio thread (charged the simulated seconds the model says it takes), the
-wall clock is pinned to a fixed epoch, and every random draw comes from the seed. Replaying
-a seed in a process with the same PYTHONHASHSEED gives the same trace, event for event
-(`p2ptrain bench sim` pins it).
+Determinism: trio's scheduler is seeded, every blocking call (`trio.to_thread.run_sync`) runs
+inline in the trio thread (charged the simulated seconds the model says it takes), the wall
+clock is pinned to a fixed epoch, and every random draw comes from the seed. Replaying a seed
+under the same PYTHONHASHSEED (`bench sim` pins it) gives the same trace, event for event.
 """
 
 from __future__ import annotations
@@ -146,6 +144,7 @@ class Report:
     again after the last fault, in a world with faults but no adversaries or slow peers
     (those never end; the +-2 s clock skew is kept): liveness with no fault active, which
     the monitor judges only in fault-free worlds; None otherwise."""
+    honest_verdicts: dict = field(default_factory=dict)  # honest peers' against honest ones: Monitor.verdicts
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -352,7 +351,8 @@ class World:
         return Report(self.sc.name, self.seed, len(self.sc.peers), list(m.violations), m.counts(),
                       round(m.commit_fraction(), 4), steps, self.events, self.sc.duration, round(wall, 3),
                       {f"p{self.index[p]}": s for p, s in sorted(m.latest.items(), key=lambda kv: self.index[kv[0]])},
-                      self.trace, self.arms.figures(), not getattr(m, "unsettled", False), self._after_faults())
+                      self.trace, self.arms.figures(), not getattr(m, "unsettled", False), self._after_faults(),
+                      m.verdicts(lambda p: f"p{self.index[p]}"))
 
     def _after_faults(self) -> tuple[int, int] | None:
         m, since = self.monitor, self._converged_time
