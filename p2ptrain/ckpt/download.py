@@ -59,10 +59,9 @@ class DownloadConfig:
     """Providers asked for the manifest at once."""
 
     def __post_init__(self) -> None:
-        if (self.per_donor < 1 or self.chunk_timeout <= 0 or self.max_failures < 1
-                or self.first_byte_timeout <= 0 or self.race_width < 1):
-            raise ValueError("per_donor >= 1, chunk_timeout > 0, max_failures >= 1, first_byte_timeout > 0 "
-                             "and race_width >= 1 are required")
+        if min(self.per_donor, self.max_failures, self.race_width) < 1 or min(self.chunk_timeout,
+                                                                               self.first_byte_timeout) <= 0:
+            raise ValueError("per_donor, max_failures and race_width >= 1, chunk_timeout and first_byte_timeout > 0")
 
 
 @dataclass
@@ -83,23 +82,20 @@ class CheckpointServer:
     """Serves the latest committed checkpoint as chunks and advertises it."""
 
     def __init__(self, blobs: BlobServer, chunk_bytes: int = chunks.CHUNK_BYTES, keep: int = 2) -> None:
-        self.blobs = blobs
-        self.chunk_bytes = chunk_bytes
-        # The previous step's chunks stay served too: a newcomer that chose it just before
-        # we committed the next step can still finish its download.
-        self.keep = keep
+        # The previous step's chunks stay served too (`keep`): a newcomer that chose it just
+        # before we committed the next step can still finish its download.
+        self.blobs, self.chunk_bytes, self.keep = blobs, chunk_bytes, keep
         self.served: list[set[str]] = []
         self.current: tuple[int, str] | None = None
 
     def serve(self, data: bytes) -> tuple[chunks.ChunkManifest, str]:
         """Split and serve `data` (blocking: hashing; call it in a thread)."""
         manifest, parts = chunks.split(data, self.chunk_bytes)
-        raw = manifest.encode()
         digest = manifest.digest()
         new = {digest, *manifest.chunks}
         for h, part in zip(manifest.chunks, parts):
             self.blobs.add_known(h, part)
-        self.blobs.add_known(digest, raw)
+        self.blobs.add_known(digest, manifest.encode())
         self.served = [*self.served, new][-self.keep:]
         live = set().union(*self.served)
         for old in list(self.blobs.chunk_digests - live):
