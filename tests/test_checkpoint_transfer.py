@@ -146,6 +146,55 @@ async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
 
 
 @trio_test()
+async def test_a_state_its_attesters_dropped_is_given_up_at_once_for_the_newer_one(monkeypatch):
+    """The red team's `provider` attack after the fix above (2026-11-30): the newcomer's
+    choice was dropped by its attesters (they answered so), and its other providers, copied
+    records on hosts that never answer, held the download for their request timeout (60 s
+    a request, 3 failures each) while the run's veterans finished and left. Once every
+    attester said it no longer holds the state, they have all committed newer ones: the
+    download fails at once and the catch-up takes the newest."""
+    from types import SimpleNamespace
+
+    from p2ptrain.ckpt import catchup
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    old, new = os.urandom(200_000), os.urandom(200_000)
+    ids = sorted((Identity.from_seed(bytes([60 + i]) * 32) for i in range(3)), key=lambda i: i.peer_id_str)
+    copier, attesters = ids[0], ids[1:]
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x31" * 32).peer_id)
+
+        async def never_answer(stream):
+            await trio.sleep_forever()
+
+        net.host(copier.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        for ident in attesters:
+            blobs = BlobServer(net.host(ident.peer_id))
+            m_old, d_old = CheckpointServer(blobs, 64 << 10).serve(old)
+            m_new, d_new = CheckpointServer(blobs, 64 << 10).serve(new)  # a fresh server: old's blobs are gone
+            blobs.add_known(d_old, m_old.encode())  # but the manifest is still served (read before it moved on)
+        everyone = tuple(i.peer_id_str for i in ids)
+        signed = tuple(i.peer_id_str for i in attesters)
+        choices = [providers.Choice(1, d_old, m_old.sha256, H[0], everyone, signed),
+                   providers.Choice(2, d_new, m_new.sha256, H[1], everyone, signed)]
+
+        async def find(dht, run_id, genesis, min_step, max_group, trusted, reject, ignore):
+            return next((c for c in choices if c.sha256 not in reject), None)
+
+        monkeypatch.setattr(catchup, "find", find)
+        spec = SimpleNamespace(genesis=SimpleNamespace(sha256=H[7], bytes=len(new)), train=SimpleNamespace(group_size=4))
+        events = SimpleNamespace(emit=lambda name, **f: None, json_mode=True)
+        node = SimpleNamespace(dht=None, host=fetcher, identity=Identity.from_seed(b"\x31" * 32))
+        t0 = trio.current_time()
+        got = await catchup.fetch_checkpoint(node, "r", spec, events)
+        took = trio.current_time() - t0
+        nursery.cancel_scope.cancel()
+    assert got == (2, new)
+    assert took < 15, took  # the copier's first-byte deadline on the manifest at most; 120 s before
+
+
+@trio_test()
 async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
     from fakehost import PipeNet
     from p2ptrain.ckpt.fetch import PROTOCOL
@@ -308,7 +357,7 @@ def test_donors_that_moved_on_are_not_avoided_for_the_newer_state(monkeypatch):
     attack, 2026-11-30) fetched nothing more and committed 0 of its 3 steps."""
     from types import SimpleNamespace
 
-    from p2ptrain.ckpt import download as dl
+    from p2ptrain.ckpt import catchup as dl
 
     old, new = os.urandom(256 << 10), os.urandom(256 << 10)
     seen = []
@@ -461,7 +510,7 @@ async def test_a_catch_up_retries_a_state_whose_holders_were_cut_off(monkeypatch
     catch-up keeps it out -- for `FORGIVE` seconds, not for the whole catch-up. Before, the
     state was never fetched after the partition healed; the peer retried its old step beside
     it and the run forked (the simulator, 4 peers, seed 74)."""
-    from p2ptrain.ckpt import download as dl
+    from p2ptrain.ckpt import catchup as dl
 
     healed_at = trio.current_time() + 15.0
     calls = []

@@ -424,7 +424,8 @@ def test_catch_up_survives_a_checkpoint_that_hashes_right_but_does_not_load():
 
     from conftest import LOOPBACK
     from p2ptrain.ckpt import checkpoint
-    from p2ptrain.ckpt.download import CheckpointServer, adopt
+    from p2ptrain.ckpt.catchup import adopt
+    from p2ptrain.ckpt.download import CheckpointServer
     from p2ptrain.ckpt.fetch import BlobServer
     from p2ptrain.events import EventSink
     from p2ptrain.identity import Identity

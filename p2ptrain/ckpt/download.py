@@ -5,7 +5,7 @@ checkpoint into chunks (`p2ptrain.ckpt.chunks`), serves them and the chunk manif
 `BlobServer` (bounded, rate-limited), drops the previous step's chunks, and stores its
 signed provider record (`p2ptrain.records.RunRecords.publish_provider`).
 
-Fetching side (`find`, `download`): a newcomer picks the newest checkpoint a quorum of its
+Fetching side (`download`; which checkpoint, and the catch-up around it: `p2ptrain.ckpt.catchup`): a newcomer picks the newest checkpoint a quorum of its
 group attests, gets the chunk manifest (verified against the attested hash) by racing the
 providers (`fetch.race`: a few at a time, attesters first, in a random order, each with a short
 first-byte deadline: copied provider records cost nothing, so their order must not decide
@@ -22,8 +22,6 @@ next choices avoid); one that fails `max_failures` requests is dropped.
 from __future__ import annotations
 
 import functools
-import hashlib
-
 import logging
 import time
 from collections import deque
@@ -32,9 +30,7 @@ from dataclasses import dataclass, field
 import trio
 
 from p2ptrain import entropy
-from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import chunks
-from p2ptrain.train import progress
 from p2ptrain.ckpt import providers
 from p2ptrain.ckpt.fetch import BlobServer, FetchError, NotServed, race, request
 from p2ptrain.identity import peer_id_from_str
@@ -118,16 +114,6 @@ class CheckpointServer:
         return manifest
 
 
-async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
-               max_group: int = providers.MAX_MEMBERS, trusted: frozenset[str] = frozenset(),
-               reject: frozenset[str] | set[str] = frozenset(),
-               ignore: frozenset[str] | set[str] = frozenset()) -> providers.Choice | None:
-    """The run's head (see `providers.choose`) at `min_step` or later, `ignore`'s records
-    unread (our own: not a vote)."""
-    recs = await RunRecords(dht, run_id).read_providers()
-    return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject, ignore)
-
-
 async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
                    config: DownloadConfig | None = None, exclude: set[str] | None = None,
                    on_exclude=None, progress=None) -> tuple[bytes, DownloadReport]:
@@ -153,7 +139,7 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     if manifest.sha256 != choice.sha256:
         raise FetchError("chunk manifest names another checkpoint than the attested one")
     fetcher = _Download(host, manifest, [d for d in donors if d not in report.excluded], config, on_exclude,
-                        progress)
+                        progress, attesting)
     fetcher.report.excluded.update(report.excluded)
     await fetcher.run()
     data = await trio.to_thread.run_sync(fetcher.asm.result)
@@ -172,8 +158,11 @@ def _exclude(report: DownloadReport, donor: str, reason: str, on_exclude) -> Non
 
 class _Download:
     def __init__(self, host, manifest: chunks.ChunkManifest, donors: list[str], config: DownloadConfig,
-                 on_exclude, progress=None) -> None:
+                 on_exclude, progress=None, attesters: set[str] = frozenset()) -> None:
         self.host = host
+        self.attesters = set(attesters) & set(donors)
+        self.moved_on: set[str] = set()  # donors that said they no longer hold a chunk
+        self.stop = trio.CancelScope()
         self.progress = progress
         self.done_bytes = 0
         self.manifest = manifest
@@ -222,10 +211,16 @@ class _Download:
         return None
 
     async def run(self) -> None:
-        async with trio.open_nursery() as nursery:
-            for donor in self.donors:
-                for _ in range(self.config.per_donor):
-                    nursery.start_soon(self._worker, donor)
+        with self.stop:
+            async with trio.open_nursery() as nursery:
+                for donor in self.donors:
+                    for _ in range(self.config.per_donor):
+                        nursery.start_soon(self._worker, donor)
+        if self.stop.cancelled_caught:
+            # Every member that signed it dropped it: they committed newer states (they keep
+            # their last 2), so the catch-up wants the newest, not the slots of providers that
+            # never answered (copied records: the red team's `provider`, 60 s a request).
+            raise FetchError("its attesters no longer serve it: a newer state replaced it")
         if not self.asm.done():
             raise FetchError(f"{len(self.asm.missing())} chunks could not be fetched "
                              f"(donors excluded: {self.report.excluded})")
@@ -274,6 +269,9 @@ class _Download:
             elif err == "not served":
                 self._requeue(i)
                 self._exclude(donor, f"does not serve chunk {i} of {self.manifest.sha256[:12]}... it names")
+                self.moved_on.add(donor)
+                if self.attesters and self.attesters <= self.moved_on:
+                    self.stop.cancel()
             else:
                 self.failures[donor] = self.failures.get(donor, 0) + 1
                 log.info("chunk %d from %s failed: %s", i, donor, err)
@@ -292,109 +290,3 @@ class _Download:
         if i not in self.asm.have and not self.inflight.get(i) and i not in self.pending:
             self.started.pop(i, None)
             self.pending.appendleft(i)
-
-
-async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
-                           have_step: int = -1, config: DownloadConfig | None = None,
-                           trusted: frozenset[str] = frozenset(),
-                           reject: frozenset[str] | set[str] = frozenset(),
-                           tries: int = 4, avoid: set[str] | None = None) -> tuple[int, bytes | None] | None:
-    """Find and download the run's best-attested checkpoint at `min_step` or later.
-
-    None when nothing acceptable is advertised yet; (step, None) when it is not newer than
-    `have_step`; (step, bytes) otherwise. A choice no provider serves (Sybil records can
-    advertise checkpoints nobody has) is passed over for the next best, up to `tries`
-    choices; then FetchError (its `sha256`: the last choice that failed). `avoid`: donors
-    found unresponsive (their dial failed), grown here and skipped by every later choice of
-    the caller's catch-up: a donor that just left served no choice, and each new choice
-    waited out its chunk timeouts again (a catch-up stalled 120 s that way)."""
-    # `spec`: the run's p2ptrain.run.spec.RunSpec (genesis anchor and bound, group size).
-    skip = set(reject)
-    avoid = set() if avoid is None else avoid
-    failed: FetchError | None = None
-    for _ in range(tries):
-        choice = await find(node.dht, run_id, spec.genesis.sha256, min_step, spec.train.group_size,
-                            trusted, skip, ignore={node.identity.peer_id_str})
-        if choice is None:
-            break
-        if choice.step <= have_step:
-            return choice.step, None
-
-        def excluded(donor: str, reason: str) -> None:
-            events.emit("donor_excluded", remote=donor, reason=reason)
-            if reason.startswith("unresponsive"):
-                avoid.add(donor)
-
-        try:
-            data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str, *avoid},
-                                       on_exclude=excluded, max_bytes=checkpoint.state_size_limit(spec.genesis.bytes),
-                                       progress=progress.download(f"checkpoint of step {choice.step}",
-                                                                  getattr(events, "json_mode", True)))
-        except FetchError as exc:
-            log.info("checkpoint of step %d (%s) not fetched, trying the next best: %s",
-                     choice.step, choice.sha256[:16], exc)
-            exc.sha256 = choice.sha256  # which choice failed: the caller may look elsewhere
-            failed = exc
-            skip.add(choice.sha256)
-            continue
-        events.emit("checkpoint_fetched", step=choice.step, params_sha256=choice.params,
-                    attesters=len(choice.attesters), **rep.summary())
-        return choice.step, data
-    if failed is not None:
-        raise failed
-    return None
-
-
-FORGIVE = 10.0
-"""Seconds a catch-up keeps a checkpoint nobody served, or a donor that did not answer, out."""
-
-
-async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, load, *,
-                timeout: float = 120.0, patience: float | None = None, rejected: set[str] | None = None,
-                trusted: frozenset[str] = frozenset()) -> int | None:
-    """Fetch and `load` (blocking, run in a thread) the best-attested checkpoint at `at_least`
-    or later; the step adopted, or None (nothing newer, or `timeout`).
-
-    A checkpoint can hash right (its attesters signed those bytes) and still not load --
-    another model, hostile metadata. That is a bad donor set, not a reason to crash: its
-    hash goes to `rejected` (never chosen again, see `providers.choose`) and the search goes
-    on; so does one that no provider serves (Sybil records advertise checkpoints nobody has).
-    `patience`: seconds to wait while nothing acceptable is advertised (a step that was only
-    claimed, never attested, must not hold a peer for the whole `timeout`)."""
-    rejected = set() if rejected is None else rejected
-    give_up = trio.current_time() + (timeout if patience is None else patience)
-    unserved: set[str] = set()
-    avoid: set[str] = set()  # donors found unresponsive during this catch-up
-    forgive_at = trio.current_time() + FORGIVE
-    with trio.move_on_after(timeout):
-        while True:
-            if trio.current_time() >= forgive_at:
-                # A partition heals: what nobody served may be served now (PROTOCOL H1; kept out
-                # for the whole catch-up, a head found while cut off was never fetched: seed 74).
-                unserved.clear(), avoid.clear()
-                forgive_at = trio.current_time() + FORGIVE
-            try:
-                got = await fetch_checkpoint(node, run_id, spec, events, at_least, have_step,
-                                             trusted=trusted, reject=rejected | unserved, avoid=avoid)
-            except FetchError as exc:
-                log.warning("catch-up fetch failed: %s", exc)
-                if getattr(exc, "sha256", None):  # for this catch-up only: it may be transient
-                    unserved.add(exc.sha256)
-                got = None
-            if got is not None:
-                step, data = got
-                if data is None:
-                    return None
-                try:
-                    await trio.to_thread.run_sync(load, data)
-                    return step
-                except Exception as exc:  # any load failure: the bytes are bad, we are not
-                    sha = await trio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
-                    rejected.add(sha)
-                    log.warning("checkpoint of step %d (%s) does not load, rejected: %s", step, sha[:16], exc)
-                    events.emit("checkpoint_rejected", step=step, sha256=sha, reason=str(exc)[:200])
-                    continue
-            elif trio.current_time() > give_up:
-                return None
-            await trio.sleep(0.5)
-    return None

@@ -16,7 +16,7 @@ from p2ptrain import peer
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.run import manifest as mf
 from p2ptrain.config import ConfigError, resolve
-from p2ptrain.ckpt.download import fetch_checkpoint
+from p2ptrain.ckpt.catchup import fetch_checkpoint
 from p2ptrain.ckpt.fetch import FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
 from p2ptrain.peer import Parts, checkpoint_dir, make_writer  # noqa: F401 - re-exported for callers

@@ -19,7 +19,8 @@ import threading
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.ckpt.download import adopt, download, find
+from p2ptrain.ckpt.catchup import adopt, find
+from p2ptrain.ckpt.download import download
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords
@@ -306,7 +307,7 @@ class Lineage:
         1B, so a newcomer on a slower link never caught up),
         adopt the best-attested state at `at_least` or later (chunks from every provider at
         once; trusted attesters rank first; a checkpoint that hashes right but does not load
-        is rejected, not fatal: p2ptrain.ckpt.download.adopt; so is one that scores no better
+        is rejected, not fatal: p2ptrain.ckpt.catchup.adopt; so is one that scores no better
         than the genesis we still hold: `scorer.checked_load`). `scored` (H3): ranked without
         trust, and only a state that scores better than ours is loaded; one that does not is
         passed over by H3b from then on (not fetched again each step), but not rejected: the

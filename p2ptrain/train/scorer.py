@@ -137,7 +137,7 @@ def checked_load(scorer: CandidateScorer | None, local, data: bytes, always: boo
     against its own (rule H1's sanity bar, issue 32's planted checkpoint): trained work
     lowers the loss on windows nobody chose (ours, drawn here), a planted state of noise does
     not. `always`: at any step (rule H3's far-ahead state, which nobody we trust attests).
-    Raised, the head is rejected like one that does not load (`ckpt.download.adopt`) and
+    Raised, the head is rejected like one that does not load (`ckpt.catchup.adopt`) and
     the next best is tried. Blocking. `scorer`: anything with `state_losses(data, seed)`."""
     if scorer is not None and (always or local.step == 0):
         ours, theirs = scorer.state_losses(data, os.urandom(32))
