@@ -105,6 +105,17 @@ def test_provider_record_decoder_is_bounded():
 
 
 # -- in-memory donors (fast tier) ------------------------------------------------------
+def _silent(net, *idents) -> None:
+    """Hosts that accept the fetch stream and never answer (copied provider records)."""
+    from p2ptrain.ckpt.fetch import PROTOCOL
+
+    async def never_answer(stream):
+        await trio.sleep_forever()
+
+    for ident in idents:
+        net.host(ident.peer_id).set_stream_handler(PROTOCOL, never_answer)
+
+
 @trio_test()
 async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
     """Two provider records copied by identities that accept the stream and never answer,
@@ -112,7 +123,6 @@ async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
     its 120 s budget. Providers are raced with a first-byte deadline now, and one that
     says it lacks what its record names, or serves another manifest, is excluded."""
     from fakehost import PipeNet
-    from p2ptrain.ckpt.fetch import PROTOCOL
 
     data = os.urandom(300_000)
     ids = sorted((Identity.from_seed(bytes([40 + i]) * 32) for i in range(5)), key=lambda i: i.peer_id_str)
@@ -121,11 +131,7 @@ async def test_copied_provider_records_do_not_stall_the_manifest_fetch():
         net = PipeNet(nursery)
         fetcher = net.host(Identity.from_seed(b"\x30" * 32).peer_id)
 
-        async def never_answer(stream):
-            await trio.sleep_forever()
-
-        for ident in (stall1, stall2):
-            net.host(ident.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _silent(net, stall1, stall2)
         _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
         BlobServer(net.host(empty.peer_id))  # serves nothing, though its record names the manifest
         m, _ = chunks.split(b"other" * 50_000, 64 << 10)
@@ -156,7 +162,6 @@ async def test_a_state_its_attesters_dropped_is_given_up_at_once_for_the_newer_o
     from types import SimpleNamespace
 
     from p2ptrain.ckpt import catchup
-    from p2ptrain.ckpt.fetch import PROTOCOL
 
     old, new = os.urandom(200_000), os.urandom(200_000)
     ids = sorted((Identity.from_seed(bytes([60 + i]) * 32) for i in range(3)), key=lambda i: i.peer_id_str)
@@ -165,10 +170,7 @@ async def test_a_state_its_attesters_dropped_is_given_up_at_once_for_the_newer_o
         net = PipeNet(nursery)
         fetcher = net.host(Identity.from_seed(b"\x31" * 32).peer_id)
 
-        async def never_answer(stream):
-            await trio.sleep_forever()
-
-        net.host(copier.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _silent(net, copier)
         for ident in attesters:
             blobs = BlobServer(net.host(ident.peer_id))
             m_old, d_old = CheckpointServer(blobs, 64 << 10).serve(old)
@@ -197,7 +199,6 @@ async def test_a_state_its_attesters_dropped_is_given_up_at_once_for_the_newer_o
 @trio_test()
 async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
     from fakehost import PipeNet
-    from p2ptrain.ckpt.fetch import PROTOCOL
 
     data = os.urandom(100_000)
     staller, honest = Identity.from_seed(b"\x50" * 32), Identity.from_seed(b"\x51" * 32)
@@ -205,10 +206,7 @@ async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_dea
         net = PipeNet(nursery)
         fetcher = net.host(Identity.from_seed(b"\x52" * 32).peer_id)
 
-        async def never_answer(stream):
-            await trio.sleep_forever()
-
-        net.host(staller.peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _silent(net, staller)
         _, digest = CheckpointServer(BlobServer(net.host(honest.peer_id)), 64 << 10).serve(data)
         choice = providers.Choice(1, digest, hashlib.sha256(data).hexdigest(), H[0],
                                   (staller.peer_id_str, honest.peer_id_str), (staller.peer_id_str,))
@@ -229,7 +227,6 @@ async def test_data_records_copied_by_silent_peers_do_not_stall_the_tokenizer_fe
     from types import SimpleNamespace
 
     from fakehost import PipeNet
-    from p2ptrain.ckpt.fetch import PROTOCOL
     from p2ptrain.dht.node import DHTNode
     from p2ptrain.dht.transport import MemoryNetwork
     from p2ptrain.records import keys
@@ -246,12 +243,8 @@ async def test_data_records_copied_by_silent_peers_do_not_stall_the_tokenizer_fe
     value = msgpack.packb({"manifest": H[1], "sha256": H[2], "tok": sha, "addrs": []})
     async with trio.open_nursery() as nursery:
         net = PipeNet(nursery)
-
-        async def never_answer(stream):
-            await trio.sleep_forever()
-
-        for i in range(1, 7):  # the copies first
-            net.host(ids[i].peer_id).set_stream_handler(PROTOCOL, never_answer)
+        _silent(net, *ids[1:7])  # the copies first
+        for i in range(1, 7):
             await dhts[i].store(keys.data(run), value, ttl=600)
         BlobServer(net.host(ids[7].peer_id)).add(tok)
         await dhts[7].store(keys.data(run), value, ttl=600)
