@@ -502,7 +502,7 @@ def test_a_member_that_withholds_its_vote_is_left_out_then_rejected():
     # Two strikes reject it; then every honest member commits every step, at its first attempt.
     assert committers[-1] == honest, committers
     assert {c[1] for c in hub.calls if c[1].startswith("4/")} == {"4/0"}
-    assert all(ids[2] in rounds[i][0].ledger.ignored for i in honest if rounds[i][0].ledger.strikes.get(ids[2], 0) >= 2)
+    assert all(ids[2] in rounds[i][0].ledger.ignored for i in honest if len(rounds[i][0].ledger.strikes.get(ids[2], ())) >= 2)
     assert not any(ids[j] in rounds[i][0].ledger.ignored for i in honest for j in honest)
 
 
@@ -785,6 +785,29 @@ def test_the_ledger_forgives_one_norm_outlier_per_peer_and_never_rejects_itself(
     kinds = [(e, f["remote"], f["step"]) for e, f in events.seen]
     assert kinds == [("contribution_dropped", "x", 3), ("contribution_rejected", "x", 5),
                      ("contribution_dropped", "me", 7), ("contribution_dropped", "me", 8)]
+
+
+def test_two_strikes_reject_only_within_the_strike_memory():
+    """Rule R4d: a strike (R4: a round committed only once this member was left out) counts
+    towards rejection for `STRIKE_MEMORY` outer steps. A withholder or trickler is struck at
+    every step it is a member of (red team: steps 0 and 2) and is rejected as before; an
+    honest member whose link failed twice over a long run is not. Before, strikes never
+    expired, so two transients on one member, however far apart, rejected it for the run."""
+    from p2ptrain.run.ledger import STRIKE_MEMORY
+
+    events = Events()
+    led = Ledger("me", events)
+    led.strike(0, "flaky", "rounds abort whenever it is a member")
+    led.strike(STRIKE_MEMORY, "flaky", "rounds abort whenever it is a member")
+    assert "flaky" not in led.ignored
+    led.strike(0, "x", "r")
+    led.strike(2, "x", "r")
+    assert "x" in led.ignored
+    led.strike(STRIKE_MEMORY + 1, "flaky", "r")  # two within the memory: rejected
+    assert "flaky" in led.ignored
+    struck = [(f["remote"], f["step"], f["strikes"]) for e, f in events.seen if e == "member_struck"]
+    assert struck == [("flaky", 0, 1), ("flaky", STRIKE_MEMORY, 1), ("x", 0, 1), ("x", 2, 2),
+                      ("flaky", STRIKE_MEMORY + 1, 2)]
 
 
 def test_a_loss_verdict_holds_for_one_try_and_proofs_for_the_step():

@@ -21,6 +21,10 @@ from p2ptrain.run.standing import Standing
 
 log = logging.getLogger("p2ptrain.run.ledger")
 
+STRIKE_MEMORY = 16
+"""Outer steps a strike counts towards rejection (rule R4d, docs/PROTOCOL.md): a member that
+sabotages its rounds is struck at every step it is in, an honest one only by a transient."""
+
 
 class Ledger:
     def __init__(self, me: str, events) -> None:
@@ -32,7 +36,7 @@ class Ledger:
         self.norm_history: dict[str, list[float]] = {}  # our own committed norms (last 16): own_reference
         self.standing = Standing(me)
         self.rejected_ckpts: set[str] = set()  # checkpoint hashes that hashed right but did not load
-        self.strikes: dict[str, int] = {}  # rounds that committed only once this member was left out
+        self.strikes: dict[str, list[int]] = {}  # steps whose round committed only once it was left out
         self.outliers: dict[str, int] = {}  # headers each peer signed that the norm rule held too large
         self.sitting_out: dict[str, tuple[int, str]] = {}  # peer -> (the step it sits out, why)
         self.reputed: dict[str, list[str]] = {}  # peers ignored only on others' reports -> reporters
@@ -48,10 +52,12 @@ class Ledger:
 
     def strike(self, t: int, peer: str, reason: str) -> None:
         """A round committed only once `peer` was left out (`p2ptrain.run.roster.LeaveOneOut`).
-        One strike can be bad luck (a transient on its side); the second rejects it."""
-        self.strikes[peer] = self.strikes.get(peer, 0) + 1
-        self.events.emit("member_struck", step=t, remote=peer, strikes=self.strikes[peer], reason=reason)
-        if self.strikes[peer] >= 2:
+        One strike can be bad luck (a transient on its side); a second within `STRIKE_MEMORY`
+        outer steps rejects it (R4d)."""
+        recent = [s for s in self.strikes.get(peer, []) if s > t - STRIKE_MEMORY] + [t]
+        self.strikes[peer] = recent
+        self.events.emit("member_struck", step=t, remote=peer, strikes=len(recent), reason=reason)
+        if len(recent) >= 2:
             self.reject(t, peer, "withholds-votes")
 
     def convict(self, t: int, peer: str, reason: str) -> None:
