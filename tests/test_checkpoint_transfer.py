@@ -197,6 +197,38 @@ async def test_a_state_its_attesters_dropped_is_given_up_at_once_for_the_newer_o
 
 
 @trio_test()
+async def test_a_cut_short_download_leaves_its_verified_chunks_to_the_next_try():
+    """`download.Resume`: a try that ended with some chunks verified (here its only donor
+    had lost the rest; likewise a catch-up cut by its budget) leaves them to the next try of
+    the same checkpoint, which fetches only the others. Before, every try began at chunk 0,
+    so a state bigger than one budget's worth of a slow link never arrived."""
+    from p2ptrain.ckpt.download import Resume
+
+    data = os.urandom(640 << 10)  # 10 chunks of 64 KiB
+    part, whole = Identity.from_seed(b"\x71" * 32), Identity.from_seed(b"\x72" * 32)
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x70" * 32).peer_id)
+        blobs = BlobServer(net.host(part.peer_id))
+        m, digest = CheckpointServer(blobs, 64 << 10).serve(data)
+        for h in m.chunks[6:]:
+            blobs.remove(h)  # it serves the manifest and chunks 0-5 only
+        choice = providers.Choice(1, digest, m.sha256, H[0], (part.peer_id_str,), ())
+        resume = Resume()
+        with pytest.raises(FetchError):
+            await download(fetcher, choice, resume=resume)
+        had = sorted(resume.take(digest).have)  # its first "not served" ends requests in flight
+        assert had and set(had) <= set(range(6)), had
+        CheckpointServer(BlobServer(net.host(whole.peer_id)), 64 << 10).serve(data)
+        again = providers.Choice(1, digest, m.sha256, H[0], (part.peer_id_str, whole.peer_id_str), ())
+        got, rep = await download(fetcher, again, resume=resume)
+        nursery.cancel_scope.cancel()
+    assert got == data
+    assert rep.resumed == len(had) and sum(rep.per_donor.values()) == 10 - len(had), rep
+    assert resume.take(digest) is None  # done: nothing held
+
+
+@trio_test()
 async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
     from fakehost import PipeNet
 
@@ -508,7 +540,7 @@ async def test_a_catch_up_retries_a_state_whose_holders_were_cut_off(monkeypatch
     healed_at = trio.current_time() + 15.0
     calls = []
 
-    async def fetch_checkpoint(node, run_id, spec, events, at_least, have_step, *, trusted, reject, avoid):
+    async def fetch_checkpoint(node, run_id, spec, events, at_least, have_step, *, trusted, reject, avoid, resume):
         calls.append(trio.current_time())
         if "s" * 64 in reject:
             return None  # nothing else is advertised

@@ -31,7 +31,7 @@ def test_a_newcomers_first_fetch_may_take_what_the_states_bytes_take(monkeypatch
     120 s. Where nobody advertises a state it still gives up after 120 s (a wrong run id)."""
     spec = spec_for("int8").with_genesis("0" * 64, BIG)
 
-    async def fetch(node, run_id, spec, events):
+    async def fetch(node, run_id, spec, events, resume=None):
         if not serving:
             return None
         await trio.sleep(2000.0)

@@ -15,7 +15,7 @@ import trio
 
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt import providers
-from p2ptrain.ckpt.download import DownloadConfig, download
+from p2ptrain.ckpt.download import DownloadConfig, Resume, download
 from p2ptrain.ckpt.fetch import FetchError
 from p2ptrain.records import RunRecords
 from p2ptrain.train import progress
@@ -37,7 +37,8 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
                            have_step: int = -1, config: DownloadConfig | None = None,
                            trusted: frozenset[str] = frozenset(),
                            reject: frozenset[str] | set[str] = frozenset(),
-                           tries: int = 4, avoid: set[str] | None = None) -> tuple[int, bytes | None] | None:
+                           tries: int = 4, avoid: set[str] | None = None,
+                           resume: Resume | None = None) -> tuple[int, bytes | None] | None:
     """Find and download the run's best-attested checkpoint at `min_step` or later.
 
     None when nothing acceptable is advertised yet; (step, None) when it is not newer than
@@ -46,7 +47,8 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
     choices; then FetchError (its `sha256`: the last choice that failed). `avoid`: donors
     found unresponsive (their dial failed), grown here and skipped by every later choice of
     the caller's catch-up: a donor that just left served no choice, and each new choice
-    waited out its chunk timeouts again (a catch-up stalled 120 s that way)."""
+    waited out its chunk timeouts again (a catch-up stalled 120 s that way). `resume`: what a
+    cut-short download of the same checkpoint verified (`download.Resume`)."""
     # `spec`: the run's p2ptrain.run.spec.RunSpec (genesis anchor and bound, group size).
     skip = set(reject)
     avoid = set() if avoid is None else avoid
@@ -68,7 +70,8 @@ async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
             data, rep = await download(node.host, choice, config=config, exclude={node.identity.peer_id_str, *avoid},
                                        on_exclude=excluded, max_bytes=checkpoint.state_size_limit(spec.genesis.bytes),
                                        progress=progress.download(f"checkpoint of step {choice.step}",
-                                                                  getattr(events, "json_mode", True)))
+                                                                  getattr(events, "json_mode", True)),
+                                       resume=resume)
         except FetchError as exc:
             log.info("checkpoint of step %d (%s) not fetched, trying the next best: %s",
                      choice.step, choice.sha256[:16], exc)
@@ -90,7 +93,7 @@ FORGIVE = 10.0
 
 async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, load, *,
                 timeout: float = 120.0, patience: float | None = None, rejected: set[str] | None = None,
-                trusted: frozenset[str] = frozenset()) -> int | None:
+                trusted: frozenset[str] = frozenset(), resume: Resume | None = None) -> int | None:
     """Fetch and `load` (blocking, run in a thread) the best-attested checkpoint at `at_least`
     or later; the step adopted, or None (nothing newer, or `timeout`).
 
@@ -99,7 +102,9 @@ async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, 
     hash goes to `rejected` (never chosen again, see `providers.choose`) and the search goes
     on; so does one that no provider serves (Sybil records advertise checkpoints nobody has).
     `patience`: seconds to wait while nothing acceptable is advertised (a step that was only
-    claimed, never attested, must not hold a peer for the whole `timeout`)."""
+    claimed, never attested, must not hold a peer for the whole `timeout`). `resume`: the
+    caller's `download.Resume`, so a catch-up cut by its `timeout` leaves its verified chunks
+    to the next catch-up of the same checkpoint."""
     rejected = set() if rejected is None else rejected
     give_up = trio.current_time() + (timeout if patience is None else patience)
     unserved: set[str] = set()
@@ -114,7 +119,8 @@ async def adopt(node, run_id: str, spec, events, at_least: int, have_step: int, 
                 forgive_at = trio.current_time() + FORGIVE
             try:
                 got = await fetch_checkpoint(node, run_id, spec, events, at_least, have_step,
-                                             trusted=trusted, reject=rejected | unserved, avoid=avoid)
+                                             trusted=trusted, reject=rejected | unserved, avoid=avoid,
+                                             resume=resume)
             except FetchError as exc:
                 log.warning("catch-up fetch failed: %s", exc)
                 if getattr(exc, "sha256", None):  # for this catch-up only: it may be transient

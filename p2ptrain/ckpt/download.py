@@ -68,10 +68,12 @@ class DownloadReport:
     per_donor: dict[str, int] = field(default_factory=dict)   # verified chunks delivered
     excluded: dict[str, str] = field(default_factory=dict)    # donor -> reason
     stolen: int = 0                                           # duplicate (stealing) requests
+    resumed: int = 0                                          # chunks a cut-short try had verified
 
     def summary(self) -> dict:
         return {"bytes": self.bytes, "seconds": round(self.seconds, 3), "chunks": self.chunks,
-                "per_donor": self.per_donor, "excluded": self.excluded, "stolen": self.stolen}
+                "per_donor": self.per_donor, "excluded": self.excluded, "stolen": self.stolen,
+                "resumed": self.resumed}
 
 
 class CheckpointServer:
@@ -114,11 +116,29 @@ class CheckpointServer:
         return manifest
 
 
+class Resume:
+    """The verified chunks of the last download that did not finish (cancelled at its
+    budget, or every donor failed), for the next try of the same checkpoint: chunks are
+    content-addressed and checked, so none is fetched twice. One checkpoint at a time, its
+    buffer the one the download held anyway; a try of another checkpoint drops it."""
+
+    def __init__(self) -> None:
+        self.manifest: str | None = None
+        self.asm: chunks.Assembler | None = None
+
+    def take(self, manifest: str) -> chunks.Assembler | None:
+        return self.asm if manifest == self.manifest else None
+
+    def keep(self, manifest: str | None, asm: chunks.Assembler | None) -> None:
+        self.manifest, self.asm = manifest, asm
+
+
 async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
                    config: DownloadConfig | None = None, exclude: set[str] | None = None,
-                   on_exclude=None, progress=None) -> tuple[bytes, DownloadReport]:
+                   on_exclude=None, progress=None, resume: Resume | None = None) -> tuple[bytes, DownloadReport]:
     """The checkpoint `choice` names, every chunk verified; raises FetchError.
-    `progress(done_bytes, total_bytes)` is called as verified chunks arrive."""
+    `progress(done_bytes, total_bytes)` is called as verified chunks arrive. With `resume`,
+    the chunks a cut-short try of the same checkpoint verified are not fetched again."""
     config = config or DownloadConfig()
     t0 = time.perf_counter()
     donors = [p for p in choice.providers if p not in (exclude or set())]
@@ -128,21 +148,28 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     rng = entropy.rng()
     attesting = set(choice.attesters)
     order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
-    _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
-                                  lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
-                                  width=config.race_width, first_byte=config.first_byte_timeout,
-                                  timeout=config.chunk_timeout)
-    for donor, reason in bad.items():
-        _exclude(report, donor, reason, on_exclude)
+    held = resume.take(choice.manifest) if resume is not None else None
+    manifest = held.manifest if held is not None else None  # it hashed to choice.manifest then
+    if manifest is None:
+        _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
+                                      lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
+                                      width=config.race_width, first_byte=config.first_byte_timeout,
+                                      timeout=config.chunk_timeout)
+        for donor, reason in bad.items():
+            _exclude(report, donor, reason, on_exclude)
     if manifest is None:
         raise FetchError(f"no provider served the chunk manifest {choice.manifest[:12]}...")
     if manifest.sha256 != choice.sha256:
         raise FetchError("chunk manifest names another checkpoint than the attested one")
     fetcher = _Download(host, manifest, [d for d in donors if d not in report.excluded], config, on_exclude,
-                        progress, attesting)
+                        progress, attesting, held)
+    if resume is not None:
+        resume.keep(choice.manifest, fetcher.asm)  # until this try finishes, whatever ends it
     fetcher.report.excluded.update(report.excluded)
     await fetcher.run()
     data = await trio.to_thread.run_sync(fetcher.asm.result)
+    if resume is not None:
+        resume.keep(None, None)
     rep = fetcher.report
     rep.per_donor = {**{d: 0 for d in donors}, **rep.per_donor}  # excluded ones too: every donor asked
     rep.bytes, rep.chunks, rep.seconds = len(data), len(manifest.chunks), time.perf_counter() - t0
@@ -158,24 +185,22 @@ def _exclude(report: DownloadReport, donor: str, reason: str, on_exclude) -> Non
 
 class _Download:
     def __init__(self, host, manifest: chunks.ChunkManifest, donors: list[str], config: DownloadConfig,
-                 on_exclude, progress=None, attesters: set[str] = frozenset()) -> None:
+                 on_exclude, progress=None, attesters: set[str] = frozenset(),
+                 asm: chunks.Assembler | None = None) -> None:
         self.host = host
         self.attesters = set(attesters) & set(donors)
         self.moved_on: set[str] = set()  # donors that said they no longer hold a chunk
         self.stop = trio.CancelScope()
-        self.progress = progress
-        self.done_bytes = 0
-        self.manifest = manifest
-        self.donors = donors
-        self.config = config
+        self.progress, self.manifest, self.donors, self.config = progress, manifest, donors, config
         self.on_exclude = on_exclude
-        self.asm = chunks.Assembler(manifest)
-        self.pending: deque[int] = deque(range(len(manifest.chunks)))
+        self.asm = asm or chunks.Assembler(manifest)
+        self.done_bytes = sum(manifest.span(i)[1] - manifest.span(i)[0] for i in self.asm.have)
+        self.pending: deque[int] = deque(self.asm.missing())
         self.inflight: dict[int, dict[str, trio.CancelScope]] = {}
         self.started: dict[int, float] = {}  # chunk -> when its first request started
         self.times: list[float] = []         # seconds of verified chunk requests
         self.failures: dict[str, int] = {}
-        self.report = DownloadReport(per_donor={d: 0 for d in donors})
+        self.report = DownloadReport(per_donor={d: 0 for d in donors}, resumed=len(self.asm.have))
         self.changed = trio.Event()
 
     def _notify(self) -> None:

@@ -17,6 +17,7 @@ from p2ptrain.ckpt import checkpoint
 from p2ptrain.run import manifest as mf
 from p2ptrain.config import ConfigError, resolve
 from p2ptrain.ckpt.catchup import fetch_checkpoint
+from p2ptrain.ckpt.download import Resume
 from p2ptrain.ckpt.fetch import FetchError, ServeConfig
 from p2ptrain.net.node import NodeError
 from p2ptrain.peer import Parts, checkpoint_dir, make_writer  # noqa: F401 - re-exported for callers
@@ -110,10 +111,11 @@ async def fetch_state(node, run_id: str, spec: RunSpec, events, timeout: float |
         timeout = transfer_budget(peer.service_config(spec), spec.genesis.bytes, CATCH_UP_WAIT)
     idle = min(timeout, CATCH_UP_WAIT)
     idle_until = trio.current_time() + idle
+    resume = Resume()  # a try whose donors all failed leaves its verified chunks to the next
     with trio.move_on_after(timeout):
         while trio.current_time() <= idle_until:
             try:
-                got = await fetch_checkpoint(node, run_id, spec, events)
+                got = await fetch_checkpoint(node, run_id, spec, events, resume=resume)
             except FetchError as exc:
                 log.warning("state fetch failed: %s", exc)
                 got, idle_until = None, trio.current_time() + idle

@@ -20,7 +20,7 @@ import trio
 
 from p2ptrain.ckpt import checkpoint
 from p2ptrain.ckpt.catchup import adopt, find
-from p2ptrain.ckpt.download import download
+from p2ptrain.ckpt.download import Resume, download
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
 from p2ptrain.records import RunRecords
@@ -321,7 +321,8 @@ class Lineage:
         patience = min(timeout, CATCH_UP_WAIT) if patience is None else patience  # nothing advertised
         got = await adopt(self.node, self.run_id, self.spec, self.events, at_least, self.local.step, load,
                           timeout=timeout, patience=patience, rejected=rejected,
-                          trusted=frozenset() if scored else self.ledger.standing.trusted())
+                          trusted=frozenset() if scored else self.ledger.standing.trusted(),
+                          resume=self.__dict__.setdefault("_resume", Resume()))
         if got is None:
             return
         # A state now loaded is announced whole, even when the wait it ended is cancelled
