@@ -323,7 +323,10 @@ def test_corrupt_donor_is_detected_refetched_elsewhere_and_never_used_again(per_
 
     async def main():
         async with trio.open_nursery() as nursery:
-            honest = (ServeConfig(), None)
+            # the honest donors at 4 MB/s: the liar's chunks must arrive first for it to be
+            # caught (unthrottled, under load the honest two once fetched every chunk before
+            # the liar's first answer, and it was never excluded)
+            honest = (ServeConfig(upload_mbps=4.0, burst_mb=0.125), None)
 
             def chunks_only(b: bytes) -> bytes:  # serves its manifest honestly, then lies
                 return flip_one_byte(b) if len(b) == 64 << 10 else b
