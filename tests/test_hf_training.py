@@ -58,10 +58,11 @@ def committed(peer, step: int, timeout: float = 180) -> dict:
     return peer.wait_event(lambda e: e["event"] == "outer_step_committed" and e["step"] == step, timeout)
 
 
-@pytest.mark.xfail(run=False, reason=(
-    "issue 31, open: since the coordination redesign a merge round fetched a base from a peer that "
-    "had gone and the run stalled past 180 s in 1 of 3 full-suite runs; a merge fetch must drop an "
-    "unreachable holder at once (not yet fixed), not run so CI's time holds"))
+@pytest.mark.xfail(strict=False, reason=(
+    "issue 31: since the coordination redesign a merge round fetched a base from a peer that had "
+    "gone and the run stalled past 180 s in 1 of 3 full-suite runs. G2 for merges drops a crashed "
+    "holder at once since; run again from 2026-11-30 (2 of 2 alone, 13-16 s), kept non-strict "
+    "until full-suite runs show it holds"))
 def test_hf_llama_bpe_jsonl_two_peers_then_a_data_less_joiner(procs):
     d = procs.log_dir  # the processes' cwd: the manifest's relative data spec resolves here
     rid = init_run(d)
