@@ -229,6 +229,34 @@ async def test_a_cut_short_download_leaves_its_verified_chunks_to_the_next_try()
 
 
 @trio_test()
+async def test_a_manifest_whose_chunks_verify_but_whole_does_not_is_a_fetch_error():
+    """An attested manifest (Sybil attesters can be half a group) that lists true chunk
+    hashes under a false whole-checkpoint hash: every chunk verifies and the assembled bytes
+    do not. That was a ChunkError (a ValueError) out of `download`, which no caller catches:
+    the catch-up and the peer died on hostile input. Now a FetchError, so the catch-up
+    passes the choice over, and a resumed try does not keep the assembled bytes."""
+    from p2ptrain.ckpt.download import Resume
+
+    data = os.urandom(200_000)
+    donor = Identity.from_seed(b"\x75" * 32)
+    async with trio.open_nursery() as nursery:
+        net = PipeNet(nursery)
+        fetcher = net.host(Identity.from_seed(b"\x76" * 32).peer_id)
+        blobs = BlobServer(net.host(donor.peer_id))
+        m, parts = chunks.split(data, 64 << 10)
+        lie = chunks.ChunkManifest(m.size, m.chunk, H[3], m.chunks)  # the chunks' hashes, another whole
+        for h, part in zip(m.chunks, parts):
+            blobs.add_known(h, part)
+        blobs.add_known(lie.digest(), lie.encode())
+        resume = Resume()
+        with pytest.raises(FetchError, match="does not match"):
+            await download(fetcher, providers.Choice(1, lie.digest(), H[3], H[0], (donor.peer_id_str,), ()),
+                           resume=resume)
+        nursery.cancel_scope.cancel()
+    assert resume.take(lie.digest()) is None
+
+
+@trio_test()
 async def test_a_provider_that_stalls_alone_is_given_up_on_at_the_first_byte_deadline():
     from fakehost import PipeNet
 

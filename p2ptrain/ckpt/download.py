@@ -167,9 +167,13 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
         resume.keep(choice.manifest, fetcher.asm)  # until this try finishes, whatever ends it
     fetcher.report.excluded.update(report.excluded)
     await fetcher.run()
-    data = await trio.to_thread.run_sync(fetcher.asm.result)
-    if resume is not None:
-        resume.keep(None, None)
+    try:
+        data = await trio.to_thread.run_sync(fetcher.asm.result)
+    except chunks.ChunkError as exc:  # true chunks under a false whole hash: the attesters lied
+        raise FetchError(f"{exc} (its chunks verified: the manifest lies)") from None
+    finally:
+        if resume is not None and fetcher.asm.done():
+            resume.keep(None, None)  # held only while chunks are missing
     rep = fetcher.report
     rep.per_donor = {**{d: 0 for d in donors}, **rep.per_donor}  # excluded ones too: every donor asked
     rep.bytes, rep.chunks, rep.seconds = len(data), len(manifest.chunks), time.perf_counter() - t0
