@@ -189,15 +189,20 @@ def summarize(results: list[dict], wall: float) -> dict:
         "median_rtt_s": results[0].get("median_rtt", 0.1) if results else None,
         "events_per_second": round(sum(r["events"] for r in results) / wall, 1) if wall > 0 else None,
         "attack_figures": attack_figures(results),
-        "honest_struck": sum(r.get("honest_verdicts", {}).get("struck", 0) for r in results),
-        "honest_excluded": sum(len(r.get("honest_verdicts", {}).get("excluded", ())) for r in results),
-        "honest_excluded_seeds": sorted({r["seed"] for r in results
-                                         if r.get("honest_verdicts", {}).get("excluded")})[:50],
+        **_verdicts(results),
         "simulated_seconds": sum(r["sim_seconds"] for r in results),
         "wall_seconds": round(wall, 1),
         **(_versus(results, control) if control else {}),
         **(_churn(results, twins) if twins else {}),
     }
+
+
+def _verdicts(results: list[dict]) -> dict:
+    """Honest peers' strikes and exclusions of honest peers, summed (`Monitor.verdicts`)."""
+    per = [(r["seed"], r.get("honest_verdicts", {})) for r in results]
+    return {"honest_struck": sum(v.get("struck", 0) for _, v in per),
+            "honest_excluded": sum(len(v.get("excluded", ())) for _, v in per),
+            "honest_excluded_seeds": sorted({s for s, v in per if v.get("excluded")})[:50]}
 
 
 def _churn(churned: list[dict], calm: list[dict]) -> dict:

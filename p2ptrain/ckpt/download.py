@@ -145,12 +145,12 @@ async def download(host, choice: providers.Choice, *, max_bytes: int = 1 << 34,
     if not donors:
         raise FetchError("no providers")
     report = DownloadReport(per_donor={d: 0 for d in donors})
-    rng = entropy.rng()
     attesting = set(choice.attesters)
-    order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
     held = resume.take(choice.manifest) if resume is not None else None
     manifest = held.manifest if held is not None else None  # it hashed to choice.manifest then
     if manifest is None:
+        rng = entropy.rng()
+        order = sorted(donors, key=lambda d: (d not in attesting, rng.random()))
         _, manifest, bad = await race(host, order, choice.manifest, chunks.MAX_MANIFEST_BYTES,
                                       lambda raw: chunks.decode_manifest(raw, choice.manifest, max_bytes),
                                       width=config.race_width, first_byte=config.first_byte_timeout,

@@ -93,7 +93,7 @@ class Monitor:
         self._seen: set[tuple] = set()
         # honest peers' verdicts against honest peers (issue 32's `honest_wrongly_excluded`):
         # not an invariant (a strike is a suspicion), a figure every world reports
-        self.struck: list[tuple[float, str, str]] = []  # (when, by, whom)
+        self.struck = 0  # strikes
         self.excluded: list[tuple[float, str, str, str]] = []  # (when, by, whom, why)
 
     def _flag(self, inv: str, now: float, detail: str, key: tuple | None = None) -> None:
@@ -129,7 +129,7 @@ class Monitor:
         elif event in ("member_struck", "contribution_rejected", "peer_excluded") and honest \
                 and f.get("remote") in self.world.honest:
             if event == "member_struck":
-                self.struck.append((now, peer, f["remote"]))
+                self.struck += 1
             else:
                 self.excluded.append((now, peer, f["remote"], str(f.get("reason", ""))))
         elif event == "outer_step_committed":
@@ -289,7 +289,7 @@ class Monitor:
     def verdicts(self, name=str) -> dict:
         """Strikes (R4) and rejections or exclusions honest peers gave honest peers, each
         exclusion as (when, by, whom, why), peers named by `name`."""
-        return {"struck": len(self.struck),
+        return {"struck": self.struck,
                 "excluded": [(round(w, 3), name(a), name(b), why) for w, a, b, why in self.excluded]}
 
     def counts(self) -> dict[str, int]:
