@@ -460,6 +460,20 @@ def test_a_trained_record_from_before_a_restart_does_not_hold_the_survivor():
     assert not rep.violations and rep.commit_fraction >= 0.9 and started >= 5 and committed == started, rep
 
 
+def test_a_run_whose_members_all_restarted_trains_on():
+    """Rule W1's record and J3: three of four peers crashed within 10 s and restarted with
+    their step-6 states; the fourth adopted that state. The two restarted ones warmed up
+    (zeros) and the adopter joined (zeros): every ready record of step 6 was a joiner's,
+    which starts no step's clock (E4), so nobody's election closed, and the fourth, restarted
+    from step 4, found no head to adopt (the restarts had replaced every provider record that
+    attested step 6 with one naming no group): 240 s without a commit, two states at the end
+    (seed 124021, 400 s). A warm-up now posts a trained record (it trained the phase), and a
+    restart names its group again."""
+    rep = world.run(scenarios.random_world(124021, 4), 124021)
+    committed, started = rep.after_faults
+    assert not rep.violations and len(set(rep.final_steps.values())) == 1 and committed == started, rep
+
+
 def test_retries_of_a_step_meet_at_the_first_one():
     """Rule T8: the four members of a group skipped step 0 at 50, 54, 104 (a restart) and
     128 s (held in its round by a one-way partition), and each retried 60 s after its own

@@ -413,6 +413,25 @@ def test_the_head_is_the_best_attested_trained_state_and_our_own_record_is_no_vo
     assert providers.choose([*pair, _prov("s", 10**6, H[5], ["s"])], H[7], max_group=4).step == 3
 
 
+def test_a_restart_names_the_group_it_committed_its_state_with_again():
+    """Rule J3: a restarted member's first provider record named no group (a new process
+    knows no roster) and replaced its attesting one; once both members of a pair had
+    restarted, nobody attested their state and `choose` found no head (simulator seed
+    124021). It now names the group its earlier record named, for the same state only."""
+    from p2ptrain.ckpt import providers
+    ours = _prov("me", 6, H[1], ["me", "partner"])
+    assert providers.own_roster([ours, _prov("partner", 6, H[1], ["me", "partner"])], "me", 6, H[6]) \
+        == ("me", "partner")
+    assert providers.own_roster([ours], "me", 7, H[6]) == ()  # another step
+    assert providers.own_roster([ours], "me", 6, H[3]) == ()  # other params
+    assert providers.own_roster([_prov("me", 6, H[1], ["other"])], "me", 6, H[6]) == ()  # not a member
+    assert providers.own_roster([_prov("partner", 6, H[1], ["me", "partner"])], "me", 6, H[6]) == ()  # not ours
+    wiped = [_prov("me", 6, H[1], []), _prov("partner", 6, H[1], [])]
+    assert providers.choose(wiped, H[7], max_group=4) is None  # what a restart without J3 left
+    reattested = [_prov("me", 6, H[1], ["me", "partner"]), _prov("partner", 6, H[1], [])]
+    assert providers.choose(reattested, H[7], max_group=4).step == 6
+
+
 @pytest.mark.integration
 def test_catch_up_survives_a_checkpoint_that_hashes_right_but_does_not_load():
     """Real libp2p nodes on 127.0.0.1: two donors attest (step 3) bytes that hash right but

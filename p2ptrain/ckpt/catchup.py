@@ -33,6 +33,12 @@ async def find(dht, run_id: str, genesis_sha256: str, min_step: int = 0,
     return providers.choose(recs, genesis_sha256, min_step, max_group, trusted, reject, ignore)
 
 
+async def own_roster(dht, run_id: str, step: int, params: str) -> set[str]:
+    """Rule J3 (`providers.own_roster`): the group we named for this state before a restart."""
+    recs = await RunRecords(dht, run_id).read_providers(step, params)
+    return set(providers.own_roster(recs, dht.identity.peer_id_str, step, params))
+
+
 async def fetch_checkpoint(node, run_id: str, spec, events, min_step: int = 0,
                            have_step: int = -1, config: DownloadConfig | None = None,
                            trusted: frozenset[str] = frozenset(),

@@ -102,3 +102,15 @@ def _quorum(recs: list[Provider]) -> tuple[str, ...]:
         if len(signers) >= math.ceil(len(members) / 2) and len(signers) > len(best):
             best = tuple(sorted(signers))
     return best
+
+
+def own_roster(records: list[Provider], me: str, step: int, params: str) -> tuple[str, ...]:
+    """Rule J3: the group an earlier incarnation of `me` named in its provider record for the
+    state (step, params) we resume, if we were in it; () otherwise. A restart re-attests what
+    it committed: its first provider record used to name no group (a new process knows no
+    roster), and replaced its attesting one, so once a state's committers had all restarted
+    nobody attested it: no head, and nobody could adopt it (simulator seed 124021)."""
+    for r in records:
+        if r.peer == me and r.step == step and r.params == params and me in r.members:
+            return r.members
+    return ()

@@ -19,7 +19,7 @@ import threading
 import trio
 
 from p2ptrain.ckpt import checkpoint
-from p2ptrain.ckpt.catchup import adopt, find
+from p2ptrain.ckpt.catchup import adopt, find, own_roster
 from p2ptrain.ckpt.download import Resume, download
 from p2ptrain.ckpt.providers import Choice
 from p2ptrain.identity import peer_id_to_str
@@ -59,6 +59,13 @@ class Lineage:
                     return
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
+
+    async def reattest(self) -> None:
+        """Rule J3: a restarted member names the group it committed our state with again
+        (`providers.own_roster`), read before our first provider record replaces that one."""
+        if self.local.step > 0:
+            params = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+            self.last_roster = await own_roster(self.dht, self.run_id, self.local.step, params)
 
     async def head(self):
         """The run's head (rule H1, `p2ptrain.ckpt.providers.choose`): the best-attested state

@@ -58,6 +58,7 @@ class OverlappedLoop:
         self.frags = getattr(self.local, "frags", None) or Fragments(self.local.outer.numel)
         """Streaming runs (train.fragments): step t reduces and restarts fragment t mod P only."""
         self.prev: Phase | None = None  # the last phase created: its start points carry on
+        self.warm_step: int | None = None  # W1: the step whose phase warmed a fresh optimizer (zeros)
 
     def _params(self) -> list[torch.Tensor]:
         return list(self.local.model.parameters())
@@ -150,6 +151,7 @@ class OverlappedLoop:
             delta = await trio.to_thread.run_sync(self._finish, phase, res[3])
             if warm:
                 res, joining, delta = (math.nan, 0, 0.0, 0), True, np.zeros_like(delta)
+                self.warm_step = local.step
         send, self._results = trio.open_memory_channel(math.inf)
         worker = PhaseWorker(local, self._turn, self._finish, self.nice, send, tr.events.emit, tr._progress,
                              self._successor)
@@ -192,7 +194,7 @@ class OverlappedLoop:
                 # the moment phase t+1 ends (the roster confirmation checks the base).
                 nursery.start_soon(self._announce, t + 1, nxt)
             skipped = await tr.commit_step(t, self.frags.part(delta, t), joining, *res[:3], elected=elected,
-                                           inner_steps=res[3] or local.H, retry=retry)
+                                           inner_steps=res[3] or local.H, retry=retry, warm=t == self.warm_step)
             # Whatever the peer now holds: the new state, a caught-up one, or the old one. The
             # worker goes straight on only from a step we committed (a failed round retries
             # step t with phase t+1 again, a catch-up rejoins; both go through `run`).

@@ -106,7 +106,7 @@ class Trainer(Lineage):
         self.weight = 0 if local.step == 0 else 1  # in merges (run.merge): its round's trainers; adopted 1
         self.last_roster: set[str] = set()
         self._ahead: dict[int, tuple[float, bool]] = {}  # join-ahead step -> (its ready_at, post it as joining)
-        self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds, joining) of a step we skipped
+        self._unsent: tuple | None = None  # (t, delta, loss, tokens, seconds, joining, warm) of a step we skipped
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self._warmed = False  # our first trained phase was decided (`warms_up`)
@@ -119,6 +119,7 @@ class Trainer(Lineage):
         self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await self.reattest()
         await self.publish_state()
         self.events.emit("run_joined", run=self.run_id, step=self.local.step, params=self.local.n_params)
         task_status.started()
@@ -154,7 +155,7 @@ class Trainer(Lineage):
             # what we trained for it is still our contribution. Before, we came back to it
             # as a joiner with zeros, and a peer left alone in its run (the other one killed
             # mid-step) then never committed again: a joiner alone never commits.
-            delta, loss, tokens, sec_inner, joining = retry[1:]
+            delta, loss, tokens, sec_inner, joining, warm = retry[1:]
             self.events.emit("outer_step_started", step=t, joining=joining, retry=True)
         else:
             if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
@@ -177,11 +178,11 @@ class Trainer(Lineage):
                 delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
                 if warm:  # the phase warmed our optimizer; we join the step with zeros
                     delta, joining, loss, tokens = np.zeros_like(delta), True, math.nan, 0
-        skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None)
-        if skipped and not joining and self.local.step == t:  # T9: a delta a bound refused is not offered again
-            refused = self.round.refused_own == t
-            self._unsent = (t, np.zeros_like(delta), math.nan, 0, 0.0, True) if refused else \
-                (t, delta, loss, tokens, sec_inner, False)
+        skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None, warm=warm)
+        if skipped and (warm or not joining) and self.local.step == t:  # W1: a warm-up retries as one
+            zeros = warm or self.round.refused_own == t  # T9: a delta a bound refused is not offered again
+            self._unsent = (t, np.zeros_like(delta), math.nan, 0, 0.0, True, warm) if zeros else \
+                (t, delta, loss, tokens, sec_inner, False, False)
         return skipped
 
     async def warms_up(self, t: int) -> bool:
@@ -232,17 +233,18 @@ class Trainer(Lineage):
 
     async def commit_step(self, t: int, delta: np.ndarray, joining: bool, loss: float, tokens: int,
                           sec_inner: float, elected: tuple[list[str], dict[str, float]] | None = None,
-                          inner_steps: int | None = None, retry: bool = False) -> bool:
+                          inner_steps: int | None = None, retry: bool = False, warm: bool = False) -> bool:
         """Publish ready, elect, run the round and apply the committed average (or skip and catch up); returns
         whether the next step starts as a zero-contribution join. `elected`: what `announce(t, ...)` returned
         when it ran ahead (its seconds are then reported as "ready_ahead" / "elect_ahead": off the critical
         path). `inner_steps`: what the phase took when it is not H (train.max_inner_steps), signed in our
-        header. `retry`: we train step t again after a try nobody committed."""
+        header. `retry`: we train step t again after a try nobody committed. `warm` (rule W1):
+        we trained the phase but contribute zeros; our ready record is a trained one."""
         t_comm = lap = trio.current_time()
         if retry:  # T6: a new election, timed afresh
             self.sightings.forget(t)
         if elected is None:
-            group, tm = await self.announce(t, joining, retry, behind=True)
+            group, tm = await self.announce(t, joining and not warm, retry, behind=True)
             lap = trio.current_time()
         else:
             group, tm = elected[0], {f"{k}_ahead": v for k, v in elected[1].items()}
