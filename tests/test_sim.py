@@ -474,6 +474,16 @@ def test_a_run_whose_members_all_restarted_trains_on():
     assert not rep.violations and len(set(rep.final_steps.values())) == 1 and committed == started, rep
 
 
+def test_a_peer_restarted_after_its_partner_left_for_good_trains_on_alone():
+    """Rules J3 and W1 together: the restart names its old pair again (J3), and the pair's
+    roster must not make it warm up (zeros) when nobody trains: alone, a warm-up never
+    commits, and retried as a warm-up it never did (first built that way: stuck at step 5
+    for the rest of the world; the monitor flags no invariant, liveness being judged in
+    fault-free worlds)."""
+    rep = world.run(scenarios.lone_restart(), seed=1)
+    assert not rep.violations and rep.final_steps["p0"] >= 20, rep
+
+
 def test_retries_of_a_step_meet_at_the_first_one():
     """Rule T8: the four members of a group skipped step 0 at 50, 54, 104 (a restart) and
     128 s (held in its round by a one-way partition), and each retried 60 s after its own

@@ -34,6 +34,14 @@ def restart_pair() -> Scenario:
     return Scenario("restart_pair", peers, group_size=4, duration=600.0)
 
 
+def lone_restart() -> Scenario:
+    """A pair commits step 5; one is stopped right after and its partner leaves for good
+    before it is started again. It restarts from a checkpoint its pair committed, alone."""
+    peers = (PeerPlan(initiator=True, min_peers=2, outages=((59.5, 70.0),)),
+             PeerPlan(initiator=True, min_peers=2, outages=((61.0, 1e9),)))
+    return Scenario("lone_restart", peers, group_size=4, duration=300.0)
+
+
 def selective_sybils() -> Scenario:
     """(d) Two Sybils in a group of 4 each talk to one honest member only (and refuse the
     other's dials). Seen: the group split into two committing pairs: a fork."""

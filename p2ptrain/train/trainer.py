@@ -151,12 +151,12 @@ class Trainer(Lineage):
         retry = self._unsent if self._unsent is not None and self._unsent[0] == t else None
         self._unsent = None
         if retry is not None:
-            # We skipped step t and nobody committed it (the catch-up found no newer state):
-            # what we trained for it is still our contribution. Before, we came back to it
-            # as a joiner with zeros, and a peer left alone in its run (the other one killed
-            # mid-step) then never committed again: a joiner alone never commits.
+            # We skipped step t and nobody committed it: what we trained for it is still our
+            # contribution. Before, we came back as a joiner with zeros, and a peer left alone
+            # in its run (the other one killed mid-step) never committed again.
             delta, loss, tokens, sec_inner, joining, warm = retry[1:]
-            self.events.emit("outer_step_started", step=t, joining=joining, retry=True)
+            warm = warm and await self.someone_trains(t)  # W1: alone now, the warm-up's phase is ours to give
+            self.events.emit("outer_step_started", step=t, joining=joining or warm, retry=True)
         else:
             if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
                 joining, t = moved, self.local.step
@@ -176,13 +176,13 @@ class Trainer(Lineage):
                 loss, tokens, sec_inner = phase
                 self.events.emit("inner_phase", phase=t, seconds=round(sec_inner, 4), steps=self.local.H)
                 delta = await trio.to_thread.run_sync(self.local.pseudo_gradient)
-                if warm:  # the phase warmed our optimizer; we join the step with zeros
-                    delta, joining, loss, tokens = np.zeros_like(delta), True, math.nan, 0
+        trained = (t, delta, loss, tokens, sec_inner, False)
+        if warm:  # W1: the phase warmed our optimizer; we join the step with zeros (a trained record)
+            delta, joining, loss, tokens = np.zeros_like(delta), True, math.nan, 0
         skipped = await self.commit_step(t, delta, joining, loss, tokens, sec_inner, retry=retry is not None, warm=warm)
-        if skipped and (warm or not joining) and self.local.step == t:  # W1: a warm-up retries as one
-            zeros = warm or self.round.refused_own == t  # T9: a delta a bound refused is not offered again
-            self._unsent = (t, np.zeros_like(delta), math.nan, 0, 0.0, True, warm) if zeros else \
-                (t, delta, loss, tokens, sec_inner, False, False)
+        if skipped and (warm or not joining) and self.local.step == t:  # a retry keeps what we trained
+            refused = not warm and self.round.refused_own == t  # T9: a delta a bound refused is not offered again
+            self._unsent = (t, np.zeros_like(delta), math.nan, 0, 0.0, True, False) if refused else (*trained, warm)
         return skipped
 
     async def warms_up(self, t: int) -> bool:
@@ -192,13 +192,15 @@ class Trainer(Lineage):
         learning rate at first (its steps are sign-like), several times a warmed-up peer's
         pseudo-gradient: a newcomer's first contribution failed the veteran's probation bound
         (C1a, 3x its anchor), the pair left each other out, and both skipped. Alone, we
-        contribute it. Others: the members we just committed with, or anyone whose records
-        say so (right after our first commit as a joiner, the veteran's records for the next
-        step were not out yet; we trained, and every retry of that delta failed its bound)."""
+        contribute it. Others: the members we just committed with (not a roster a restart
+        restored: J3), or anyone whose records say so (right after our first commit as a
+        joiner, the veteran's next records were not out; we trained, and every retry of that
+        delta failed its bound). A warm-up nobody committed is retried as one while others
+        still train; alone by then, we contribute what the phase trained."""
         if self._warmed:
             return False
         self._warmed = True  # decided at our first trained phase, whatever its step
-        return t > 0 and (bool(self.last_roster - {self.me}) or await self.someone_trains(t))
+        return t > 0 and (bool(self.committed and self.last_roster - {self.me}) or await self.someone_trains(t))
 
     async def announce(self, t: int, joining: bool, retry: bool = False, behind: bool = False) -> tuple[list, dict]:
         """Post our ready record for step t and wait out its election: (our group, seconds
@@ -220,10 +222,9 @@ class Trainer(Lineage):
         expected = self._expect.setdefault(t, set())
         expected |= self.last_roster
         # ...and every candidate of our election of step t-1 (E2): the other groups' members
-        # too, whose commits (and state records) may come after our close. Expecting only our
-        # own last roster, 16 real processes on 2 cores closed each step on the few whose
-        # records were out, and dealt from such partial views the groups disagreed (9
-        # different groups at step 2, half the peers skipping it).
+        # too, whose commits may come after our close. Expecting only our last roster, 16 real
+        # processes on 2 cores closed each step on the few records out, and the groups dealt
+        # from such partial views disagreed (9 groups at step 2, half the peers skipping it).
         expected |= set(self.sightings.closed.get(t - 1, {})) - {self.me}
         group = await elect.elect(self.dht, self.run_id, t, self.me, self.elect_cfg, self.ledger.ignored,
                                   expected, self._learn, self.sightings, gone=self.round.svc.unreachable,
@@ -269,9 +270,8 @@ class Trainer(Lineage):
                                    weight=self.weight, tag=tag, first_cut=cut,
                                    behind=self.behind_of(t, elected is not None))
         tm.update(out.seconds)
-        # Members silent or gone in this round are probed when elected again (G2 left a
-        # crashed one out within the round, so no retry's probe found it: a group elected
-        # ahead with it then failed its quorum and cost `retry_wait`).
+        # Members silent or gone in this round are probed when elected again (G2 left a crashed
+        # one out within the round; a group elected ahead with it failed and cost `retry_wait`).
         self._refused |= self.round.silent_seen - {self.me}
         lap = _lap(tm, "round_other", lap, sum(out.seconds.values()))
         if out.result is None:
