@@ -484,6 +484,17 @@ def test_a_peer_restarted_after_its_partner_left_for_good_trains_on_alone():
     assert not rep.violations and rep.final_steps["p0"] >= 20, rep
 
 
+def test_a_step_every_peer_joins_is_trained_by_them():
+    """Rule E19: after a partition and two restarts, all four peers sat at step 4 as joiners
+    (two rejoining the round they left, J2; two that had adopted the state), and a joiner's
+    record times no step (E4): nobody committed from 142 s to the end at 400 s (seed 126833,
+    no invariant flagged: the four held one state). A joiner whose every awaited peer posted
+    as a joiner now gives up at once and trains the step."""
+    rep = world.run(scenarios.random_world(126833, 4), 126833)
+    committed, started = rep.after_faults
+    assert not rep.violations and started >= 10 and committed == started, rep
+
+
 def test_retries_of_a_step_meet_at_the_first_one():
     """Rule T8: the four members of a group skipped step 0 at 50, 54, 104 (a restart) and
     128 s (held in its round by a one-way partition), and each retried 60 s after its own

@@ -10,11 +10,12 @@ import trio
 from p2ptrain.train.trainer import Trainer
 
 
-def trainer(last_roster: set[str], records_say: bool):
+def trainer(last_roster: set[str], records_say: bool, committed: int = 1):
     async def someone_trains(t: int) -> bool:
         return records_say
 
-    return types.SimpleNamespace(_warmed=False, me="me", last_roster=last_roster, someone_trains=someone_trains)
+    return types.SimpleNamespace(_warmed=False, me="me", last_roster=last_roster, someone_trains=someone_trains,
+                                 committed=committed)
 
 
 def warms(tr, t: int) -> bool:
@@ -32,6 +33,9 @@ def test_a_joiner_warms_up_after_its_first_commit_before_the_veterans_records_ar
     assert not warms(trainer({"me"}, records_say=False), 32)  # alone: we contribute our phase
     assert warms(trainer(set(), records_say=True), 32)  # restarted: the records say
     assert not warms(trainer({"me", "veteran"}, records_say=True), 0)  # the genesis: nothing is fresh
+    # a roster J3 restored after a restart is no partner we just committed with: it may be
+    # gone for good, and a warm-up alone never commits (scenario `lone_restart`)
+    assert not warms(trainer({"me", "veteran"}, records_say=False, committed=0), 32)
 
 
 def test_the_warm_up_is_decided_once():

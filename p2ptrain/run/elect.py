@@ -247,12 +247,11 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
                             expected: set[str], sightings: election.Sightings | None = None,
                             gone: Gone | None = None, retry: bool = False,
                             behind: Behind | None = None) -> tuple[list[election.Ready], float] | None:
-    """(ready records, the deadline waited for) once the step closed (see the module
-    docstring); None on give-up. Expected peers that have not posted yet count toward the
-    median deadline (`election.deadline`), so an early peer that sees only itself and a liar
-    does not close the step on the others. Polls back off from `poll` to `poll_max` while
-    nothing changes, and never sleep past the deadline. `behind` (rule E16): asked once a
-    join window after the first; True ends the wait as a give-up (None)."""
+    """(ready records, the deadline waited for) once the step closed (module docstring);
+    None on give-up. Expected peers not posted yet count toward the median deadline
+    (`election.deadline`): an early peer that sees only itself and a liar does not close the
+    step on the others. Polls back off from `poll` to `poll_max` while nothing changes, never
+    past the deadline. `behind` (E16): asked a join window after the first; True gives up."""
     sightings = sightings if sightings is not None else election.Sightings()
     me = dht.identity.peer_id_str
     give_up = trio.current_time() + config.give_up
@@ -267,10 +266,9 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
     behind_at = trio.current_time() + config.window
     while True:
         recs = [r for r in await read_ready(dht, run_id, step, config.window, sightings) if r.peer not in ignored]
-        # Last step's roster is at this step too even if its state record is not out yet.
-        # Our cell's state records (E10; O(cell) a read): every `probe` seconds, not every
-        # poll, and afresh before closing early (a peer whose state appeared since is
-        # expected too).
+        # Last step's roster is at this step too even if its state record is not out yet. Our
+        # cell's state records (E10; O(cell) a read): every `probe` seconds, not every poll, and
+        # afresh before closing early (a peer whose state appeared since is expected too).
         fresh = trio.current_time() >= states_at
         if fresh:
             sts = await cell_states(dht, run_id, step, sightings.level(step))
@@ -298,9 +296,8 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
         if trio.current_time() >= probe_at and waiting - posted:
             # Rule E7: a peer that already announced step t + 1 *as a joiner* (it caught up to
             # state t and joins the next step ahead) is not coming to step t, though its state
-            # record says t. Waiting for it cost two join windows on top of the step (a newcomer
-            # and a late member that both caught up to a step and joined the next). A trained
-            # record for t + 1 says nothing: overlapped runs post it beside round t.
+            # record says t (waiting for it cost two join windows). A trained record for t + 1
+            # says nothing: overlapped runs post it beside round t.
             ahead = {r.peer for r in await read_ready(dht, run_id, step + 1, config.window, sightings) if r.joining}
             absent |= (waiting - posted) & ahead
             if gone is not None and waiting - posted - absent:
@@ -315,6 +312,11 @@ async def wait_for_deadline(dht, run_id: str, step: int, config: ElectConfig, ig
             continue
         if d is not None and (wall_time() >= d + config.margin or early):
             return recs, d
+        if d is None and early:  # E19: all we wait for joined, none trains: nothing will time it (E4)
+            if fresh:  # afresh (a state read since may name a trainer), not at `give_up` (600 s)
+                return None
+            states_at = trio.current_time()
+            continue
         if d is None and trio.current_time() > give_up:
             return None
         state = (posted, missing)

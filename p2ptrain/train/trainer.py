@@ -110,6 +110,7 @@ class Trainer(Lineage):
         self._refused: set[str] = set()  # members whose dial was refused (probed again when elected)
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self._warmed = False  # our first trained phase was decided (`warms_up`)
+        self._untrained: int | None = None  # E19: a step we joined and nobody trained
         self._tries: dict[int, int] = {}  # step -> the try we post for it (T7: its round tag)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase and round
@@ -163,7 +164,8 @@ class Trainer(Lineage):
             if joining and await self._round_underway(t):
                 await self._join_ahead()
                 t = self.local.step
-            elif joining and not await self.someone_trains(t):
+            elif joining and (self._untrained == t or not await self.someone_trains(t)):
+                self._untrained = None
                 joining = False  # nobody to join: we train the step ourselves
             warm = not joining and await self.warms_up(t)
             self.events.emit("outer_step_started", step=t, joining=joining or warm)
@@ -186,17 +188,12 @@ class Trainer(Lineage):
         return skipped
 
     async def warms_up(self, t: int) -> bool:
-        """Is our first trained phase a warm-up (zeros contributed)? Yes, once per process,
-        when we start past the genesis (adopted or resumed: our inner AdamW state is fresh)
-        and others train this step. A fresh AdamW moves every parameter by about the
-        learning rate at first (its steps are sign-like), several times a warmed-up peer's
-        pseudo-gradient: a newcomer's first contribution failed the veteran's probation bound
-        (C1a, 3x its anchor), the pair left each other out, and both skipped. Alone, we
-        contribute it. Others: the members we just committed with (not a roster a restart
-        restored: J3), or anyone whose records say so (right after our first commit as a
-        joiner, the veteran's next records were not out; we trained, and every retry of that
-        delta failed its bound). A warm-up nobody committed is retried as one while others
-        still train; alone by then, we contribute what the phase trained."""
+        """Rule W1: is our first trained phase a warm-up (zeros contributed)? Yes, once per
+        process, when we start past the genesis (a fresh AdamW: sign-like first steps, several
+        times a warmed-up peer's norm, failed a veteran's probation bound) and others train
+        this step: the members we just committed with (not a roster J3 restored), or anyone
+        whose records say so. Alone, we contribute it. A warm-up nobody committed is retried
+        as one while others still train; alone by then, we give what the phase trained."""
         if self._warmed:
             return False
         self._warmed = True  # decided at our first trained phase, whatever its step
@@ -239,8 +236,8 @@ class Trainer(Lineage):
         whether the next step starts as a zero-contribution join. `elected`: what `announce(t, ...)` returned
         when it ran ahead (its seconds are then reported as "ready_ahead" / "elect_ahead": off the critical
         path). `inner_steps`: what the phase took when it is not H (train.max_inner_steps), signed in our
-        header. `retry`: we train step t again after a try nobody committed. `warm` (rule W1):
-        we trained the phase but contribute zeros; our ready record is a trained one."""
+        header. `retry`: we train step t again after a try nobody committed. `warm` (W1): we
+        trained the phase but contribute zeros (a trained ready record)."""
         t_comm = lap = trio.current_time()
         if retry:  # T6: a new election, timed afresh
             self.sightings.forget(t)
@@ -255,7 +252,7 @@ class Trainer(Lineage):
         tag = election.round_tag(self.sightings.closed.get(t, {}), group, self._tries.get(t, 0))
         self._tries[t] = tag + 1
         if not group:
-            return await self._skip(t, "not ready by the deadline")
+            return await self._skip(t, "not ready by the deadline", untrained=joining and not warm)
         self.events.emit("group_formed", step=t, members=group)
         if t + 1 in self._expect:
             # Step t+1's election is already running beside this round (overlapped runs): its
@@ -350,12 +347,15 @@ class Trainer(Lineage):
 
         return await run_niced(self.config.phase_nice, fn, *args)
 
-    async def _skip(self, t: int, reason: str) -> bool:
+    async def _skip(self, t: int, reason: str, untrained: bool = False) -> bool:
         moved = self.local.step > t  # E16: we adopted a later state while step t's election waited
+        if (nobody := untrained and not moved):  # E19: we joined, nobody trains t: we train it, at once
+            self._untrained, reason = t, "nobody trains this step: we will"
         self.events.emit("outer_step_skipped", step=t, reason="behind the run: adopted a later state" if moved else reason)
         if not moved:
             await self._wait_reported()  # a catch-up replaces the state the last report reads
-            await self.wait_for_retry(t)
+            if not nobody:  # (a `retry_wait` would wait for nobody)
+                await self.wait_for_retry(t)
         return True
 
     async def _drop_refused(self, group: list[str], retry: bool) -> list[str]:
