@@ -444,6 +444,7 @@ def test_bench_sim_sums_liveness_after_the_faults_ended():
     summary = summarize([rep(1, [9, 10]), rep(2, [1, 2]), rep(3, [0, 0]), rep(4, None)], 1.0)
     assert summary["commit_fraction_after_faults"] == round(10 / 12, 4)
     assert summary["commit_fraction_after_faults_min"] == 0.5 and summary["worlds_after_faults"] == 2
+    assert summary["idle_after_faults_seeds"] == [3]  # one state after the faults, no step started
     w = world.World(scenarios.random_world(70005, 4, duration=200.0), 70005)
     committed, started = world.simulate(w).after_faults
     assert started >= 5 and committed == started  # after its partition ended, every step committed

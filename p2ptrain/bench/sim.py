@@ -236,11 +236,14 @@ def _after_faults(results: list[dict]) -> dict:
     after the live honest peers first held one state again, over the worlds that had faults
     and no adversaries; the pooled fraction committed, and the worst world's."""
     got = [tuple(r["after_faults"]) for r in results if r.get("after_faults") and r["after_faults"][1]]
+    # Held one state once the faults ended, then started no step: a stall no invariant flags
+    # (seed 126833: every peer a joiner of one step, rule E19).
+    idle = sorted(r["seed"] for r in results if r.get("after_faults") and not r["after_faults"][1])
     if not got:
-        return {}
+        return {"idle_after_faults_seeds": idle} if idle else {}
     return {"commit_fraction_after_faults": round(sum(c for c, _ in got) / sum(n for _, n in got), 4),
             "commit_fraction_after_faults_min": round(min(c / n for c, n in got), 4),
-            "worlds_after_faults": len(got)}
+            "worlds_after_faults": len(got), "idle_after_faults_seeds": idle}
 
 
 def _versus(attacked: list[dict], control: list[dict]) -> dict:
