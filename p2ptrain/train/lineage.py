@@ -60,12 +60,15 @@ class Lineage:
                 await trio.sleep(0.2)
         log.warning("starting with fewer than %d peers after %.0fs", self.config.min_peers, self.config.start_timeout)
 
-    async def reattest(self) -> None:
+    async def reattest(self) -> str | None:
         """Rule J3: a restarted member names the group it committed our state with again
-        (`providers.own_roster`), read before our first provider record replaces that one."""
-        if self.local.step > 0:
-            params = await trio.to_thread.run_sync(self.local.outer.params_sha256)
-            self.last_roster = await own_roster(self.dht, self.run_id, self.local.step, params)
+        (`providers.own_roster`), read before our first provider record replaces that one.
+        Returns the params hash it read (the first state record names it too), None at step 0."""
+        if self.local.step == 0:
+            return None
+        params = await trio.to_thread.run_sync(self.local.outer.params_sha256)
+        self.last_roster = await own_roster(self.dht, self.run_id, self.local.step, params)
+        return params
 
     async def head(self):
         """The run's head (rule H1, `p2ptrain.ckpt.providers.choose`): the best-attested state

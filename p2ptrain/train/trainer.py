@@ -120,8 +120,7 @@ class Trainer(Lineage):
         self.pace = progress.Pace(config.max_outer_steps, spec.train.planned_outer_steps)  # k of N, ETA
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await self.reattest()
-        await self.publish_state()
+        await self.publish_state(params=await self.reattest())
         self.events.emit("run_joined", run=self.run_id, step=self.local.step, params=self.local.n_params)
         task_status.started()
         if self.local.step == 0 and self.config.min_peers > 1:
