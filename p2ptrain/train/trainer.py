@@ -160,7 +160,7 @@ class Trainer(Lineage):
         else:
             if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
                 joining, t = moved, self.local.step
-            if joining and await self._round_underway(t):
+            if joining and t not in self._tries and await self._round_underway(t):  # T10: ours failed: retry it
                 await self._join_ahead()
                 t = self.local.step
             elif joining and (self._untrained == t or not await self.someone_trains(t)):
