@@ -506,6 +506,20 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
+def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
+    """Rule T10: after a 112 s partition and a restart, a joiner of step 7 (restarted, J2)
+    skipped it, saw a member of its failed roster retry the step (T8) and joined that retry,
+    then took the retry's trained record for "a round under way" and joined step 8 ahead,
+    waiting for a state only that retry could make; the retry, whose roster named it, waited
+    80 s for its confirmation (seed 127353: nothing committed from 85 s to 361 s, final step
+    11, no invariant flagged). A joiner that already took part in a step's election now
+    retries the step: committed at 294 s, final step 16."""
+    rep = world.run(scenarios.random_world(127353, 4), 127353)
+    committed, started = rep.after_faults
+    assert not rep.violations and started >= 5 and committed == started, rep
+    assert min(rep.final_steps.values()) >= 14, rep.final_steps
+
+
 def test_a_peer_restarted_mid_round_rejoins_the_steps_next_try_not_the_step_after():
     """Rule J2: in a pair, the peer holding the tie-break (Q1) is stopped as step 8's round
     runs and started again 3 s later with its workdir. Its earlier incarnation's ready
