@@ -5,6 +5,7 @@ This top-level module stays import-light on purpose: benchmark baselines (hivemi
 """
 
 import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -23,9 +24,27 @@ os.environ.setdefault("OMP_WAIT_POLICY", "passive")
 # An installed copy has them inside this folder and is left as it is.
 _here = os.path.dirname(os.path.abspath(__file__))
 _root = os.path.dirname(_here)
-if not os.path.isdir(os.path.join(_here, "dht")) and all(
-        os.path.isfile(os.path.join(_root, sub, "__init__.py")) for sub in ("dht", "kernels", "bootstrap")):
+_from_checkout = not os.path.isdir(os.path.join(_here, "dht")) and all(
+    os.path.isfile(os.path.join(_root, sub, "__init__.py")) for sub in ("dht", "kernels", "bootstrap"))
+if _from_checkout:
     __path__.append(_root)  # noqa: F821 - a package module's own search path
+
+
+def checkout_off_sys_path() -> None:
+    """Take a source checkout's root off `sys.path` (an installed copy: nothing to do).
+
+    On sys.path (the working directory of `python -m` in the checkout, the tests' and the
+    benches' PYTHONPATH for their children) the root's folders are also top-level modules
+    named `dht`, `kernels` and `bootstrap`, beside p2ptrain.dht, .kernels and .bootstrap, which
+    resolve through this package's own path above. `kernels` is Hugging Face's kernel hub, which
+    transformers 5 imports as it loads a model: ours shadowed it and every `hf:` model failed
+    ("cannot import name 'CUDAProperties' from 'kernels'", a fresh install on 2026-12-07)."""
+    if _from_checkout:
+        root = os.path.realpath(_root)
+        sys.path[:] = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+
+
+checkout_off_sys_path()
 
 # The lab drivers (p2ptrain/bench: benchmarks, hivemind baselines, attack tools) are left out
 # of the installed package (issue 33: a user of the network never runs them). An installed

@@ -205,6 +205,9 @@ def _child(req: dict, fds: list[int]) -> None:
         for p in reversed([p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]):
             if p not in sys.path:
                 sys.path.insert(0, p)
+        import p2ptrain
+
+        p2ptrain.checkout_off_sys_path()  # the entries above may name it again
         import random
 
         import numpy as np

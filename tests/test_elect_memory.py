@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from conftest import trio_test
-from dht.record import make_record
+from p2ptrain.dht.record import make_record
 from p2ptrain.clock import wall_time
 from p2ptrain.identity import Identity
 from p2ptrain.records import RunRecords, codecs as records, keys

@@ -48,8 +48,14 @@ def build_wheel(tmp: Path) -> Path:
     # this interpreter's setuptools when it can build wheels by itself (bdist_wheel is built in
     # since 70.1), else pip's isolated build (which fetches setuptools, as `pip install .` does)
     isolation = ["--no-build-isolation"] if _setuptools_builds_wheels() else []
+    # Without the checkout on the path conftest exports: there its folder kernels/ is a module
+    # `kernels`, and setuptools loads every installed distribution's egg_info writers, among
+    # them Hugging Face's `kernels` (transformers 5 needs it): "No module named
+    # 'kernels._internals'", and no wheel (a fresh install on 2026-12-07).
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
     out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation, "-q",
-                          "-w", str(tmp / "whl"), str(src)], capture_output=True, text=True, timeout=300)
+                          "-w", str(tmp / "whl"), str(src)], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = (tmp / "whl").glob("p2ptrain-*.whl")
     return wheel
@@ -86,3 +92,23 @@ def test_the_installed_package_leaves_the_lab_out_and_a_checkout_runs_it(tmp_pat
     cli = subprocess.run([sys.executable, "-P", "-m", "p2ptrain", "bench", "readpause", "--help"],
                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
     assert cli.returncode == 0 and "readpause" in cli.stdout, cli.stderr[-2000:]
+
+
+def test_the_checkout_root_on_the_path_shadows_no_top_level_package(tmp_path):
+    """`python -m p2ptrain` in a checkout's root, and the tests' and benches' children, have
+    the root on sys.path, where the design card's folder kernels/ was also a top-level module
+    `kernels`: Hugging Face's kernel hub, which transformers 5 imports as it loads a model
+    (a fresh install on 2026-12-07: every `hf:` model failed, "cannot import name
+    'CUDAProperties' from 'kernels'"). Once p2ptrain is imported, those names resolve past the
+    checkout (to an installed package of that name, or to none), and p2ptrain.kernels still
+    to the checkout's folder."""
+    probe = ("import importlib.util as u, p2ptrain.kernels as k; "
+             "print(k.__file__); print([getattr(u.find_spec(n), 'origin', None) for n in ('kernels', 'dht', 'bootstrap')])")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for cwd in (ROOT, tmp_path):  # the root as the working directory (`python -m`), and on PYTHONPATH
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=cwd, env=env,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        mine, found = out.stdout.splitlines()[:2]
+        assert Path(mine).resolve() == ROOT / "kernels" / "__init__.py"
+        assert str(ROOT) not in found, (cwd, found)
