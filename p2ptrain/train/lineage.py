@@ -351,10 +351,11 @@ class Lineage:
         """After a skip of step t: adopt a newer state within `retry_wait` (long enough for
         the step's other groups to commit and publish; a retry has its own round ids, T7, so
         nothing of this try can be taken for it). Rule T8: the wait ends early when a member
-        of the roster we failed with posts a ready record for t at our next try or later: it
-        is retrying now, and we join it rather than come `retry_wait` after our own skip
-        (retries that never meet: simulator seed 100182, PROTOCOL.md)."""
-        failed_with = set(self.sightings.closed.get(t, {})) - {self.me}
+        of the roster we failed with posts a ready record for t at our next try or later, or
+        at a later try than our election closed with: it is retrying now, and we retry at
+        once rather than `retry_wait` after our own skip (retries that never meet: simulator
+        seed 100182; a member that joined the try we had just failed: T8b, PROTOCOL.md)."""
+        failed_with = {p: n for p, n in self.sightings.closed.get(t, {}).items() if p != self.me}  # peer -> its try
         next_try = self._tries.get(t, 0)
         async with trio.open_nursery() as nursery:
             async def wait_for_state():
@@ -365,7 +366,7 @@ class Lineage:
                 while True:
                     await trio.sleep(1.0)
                     recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window)
-                    if any(r.peer in failed_with and r.tries >= next_try for r in recs):
+                    if any(r.peer in failed_with and min(failed_with[r.peer] + 1, next_try) <= r.tries for r in recs):
                         self.events.emit("retry_joined", step=t, try_number=next_try)
                         nursery.cancel_scope.cancel()
                         return
