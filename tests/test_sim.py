@@ -512,12 +512,22 @@ def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
     then took the retry's trained record for "a round under way" and joined step 8 ahead,
     waiting for a state only that retry could make; the retry, whose roster named it, waited
     80 s for its confirmation (seed 127353: nothing committed from 85 s to 361 s, final step
-    11, no invariant flagged). A joiner that already took part in a step's election now
-    retries the step: committed at 294 s, final step 16."""
+    11, no invariant flagged). A joiner that joined a retry by T8 now takes part in it:
+    final step 16."""
     rep = world.run(scenarios.random_world(127353, 4), 127353)
     committed, started = rep.after_faults
     assert not rep.violations and started >= 5 and committed == started, rep
     assert min(rep.final_steps.values()) >= 14, rep.final_steps
+
+
+def test_joiners_whose_retry_wait_ran_out_join_ahead_of_a_step_the_run_passed():
+    """T10 as first built (every joiner that had skipped a step retried it instead of joining
+    ahead): two joiners that retried step 2 inside a partition, while the other side
+    committed step 3, committed a round of zeros at step 2 together (a state nobody trained)
+    and the run merged back only later (seed 127208: final step 5 against 7). Only a joiner
+    that joined a retry by T8 stays for it."""
+    rep = world.run(scenarios.random_world(127208, 4), 127208)
+    assert not rep.violations and min(rep.final_steps.values()) >= 7, (rep.violations, rep.final_steps)
 
 
 def test_a_peer_restarted_mid_round_rejoins_the_steps_next_try_not_the_step_after():
