@@ -103,12 +103,6 @@ def test_newcomer_joins_from_peers_chunks_and_matches_the_group(procs, run, repo
     assert before[0] < fetched["t"]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 31, open: failed 2 of 3 runs in the session of 2026-11-29 afternoon: after the restart, a "
-    "survivor's catch-up chose a checkpoint whose only provider had just left (no provider served its "
-    "chunk manifest) and the pair fell out of step through join-ahead and retry_wait; not diagnosed "
-    "further. (1 of 5 runs the next session failed otherwise: the restart raced the killed process's "
-    "exit for the workdir lock; fixed, `procs.NodeProcess.kill` waits for the reap.)"))
 def test_sigkill_during_checkpoint_write_resumes_from_last_complete(procs, run):
     boot, baddr = start_bootstrap(procs)
     # p2 stalls halfway through writing its step-2 checkpoint (a fake writer), and is killed there.

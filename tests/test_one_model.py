@@ -50,14 +50,6 @@ def _agree_after(ids: list[str], s: int, keep: int = KEEP):
     return check
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 31/32: failed in most runs this session until rule W1: the first joiner's first trained "
-    "contribution (a fresh AdamW: ~sign(g) x lr per parameter) was over 3x the lone veteran's anchor "
-    "(C1a), the pair left each other out, both skipped and waited retry_wait. After W1 it still failed "
-    "(CI stop 42, two full suites on 2026-11-29): the joiner asked whether anyone trains the next step "
-    "before the veteran's records were out, trained, and every retry of that delta failed the bound. "
-    "W1 now counts the last roster (tests/test_warmup.py); passed in the two runs since; kept "
-    "non-strict until full-suite runs show it holds"))
 def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
     """One peer starts the run alone (`--manifest`, no --min-peers) and trains; three join by
     `--run <id>` over the next minute. Within WITHIN outer steps after the last joiner's
@@ -96,11 +88,11 @@ def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 31: failed 2 of 4 loaded runs in an earlier session. The peer Ctrl-C'd mid-round held the "
-    "pair's tie-break, so the survivor cannot commit alone (Q1), skips, and waited retry_wait (120 s: "
-    "a retry reused round ids); the restarted peer, seeing the survivor's stale ready record, joined "
-    "ahead of a round nobody ran. Per-try round ids (T7: retry_wait 60 s) and a retry that is a new "
-    "election (T6) are in since; kept non-strict until full-suite runs show it holds"))
+    "issue 31: passed in every full suite since T6-T8 and J2 and in 7 of 8 loaded runs on 2026-12-07; "
+    "the eighth: the restarted peer rejoined step 3 at try 1 (J2) while the survivor still waited out "
+    "try 0, each gave up within 1.5 s of the other, the survivor joined try 1 and the restarted peer, "
+    "waiting for try 2 (T8), sat out retry_wait (PROTOCOL Part 3, 'Retries that miss each other by a "
+    "try number': a fix tried that day leapfrogged tries in the simulator and was taken out)"))
 def test_peer_restarted_with_ctrl_c_rejoins_within_three_steps(procs, tmp_path):
     """Two peers train together (`--min-peers 2`, as issue 31 item 2 ran them); one is stopped
     with SIGINT (Ctrl-C) once both committed step 2, and started again with the same command
