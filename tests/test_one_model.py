@@ -88,8 +88,8 @@ def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 31: passed in every full suite since T6-T8 and J2 and in 7 of 8 loaded runs on 2026-12-07; "
-    "the eighth: the restarted peer rejoined step 3 at try 1 (J2) while the survivor still waited out "
+    "issue 31: passed in every full suite since T6-T8 and J2 and in 11 of 12 loaded runs on 2026-12-07; "
+    "the other: the restarted peer rejoined step 3 at try 1 (J2) while the survivor still waited out "
     "try 0, each gave up within 1.5 s of the other, the survivor joined try 1 and the restarted peer, "
     "waiting for try 2 (T8), sat out retry_wait (PROTOCOL Part 3, 'Retries that miss each other by a "
     "try number': a fix tried that day leapfrogged tries in the simulator and was taken out)"))
