@@ -353,26 +353,27 @@ class Lineage:
         is retrying now, and we join it (True) rather than come `retry_wait` after our own
         skip (retries that never meet: simulator seed 100182, PROTOCOL.md)."""
         failed_with = set(self.sightings.closed.get(t, {})) - {self.me}
-        next_try, joined = self._tries.get(t, 0), []
+        next_try, joined = self._tries.get(t, 0), False
         async with trio.open_nursery() as nursery:
             async def wait_for_state():
                 await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
                 nursery.cancel_scope.cancel()
 
             async def join_retry():  # polled once a second: one read of our cell of step t
+                nonlocal joined
                 while True:
                     await trio.sleep(1.0)
                     recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window)
                     if any(r.peer in failed_with and r.tries >= next_try for r in recs):
                         self.events.emit("retry_joined", step=t, try_number=next_try)
-                        joined.append(t)
+                        joined = True
                         nursery.cancel_scope.cancel()
                         return
 
             nursery.start_soon(wait_for_state)
             if failed_with:
                 nursery.start_soon(join_retry)
-        return bool(joined)
+        return joined
 
     async def own(self) -> bytes:
         return await trio.to_thread.run_sync(self.local.state_bytes)
