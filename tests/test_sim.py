@@ -506,14 +506,17 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
-def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
-    """Rule T10: after a 112 s partition and a restart, a joiner of step 7 (restarted, J2)
-    skipped it, saw a member of its failed roster retry the step (T8) and joined that retry,
-    then took the retry's trained record for "a round under way" and joined step 8 ahead,
-    waiting for a state only that retry could make; the retry, whose roster named it, waited
-    80 s for its confirmation (seed 127353: nothing committed from 85 s to 361 s, final step
-    11, no invariant flagged). A joiner that joined a retry by T8 now takes part in it:
-    final step 16."""
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 31, open: a restarted joiner joined a retry by T8, then joined the step after it ahead; rule T10 "
+    "(stay for the retry) fixed this world but gave a 64-peer world a convergence violation (seed 82003) and "
+    "was taken out: PROTOCOL Part 3"))
+def test_a_joiner_that_joined_a_retry_takes_part_in_it():
+    """After a 112 s partition and a restart, a joiner of step 7 (restarted, J2) skipped it,
+    saw a member of its failed roster retry the step (T8) and joined that retry, then took
+    the retry's trained record for "a round under way" and joined step 8 ahead, waiting for a
+    state only that retry could make; the retry, whose roster named it, waited 80 s for its
+    confirmation (seed 127353: nothing committed from 85 s to 361 s, final step 11, no
+    invariant flagged). With rule T10 (tried 2026-12-07): final step 16."""
     rep = world.run(scenarios.random_world(127353, 4), 127353)
     committed, started = rep.after_faults
     assert not rep.violations and started >= 5 and committed == started, rep
@@ -521,11 +524,11 @@ def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
 
 
 def test_joiners_whose_retry_wait_ran_out_join_ahead_of_a_step_the_run_passed():
-    """T10 as first built (every joiner that had skipped a step retried it instead of joining
-    ahead): two joiners that retried step 2 inside a partition, while the other side
-    committed step 3, committed a round of zeros at step 2 together (a state nobody trained)
-    and the run merged back only later (seed 127208: final step 5 against 7). Only a joiner
-    that joined a retry by T8 stays for it."""
+    """Joiners whose `retry_wait` ran out inside a partition join the next step ahead and
+    catch up to the state the other side made. A rule tried on 2026-12-07 (T10 as first
+    built: every joiner that had skipped a step retried it instead) made two such joiners
+    retry step 2 together and commit a round of zeros at a step the run had passed (a state
+    nobody trained), and the run merged back only later (seed 127208: final step 5 against 7)."""
     rep = world.run(scenarios.random_world(127208, 4), 127208)
     assert not rep.violations and min(rep.final_steps.values()) >= 7, (rep.violations, rep.final_steps)
 
