@@ -31,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from p2ptrain import checkout_off_sys_path
+
 # Read at interpreter start or at import by the preloaded modules: a child that needs its own
 # value of one of these is exec'd as usual.
 IMPORT_TIME_ENV = ("PYTHON", "P2PTRAIN_KERNELS", "P2PTRAIN_ROUND_TRACE", "P2PTRAIN_HOME", "NUMBA_", "OMP_", "MKL_", "TORCH_", "CUDA_", "LD_")
@@ -205,9 +207,7 @@ def _child(req: dict, fds: list[int]) -> None:
         for p in reversed([p for p in req["env"].get("PYTHONPATH", "").split(os.pathsep) if p]):
             if p not in sys.path:
                 sys.path.insert(0, p)
-        import p2ptrain
-
-        p2ptrain.checkout_off_sys_path()  # the entries above may name it again
+        checkout_off_sys_path()  # the entries above may name it again
         import random
 
         import numpy as np
