@@ -76,6 +76,36 @@ def test_the_invariants_catch_a_fork_and_a_lone_lineage():
     assert m.counts()["convergence"] == 1
 
 
+def test_mixed_lineages_are_judged_from_each_pair_s_newer_head_not_the_run_s_newest_step():
+    """Above G, convergence is mixing: every two live heads share an ancestor at most K
+    steps older than the newer of the two. Judged from the run's newest step instead, two
+    peers at step 13 whose lineages met at step 10 were a violation the moment one group
+    elsewhere committed step 14 (simulator seed 82003, rule T10's code: 7 ms before the
+    world's end). Heads that share nothing within K of their own steps are still flagged."""
+    from p2ptrain.sim.invariants import Monitor, WorldView
+
+    def world(x2_parents: tuple[str, ...], y2_parents: tuple[str, ...]) -> Monitor:
+        m = Monitor(WorldView(set("abcdef"), lambda p: True, lambda x, y: True), converge_within=2, group_size=2)
+        for p in "abcdef":
+            m.on_event(0.0, p, "run_joined", {"step": 0})
+        commits = [(1, "p1", "ab", ()), (1, "q1", "cd", ()), (1, "r1", "ef", ()),
+                   (2, "x2", "ac", x2_parents), (2, "y2", "be", y2_parents), (2, "z2", "df", ("q1", "r1")),
+                   (3, "x3", "ac", ("x2",)), (3, "y3", "be", ("y2",)), (3, "z3", "df", ("z2",)),
+                   (4, "w4", "df", ("z3", "x3", "y3"))]  # one group one step ahead
+        for step, h, members, parents in commits:
+            for p in members:
+                m.on_event(float(step), p, "outer_step_committed", {"step": step, "params_sha256": h, "loss": 1.0,
+                                                                    "members": list(members), "parents": list(parents)})
+        return m
+
+    met = world(("p1", "q1"), ("p1", "r1"))  # x3 and y3 met at step 1: K = 2 below their own step 3
+    met.finish(5.0, faults=False)
+    assert met.violations == []
+    apart = world(("q1",), ("r1",))  # x3 and y3 share nothing since step 0
+    apart.finish(5.0, faults=False)
+    assert apart.counts()["convergence"] == 1
+
+
 def test_the_monitor_counts_only_honest_verdicts_against_honest_peers():
     """Issue 32's `honest_wrongly_excluded`, per world: a strike or a rejection an honest peer
     gives an honest one is counted (with who, whom and why); one it gives an adversary, or
@@ -506,17 +536,14 @@ def test_retries_of_a_step_meet_at_the_first_one():
     assert not rep.violations and rep.commit_fraction >= 0.9 and min(rep.final_steps.values()) >= 3, rep
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 31, open: a restarted joiner joined a retry by T8, then joined the step after it ahead; rule T10 "
-    "(stay for the retry) fixed this world but gave a 64-peer world a convergence violation (seed 82003) and "
-    "was taken out: PROTOCOL Part 3"))
-def test_a_joiner_that_joined_a_retry_takes_part_in_it():
-    """After a 112 s partition and a restart, a joiner of step 7 (restarted, J2) skipped it,
-    saw a member of its failed roster retry the step (T8) and joined that retry, then took
-    the retry's trained record for "a round under way" and joined step 8 ahead, waiting for a
-    state only that retry could make; the retry, whose roster named it, waited 80 s for its
-    confirmation (seed 127353: nothing committed from 85 s to 361 s, final step 11, no
-    invariant flagged). With rule T10 (tried 2026-12-07): final step 16."""
+def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
+    """Rule T10: after a 112 s partition and a restart, a joiner of step 7 (restarted, J2)
+    skipped it, saw a member of its failed roster retry the step (T8) and joined that retry,
+    then took the retry's trained record for "a round under way" and joined step 8 ahead,
+    waiting for a state only that retry could make; the retry, whose roster named it, waited
+    80 s for its confirmation (seed 127353: nothing committed from 85 s to 361 s, final step
+    11, no invariant flagged). A joiner that joined a retry by T8 now takes part in it:
+    final step 16."""
     rep = world.run(scenarios.random_world(127353, 4), 127353)
     committed, started = rep.after_faults
     assert not rep.violations and started >= 5 and committed == started, rep
@@ -524,11 +551,11 @@ def test_a_joiner_that_joined_a_retry_takes_part_in_it():
 
 
 def test_joiners_whose_retry_wait_ran_out_join_ahead_of_a_step_the_run_passed():
-    """Joiners whose `retry_wait` ran out inside a partition join the next step ahead and
-    catch up to the state the other side made. A rule tried on 2026-12-07 (T10 as first
-    built: every joiner that had skipped a step retried it instead) made two such joiners
-    retry step 2 together and commit a round of zeros at a step the run had passed (a state
-    nobody trained), and the run merged back only later (seed 127208: final step 5 against 7)."""
+    """T10 as first built (every joiner that had skipped a step retried it instead of joining
+    ahead): two joiners that retried step 2 inside a partition, while the other side
+    committed step 3, committed a round of zeros at step 2 together (a state nobody trained)
+    and the run merged back only later (seed 127208: final step 5 against 7). Only a joiner
+    that joined a retry by T8 stays for it."""
     rep = world.run(scenarios.random_world(127208, 4), 127208)
     assert not rep.violations and min(rep.final_steps.values()) >= 7, (rep.violations, rep.final_steps)
 

@@ -257,11 +257,23 @@ class Monitor:
         return seen
 
     def mixed(self, live: list[str]) -> bool:
-        """Every two of `live` hold states with a common ancestor at most K steps old."""
-        top = max(self.latest[p] for p in live)
-        floor = top - self.converge_within
-        anc = [self.ancestors(h, floor) for h in {self.history.get(p, {}).get(self.latest[p]) for p in live} - {None}]
-        return all(a & b for i, a in enumerate(anc) for b in anc[i + 1:])
+        """Every two of `live` hold states with a common ancestor at most K steps older than
+        the newer of the two. (K below the run's newest step instead held two peers of step
+        13 to step 11 the moment one group elsewhere committed step 14: simulator seed 82003
+        with rule T10, whose two step-13 heads met at step 10; PROTOCOL Part 2.) A peer more
+        than K steps behind the newest is flagged on its own (`finish`)."""
+        heads = sorted({(self.latest[p], h) for p in live
+                        if (h := self.history.get(p, {}).get(self.latest[p])) is not None})
+        k = self.converge_within
+        memo: dict[tuple[str, int], set[str]] = {}
+
+        def anc(h: str, floor: int) -> set[str]:
+            if (h, floor) not in memo:
+                memo[h, floor] = self.ancestors(h, floor)
+            return memo[h, floor]
+
+        return all(anc(a, max(sa, sb) - k) & anc(b, max(sa, sb) - k)
+                   for i, (sa, a) in enumerate(heads) for sb, b in heads[i + 1:])
 
     def converged(self, live: list[str]) -> bool:
         """One model now: one state (N <= G), or mixed lineages (N > G)."""

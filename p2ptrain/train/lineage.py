@@ -42,8 +42,7 @@ class Lineage:
     """Mixed into `Trainer` (it reads the trainer's node, DHT, spec, ledger, model side and
     round, and sets its `weight` and `last_roster`)."""
 
-    fetch_timeout: float = CATCH_UP_WAIT
-    """A catch-up's default time limit (the trainer sizes it: `roundparts.transfer_budget`)."""
+    fetch_timeout: float = CATCH_UP_WAIT  # a catch-up's default limit (sized: `roundparts.transfer_budget`)
 
     async def wait_for_peers(self) -> None:
         with trio.move_on_after(self.config.start_timeout):
@@ -250,10 +249,9 @@ class Lineage:
         within seconds (it adopts our state); so we re-check for up to `retry_wait` (what a
         skip would wait anyway) rather than skip at once, and stop early when another peer
         posted a *trained* record for step t (a lineage of its own at this step: we skip and
-        meet it) or a state past t appears (someone committed t: we adopt it). Before, the
-        skip waited `retry_wait` for a commit while the restarted peer, now our follower,
-        waited for ours (and a join window of patience was 50 ms short once, on a loaded CI
-        machine)."""
+        meet it) or a state past t appears (someone committed t: we adopt it). Before, the skip
+        waited `retry_wait` for a commit while the restarted peer, now our follower, waited for
+        ours (a join window of patience was 50 ms short once, on a loaded CI machine)."""
         give_up = trio.current_time() + self.spec.timeouts.retry_wait
         while await self._others_near(t, base):
             recs, _ = await self._current_ready(t)
@@ -347,32 +345,35 @@ class Lineage:
             self.last_roster = set()
             await self.publish_state(params=sha)
 
-    async def wait_for_retry(self, t: int) -> None:
+    async def wait_for_retry(self, t: int) -> bool:
         """After a skip of step t: adopt a newer state within `retry_wait` (long enough for
         the step's other groups to commit and publish; a retry has its own round ids, T7, so
         nothing of this try can be taken for it). Rule T8: the wait ends early when a member
         of the roster we failed with posts a ready record for t at our next try or later: it
-        is retrying now, and we join it rather than come `retry_wait` after our own skip
-        (retries that never meet: simulator seed 100182, PROTOCOL.md)."""
+        is retrying now, and we join it (True) rather than come `retry_wait` after our own
+        skip (retries that never meet: simulator seed 100182, PROTOCOL.md)."""
         failed_with = set(self.sightings.closed.get(t, {})) - {self.me}
-        next_try = self._tries.get(t, 0)
+        next_try, joined = self._tries.get(t, 0), False
         async with trio.open_nursery() as nursery:
             async def wait_for_state():
                 await self.catch_up(t + 1, timeout=self.spec.timeouts.retry_wait)
                 nursery.cancel_scope.cancel()
 
             async def join_retry():  # polled once a second: one read of our cell of step t
+                nonlocal joined
                 while True:
                     await trio.sleep(1.0)
                     recs = await elect.read_ready(self.dht, self.run_id, t, self.elect_cfg.window)
                     if any(r.peer in failed_with and r.tries >= next_try for r in recs):
                         self.events.emit("retry_joined", step=t, try_number=next_try)
+                        joined = True
                         nursery.cancel_scope.cancel()
                         return
 
             nursery.start_soon(wait_for_state)
             if failed_with:
                 nursery.start_soon(join_retry)
+        return joined
 
     async def own(self) -> bytes:
         return await trio.to_thread.run_sync(self.local.state_bytes)

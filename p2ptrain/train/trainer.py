@@ -111,6 +111,7 @@ class Trainer(Lineage):
         self._expect: dict[int, set[str]] = {}  # step -> peers its election expects (E2), live
         self._warmed = False  # our first trained phase was decided (`warms_up`)
         self._untrained: int | None = None  # E19: a step we joined and nobody trained
+        self._rejoined: int | None = None  # T10: a step whose retry we joined (T8) after our skip
         self._tries: dict[int, int] = {}  # step -> the try we post for it (T7: its round tag)
         self.ckpt_server = CheckpointServer(blobs, blobs.config.chunk_kib << 10)
         # Evaluation and the state record of a committed step run beside the next inner phase and round
@@ -160,7 +161,7 @@ class Trainer(Lineage):
         else:
             if (moved := await self.fell_behind(t)) is not None:  # rule H3: our lineage cannot merge
                 joining, t = moved, self.local.step
-            if joining and await self._round_underway(t):
+            if joining and self._rejoined != t and await self._round_underway(t):  # T10: we joined its retry
                 await self._join_ahead()
                 t = self.local.step
             elif joining and (self._untrained == t or not await self.someone_trains(t)):
@@ -354,7 +355,7 @@ class Trainer(Lineage):
         if not moved:
             await self._wait_reported()  # a catch-up replaces the state the last report reads
             if not nobody:  # (a `retry_wait` would wait for nobody)
-                await self.wait_for_retry(t)
+                self._rejoined = t if await self.wait_for_retry(t) else None
         return True
 
     async def _drop_refused(self, group: list[str], retry: bool) -> list[str]:
