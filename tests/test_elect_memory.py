@@ -529,6 +529,30 @@ async def test_a_peer_that_jumps_ahead_is_past_the_step_it_left_in_that_step_s_c
 
 
 @trio_test()
+async def test_members_at_a_later_try_or_past_the_step_are_away_from_our_try():
+    """Rules E13 and T11, as a round's confirmation asks them (`elect.away`): at our try of
+    step 2 with round tag 1, b posted try 2 (its try 1 ended uncommitted, or it restarted:
+    it never confirms ours), c is past the step, d posted try 1 (ours: awaited). T11 applies
+    only while we await every other member: then nobody waits on without us. Before T11
+    a member that had moved to a later try was awaited for the whole first confirmation
+    (the real Ctrl-C restart test: the survivor waited at try 0 for the restart, which
+    waited at try 1 for it)."""
+    shared: dict = {}
+    a, b, c, d = (_Board(shared, Identity.from_seed(bytes([i + 1]) * 32)) for i in range(4))
+    await elect.publish_ready(b, RUN, 2, [], False, CFG.window, tries=2)
+    await elect.publish_ready(d, RUN, 2, [], False, CFG.window, tries=1)
+    await elect.publish_state(c, RUN, records.State(3, "p" * 64, "c" * 64), CFG.window)
+    everyone = {me(b), me(c), me(d)}
+    assert await elect.away(a, RUN, 2, 0, everyone, 1, everyone) == {me(c)}  # d may come: wait with it
+    assert await elect.away(a, RUN, 2, 0, {me(b), me(c)}, 1, {me(b), me(c)}) == {me(b), me(c)}
+    assert await elect.away(a, RUN, 2, 0, {me(b), me(c)}, 2, {me(b), me(c)}) == {me(c)}  # b's try is ours
+    # d confirmed and still waits for b: we wait with it (stopping alone sent a member on to
+    # its next attempt alone while the others still waited: seed 105209)
+    assert await elect.away(a, RUN, 2, 0, {me(b)}, 1, {me(b), me(d)}) == set()
+    assert await elect.away(a, RUN, 2, 0, set(), 1, everyone) == set()
+
+
+@trio_test()
 async def test_a_reader_of_a_sparse_child_cell_reads_its_full_parent_once_a_step():
     """A reader whose level-2 cell holds few records yet (early in a step) checks whether
     its parent is still full (a run that shrank moves back up); a step's records only

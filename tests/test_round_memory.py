@@ -738,19 +738,19 @@ def test_a_member_past_the_step_is_not_waited_for_at_the_confirmation():
     gone = rounds.pop().me
     asked = []
 
-    async def past(t, peers):
-        asked.append((t, frozenset(peers)))
+    async def away(t, peers, tag, others):
+        asked.append((t, frozenset(peers), tag))
         return {gone} & set(peers)
 
     for r in rounds:
-        r.past = past
+        r.away = away
     ds = deltas(2)
     group = election.ring_order(RUN, 1, [*(r.me for r in rounds), gone])
     outs, took = _timed_rounds(rounds, ds, group, first_wait=60.0)
     for o in outs:
         assert gone not in o.members and np.allclose(o.result, np.mean(ds, axis=0), atol=1e-6)
     assert max(took) < 5.0, took  # the next probe second, not the 60 s wait
-    assert asked and all(t == 1 and peers == {gone} for t, peers in asked)
+    assert asked and all(t == 1 and peers == {gone} and tag == 0 for t, peers, tag in asked)
 
 
 def test_a_member_that_went_on_alone_rejects_nobody_for_missing_headers():

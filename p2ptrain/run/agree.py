@@ -52,9 +52,10 @@ class Agreement:
         # Answering strangers: a member whose roster lists us while ours lacks it hears our
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
         # Rule E13: a member whose state moved past the step never comes (a retry's first
-        # confirmation otherwise waits up to `early_ttl` for it: simulator seeds 320, 30005)
-        past = self.past
-        absent = {} if past is None else {"absent": lambda peers: past(t, peers)}
+        # confirmation otherwise waits up to `early_ttl` for it: simulator seeds 320, 30005);
+        # T11: nor one that posted a later try of it (it left ours)
+        away, tag, others = self.away, attempt // election.ATTEMPTS_PER_TRY, set(roster) - {self.me}
+        absent = {} if away is None else {"absent": lambda peers: away(t, peers, tag, others)}
         if short is not None:
             absent["cut"] = short
         if attempt % election.ATTEMPTS_PER_TRY:

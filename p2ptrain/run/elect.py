@@ -179,6 +179,26 @@ async def past_step(dht, run_id: str, step: int, level: int, peers: set[str]) ->
     return {p for p in peers if p in sts and sts[p].step > step}
 
 
+async def away(dht, run_id: str, step: int, level: int, peers: set[str], tag: int,
+               others: set[str] | None = None) -> set[str]:
+    """Those of `peers` (the members we still await) that never come to our try of `step`,
+    whose round tag is `tag`: past the step (E13, `past_step`), or, when `peers` are all the
+    `others` of our roster, each past the step or with a ready record in our cell at a later
+    try (rule T11: a member posts try k + 1 only once its try k ended uncommitted, or as a
+    restart, J2; since T7 no message of ours can pass for its try's, so we wait for nobody).
+    T11 only when nobody else is waiting with us: a member that stopped waiting for one that
+    others still awaited went on to the next attempt alone (seed 105209). Each is the
+    member's own claim: a liar only leaves itself out."""
+    if not peers:
+        return set()
+    gone = await past_step(dht, run_id, step, level, peers)
+    if others is None or peers != others or not peers - gone:
+        return gone
+    cell = election.cell(run_id, step, dht.identity.peer_id_str, level)
+    later = {r.peer for r, _ in await RunRecords(dht, run_id).read_ready(step, level, cell) if r.tries > tag}
+    return peers if peers <= gone | later else gone
+
+
 async def read_ready(dht, run_id: str, step: int, window: float,
                      sightings: election.Sightings | None = None) -> list[election.Ready]:
     """The step's ready records in our cell (the finest level whose cell is not full:

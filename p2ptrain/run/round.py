@@ -50,7 +50,7 @@ class ContributionRound(Agreement):
                  contributor: Contributor | None = None, sparse=None, bases: BaseSource | None = None,
                  group_size: int = 4, merge_timeout: float = 60.0, scorer=None,
                  gate: lossgate.GateConfig | None = None, evidence: evid.Evidence | None = None,
-                 past=None) -> None:
+                 away=None) -> None:
         self.run_id = run_id
         self.identity = identity
         self.me = identity.peer_id_str
@@ -67,9 +67,11 @@ class ContributionRound(Agreement):
         self.group_size, self.merge_timeout = group_size, merge_timeout
         self.scorer, self.gate = scorer, gate or lossgate.GateConfig()
         """Rule L1 (`p2ptrain.run.lossgate`): `scorer(avg, seed) -> (before, after)`; None: no gate."""
-        self.past = past
-        """Rule E13: `past(t, peers)` -> those of `peers` known past step t (their state records),
-        not waited for at a roster confirmation; None: every member is waited for."""
+        self.away = away
+        """Rules E13, T11: `away(t, peers, tag, others)` -> those of `peers` known never to come
+        to our try of step t with round tag `tag` (past the step, or, while we await all
+        `others` of the roster, posting a later try), not waited for at a roster confirmation;
+        None: every member is waited for."""
         self._refused = False
         self.evidence_wanted = False  # some member's confirmation said it gates (L2)
         self.evidence = evidence

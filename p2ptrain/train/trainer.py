@@ -100,7 +100,7 @@ class Trainer(Lineage):
             self.ledger, contributor, sparse, bases=self, group_size=spec.train.group_size, merge_timeout=merging,
             scorer=scorer if robust is None else None,
             evidence=BlobEvidence(blobs) if robust is None and sparse is None else None,
-            past=lambda t, peers: elect.past_step(self.dht, run_id, t, self.sightings.level(t), peers))
+            away=lambda t, *peers_tag_others: elect.away(self.dht, run_id, t, self.sightings.level(t), *peers_tag_others))
         self.elect_cfg = elect.ElectConfig(spec.timeouts.join_window, spec.train.group_size)
         self.sightings, self.committed = election.Sightings(), 0  # Sightings: first sight of each ready record
         self.weight = 0 if local.step == 0 else 1  # in merges (run.merge): its round's trainers; adopted 1
