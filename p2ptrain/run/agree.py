@@ -53,9 +53,13 @@ class Agreement:
         # confirmation at once, instead of waiting out the timeout for us (`reduce.exchange`).
         # Rule E13: a member whose state moved past the step never comes (a retry's first
         # confirmation otherwise waits up to `early_ttl` for it: simulator seeds 320, 30005);
-        # T11: nor one that posted a later try of it (it left ours)
+        # T11: nor, once we waited an exchange timeout for every other member, one that posted
+        # a later try of it (it left ours; asked no sooner, so a wait honest members end at
+        # once costs no extra read)
         away, tag, others = self.away, attempt // election.ATTEMPTS_PER_TRY, set(roster) - {self.me}
-        absent = {} if away is None else {"absent": lambda peers: away(t, peers, tag, others)}
+        later_from = trio.current_time() + self.config.exchange_timeout
+        absent = {} if away is None else {"absent": lambda peers: away(
+            t, peers, tag, others if trio.current_time() >= later_from else None)}
         if short is not None:
             absent["cut"] = short
         if attempt % election.ATTEMPTS_PER_TRY:
