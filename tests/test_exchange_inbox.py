@@ -192,6 +192,49 @@ def test_a_member_our_message_did_not_reach_is_sent_it_again_until_it_answers():
     assert got == {A: b"from a"} and took == 60.0 and tries == []
 
 
+def test_our_message_goes_again_to_a_member_whose_own_came_in_first():
+    """Rule R7c: B's payload reaches us as a partition heals, while ours to B had failed.
+    Ours went again only while B was awaited, so once B's came in nobody sent ours again,
+    and B waited out its whole confirmation for it (simulator seed 127353: two of three
+    members each lacked one confirmation for 60 s, then the step was skipped). Now it goes
+    again each probe second until it reaches B, and once more as we leave."""
+
+    def run(a_at: float, b_at: float):
+        inbox = Inbox(known=lambda p: True)
+        reached_b: list[float] = []
+
+        async def main():
+            t0 = trio.current_time()
+
+            async def send():
+                return {B}  # our stream to B did not open: B is across a partition
+
+            async def resend(targets):
+                if trio.current_time() - t0 < 2.5:  # healed at 2.5 s
+                    return set(targets)
+                reached_b.extend(trio.current_time() - t0 for p in targets if p == B)
+                return set()
+
+            async def later(who, at):
+                await trio.sleep(at)
+                inbox.put(who, b"tag", b"from " + who)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(later, A, a_at)
+                nursery.start_soon(later, B, b_at)
+                got = await inbox.collect(b"tag", [ME, A, B], ME, 60.0, send, resend=resend)
+            return got, trio.current_time() - t0
+
+        return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)), reached_b
+
+    # B's came in at 1.5 s, A's at 5 s: ours reaches B at the probe after the heal
+    (got, took), reached = run(5.0, 1.5)
+    assert got == {A: b"from a", B: b"from b"} and took == 5.0 and reached == [3.0], (took, reached)
+    # B's came in last, at 2.7 s, after the heal and before the next probe: once more as we leave
+    (got, took), reached = run(0.5, 2.7)
+    assert got == {A: b"from a", B: b"from b"} and took == 2.7 and reached == [2.7], (took, reached)
+
+
 def test_a_long_wait_keeps_what_it_sent_early_fresh_at_members_that_have_not_begun():
     """Rule R7b. A member R4's probe left out goes straight to the next confirmation and
     waits there as long as the attempt it sat out may run (R4a); the others come when that

@@ -92,7 +92,8 @@ def test_peers_joining_a_lone_run_by_id_end_on_one_lineage(procs, tmp_path):
     "the other: the restarted peer rejoined step 3 at try 1 (J2) while the survivor still waited out "
     "try 0, each gave up within 1.5 s of the other, the survivor joined try 1 and the restarted peer, "
     "waiting for try 2 (T8), sat out retry_wait (PROTOCOL Part 3, 'Retries that miss each other by a "
-    "try number': a fix tried that day leapfrogged tries in the simulator and was taken out)"))
+    "try number'). Rule T11 (2026-12-08) ends the survivor's wait at try 0 once the restart posts try 1; "
+    "too few loaded runs since to call the race gone"))
 def test_peer_restarted_with_ctrl_c_rejoins_within_three_steps(procs, tmp_path):
     """Two peers train together (`--min-peers 2`, as issue 31 item 2 ran them); one is stopped
     with SIGINT (Ctrl-C) once both committed step 2, and started again with the same command

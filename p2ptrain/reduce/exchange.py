@@ -143,8 +143,9 @@ class Inbox:
         that will not come (E13), asked every `probe` seconds; what they sent still counts.
         `cut`: once any payload arrived, wait at most `cut` seconds more (R4a); `split`:
         (seconds, test), the same once a payload passing `test` arrived (R6). `resend(ids)`:
-        send again to those `send()` could not reach, every `probe` seconds while they are
-        awaited (R7: a partition that heals during the wait no longer costs all of it), and
+        send again to those `send()` could not reach, every `probe` seconds until it reaches
+        them and once more as we leave (R7, R7c: a partition that heals during the wait no
+        longer costs all of it), and
         to every member still awaited every `early_ttl / 2` (R7b: a member that has not begun
         the exchange keeps what we sent it early only `early_ttl`, and our wait may be longer)."""
         others = frozenset(p for p in ids if p != me)
@@ -182,7 +183,7 @@ class Inbox:
             with trio.move_on_after(timeout) as scope:
                 async with trio.open_nursery() as nursery:
                     if resend is not None and undelivered:
-                        nursery.start_soon(_send_again, resend, undelivered, awaited, probe)
+                        nursery.start_soon(_send_again, resend, undelivered, lambda: unreachable | away, probe)
                     if resend is not None and timeout > self.config.early_ttl / 2:
                         nursery.start_soon(_keep_fresh, resend, awaited, self.config.early_ttl / 2)
                     await drop_gone(set(undelivered))
@@ -198,19 +199,27 @@ class Inbox:
                         if absent is not None and awaited() and trio.current_time() >= ask:
                             away.update(set(await absent(awaited())) & awaited())
                             ask = trio.current_time() + probe
+                    if resend is not None and (late := sorted(undelivered & w.box.keys())):
+                        # R7c: a member whose payload reached us may still lack ours (it
+                        # stopped going when theirs came in): once more before we leave
+                        undelivered.intersection_update(set(await resend(late) or ()))
                     nursery.cancel_scope.cancel()
             return {p: d for p, d in w.box.items() if p not in unreachable}
         finally:
             del self._waiting[tag]
 
 
-async def _send_again(resend, undelivered: set, awaited, probe: float) -> None:
+async def _send_again(resend, undelivered: set, skip, probe: float) -> None:
     """Rule R7: to members our payload did not reach (`undelivered`, updated in place),
-    every `probe` seconds while they are awaited."""
+    every `probe` seconds until it reaches them (R7c: whether or not theirs reached us;
+    sent only while they were awaited, a member whose payload came in first never got ours:
+    simulator seed 127353, a partition healing under a retry's confirmation); never to those
+    `skip()` names (found gone, or away: E13)."""
     while undelivered:
         await trio.sleep(probe)
-        targets = sorted(undelivered & awaited())
-        undelivered.intersection_update(set(await resend(targets) or ()) if targets else set())
+        undelivered -= skip()
+        if undelivered:
+            undelivered.intersection_update(set(await resend(sorted(undelivered)) or ()))
 
 
 async def _keep_fresh(resend, awaited, every: float) -> None:

@@ -170,9 +170,8 @@ class SimReduceService:
             waiting = [p for p in others if hub.arrived(run_id, round_id, self.me, p) is None
                        and not (unreachable_silent and self._gone(p)) and p not in away]
             if waiting and trio.current_time() >= ask:
-                # rule R7: what did not go is sent again while its member is awaited
-                undelivered = {p for p in undelivered if p in waiting
-                               and not hub.post(run_id, round_id, self.me, p, payload)}
+                # rules R7, R7c: what did not go is sent again until it goes
+                undelivered = {p for p in undelivered if not hub.post(run_id, round_id, self.me, p, payload)}
                 if absent is not None:
                     away |= set(await absent(set(waiting)))
                     waiting = [p for p in waiting if p not in away]
@@ -182,6 +181,9 @@ class SimReduceService:
                     hub.post(run_id, round_id, self.me, p, payload)
                 fresh = trio.current_time() + self.config.early_ttl / 2
             if not waiting:
+                for p in undelivered:  # R7c: theirs came in, ours may not have: once more
+                    if hub.arrived(run_id, round_id, self.me, p) is not None:
+                        hub.post(run_id, round_id, self.me, p, payload)
                 break
             await hub.wait(min(deadline, hub.next_arrival(run_id, round_id, self.me), trio.current_time() + 1.0))
         out: dict[str, bytes | None] = {p: hub.arrived(run_id, round_id, self.me, p) for p in others}
