@@ -145,9 +145,9 @@ class Inbox:
         (seconds, test), the same once a payload passing `test` arrived (R6). `resend(ids)`:
         send again to those `send()` could not reach, every `probe` seconds until it reaches
         them and once more as we leave (R7, R7c: a partition that heals during the wait no
-        longer costs all of it), and
-        to every member still awaited every `early_ttl / 2` (R7b: a member that has not begun
-        the exchange keeps what we sent it early only `early_ttl`, and our wait may be longer)."""
+        longer costs all of it), and to every member still awaited every `early_ttl / 2`
+        (R7b: a member that has not begun the exchange keeps what we sent it early only
+        `early_ttl`, and our wait may be longer)."""
         others = frozenset(p for p in ids if p != me)
         if tag in self._waiting:
             raise ValueError("exchange already running")
@@ -200,8 +200,7 @@ class Inbox:
                             away.update(set(await absent(awaited())) & awaited())
                             ask = trio.current_time() + probe
                     if resend is not None and (late := sorted(undelivered & w.box.keys())):
-                        # R7c: a member whose payload reached us may still lack ours (it
-                        # stopped going when theirs came in): once more before we leave
+                        # R7c: one whose payload reached us may lack ours: once more as we leave
                         undelivered.intersection_update(set(await resend(late) or ()))
                     nursery.cancel_scope.cancel()
             return {p: d for p, d in w.box.items() if p not in unreachable}
