@@ -129,8 +129,7 @@ class Inbox:
                       unreachable_silent: bool = False, gone=None, probe: float = 1.0,
                       answer: tuple[bytes, Callable[[list[bytes]], Awaitable]] | None = None,
                       absent: Callable[[set[bytes]], Awaitable[set[bytes]]] | None = None,
-                      cut: float | None = None,
-                      split: tuple[float, Callable[[bytes], bool]] | None = None,
+                      cut: float | None = None, split: tuple[float, Callable[[bytes], bool]] | None = None,
                       resend: Callable[[list[bytes]], Awaitable] | None = None) -> dict[bytes, bytes]:
         """Run one exchange: `send()` our payload (it returns those it could not open a stream
         to), then wait until every other member's arrived or `timeout`. Returns member ->
