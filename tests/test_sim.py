@@ -543,7 +543,8 @@ def test_a_joiner_retrying_a_step_joins_its_next_try_not_the_step_after():
     waiting for a state only that retry could make; the retry, whose roster named it, waited
     80 s for its confirmation (seed 127353: nothing committed from 85 s to 361 s, final step
     11, no invariant flagged). A joiner that joined a retry by T8 now takes part in it:
-    final step 16."""
+    final step 16; 21 with R7c too (its retry's confirmation, begun in the partition, no
+    longer loses two members' messages as it heals)."""
     rep = world.run(scenarios.random_world(127353, 4), 127353)
     committed, started = rep.after_faults
     assert not rep.violations and started >= 5 and committed == started, rep
